@@ -1,0 +1,52 @@
+# Two commands on a fresh machine: `make train` and `make test`. Both build .venv first.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+DATA   ?= data/synthetic_small
+PYTEST_ARGS ?=
+
+.PHONY: venv redis-server test test-all data data-tiny bench-quick clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first: its CPU wheel is pinned, so nothing later pulls a CUDA build.
+	$(PIP) install --quiet torch==2.13.0 fbgemm-gpu-cpu==1.8.0
+	# torchrec's metadata asks for the CUDA fbgemm-gpu; its real requirements are in pyproject.
+	$(PIP) install --quiet --no-deps torchrec==1.8.0
+	$(PIP) install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+# redis-server backs the spill tier and the lookup service; tests start their own instances.
+redis-server:
+	@if command -v redis-server >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = "0" ]; then \
+		echo "installing redis-server from the OS packages"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null) \
+		|| { echo "could not install redis-server"; exit 1; }; \
+	else \
+		echo "redis-server is missing; install it with: sudo apt-get install -y redis-server"; exit 1; \
+	fi
+
+test: venv redis-server
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+test-all: venv redis-server
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+data: venv
+	@if [ -f $(DATA)/oracle.json ]; then echo "$(DATA) exists"; \
+	else $(VENV)/bin/recsys gen-synthetic --preset small --out $(DATA); fi
+
+data-tiny: venv
+	$(VENV)/bin/recsys gen-synthetic --preset tiny --out data/synthetic_tiny
+
+bench-quick: venv
+	$(VENV)/bin/recsys bench reader --quick --json bench-out/reader-quick.json
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

@@ -1,0 +1,1 @@
+"""Parquet streaming reader. Import ``recsys.io.reader`` for the reader itself (it imports torch)."""

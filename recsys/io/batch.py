@@ -1,0 +1,54 @@
+"""The batch the reader yields and the trainer consumes.
+
+Shapes (legend: ``B`` rows in the batch, ``N`` dense columns, ``F`` sparse features)::
+
+    Batch
+    ├── dense    float32 [B, N]      transformed dense columns, schema order
+    ├── labels   float32 [B]
+    ├── sparse   KeyedJaggedTensor   keys = F feature names (schema order)
+    │              values  int64 [sum of lengths]   hashed 64-bit keys, feature-major
+    │              lengths int32 [F * B]            bag size per (feature, row)
+    └── extra    {column: Tensor [B]}               passthrough columns (e.g. row_id)
+
+No validation here: it is on the hot path; the reader validates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+@dataclass(slots=True)
+class Batch:
+    """One batch of rows: dense features, labels, hashed sparse ids and passthrough columns."""
+
+    dense: torch.Tensor
+    labels: torch.Tensor
+    sparse: KeyedJaggedTensor
+    extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        """Rows in the batch."""
+        return int(self.labels.shape[0])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
+        """Return the batch moved to ``device``."""
+        return Batch(
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
+            extra={k: v.to(device, non_blocking=non_blocking) for k, v in self.extra.items()},
+        )
+
+    def pin_memory(self) -> "Batch":
+        """Return the batch in pinned host memory (for async copies to a GPU)."""
+        return Batch(
+            dense=self.dense.pin_memory(),
+            labels=self.labels.pin_memory(),
+            sparse=self.sparse.pin_memory(),
+            extra={k: v.pin_memory() for k, v in self.extra.items()},
+        )

@@ -1,0 +1,44 @@
+"""Settings of the Parquet streaming reader (no torch here: the CLI imports it early)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class ReaderConfig:
+    """How a data split is read: where, in what batches, shuffled how, by how many workers."""
+
+    paths: list[str] = field(default_factory=list)
+    """Files, directories or globs; local paths or any pyarrow filesystem URI."""
+    batch_size: int = 4096
+    """Rows per batch (per rank)."""
+    shuffle: bool = True
+    """Shuffle work units (and rows within them) per epoch, by seed."""
+    shuffle_buffer: int = 4
+    """Row groups open at once per worker; rows are drawn at random across them (1 = none)."""
+    seed: int = 0
+    """Seed of every shuffle; epoch e uses (seed, e)."""
+    num_workers: int = 0
+    """Worker processes per rank (0 = read in a background thread of the calling process)."""
+    prefetch: int = 2
+    """Batches read ahead per worker (bounds memory)."""
+    drop_last: bool = False
+    """Drop each worker's final short batch (its rows are then counted as not yet read)."""
+    passthrough: list[str] = field(default_factory=list)
+    """Extra columns carried into batches untouched (e.g. ``row_id``)."""
+    on_bad_file: Literal["error", "skip"] = "error"
+    """On a corrupt, truncated, empty or ill-typed file: stop with an error, or skip it (counted and logged)."""
+    arrow_threads: bool = True
+    """Let Arrow decode columns with its thread pool."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size <= 0:
+            raise ValueError(f"batch_size must be > 0, found {self.batch_size}")
+        if self.shuffle_buffer < 1:
+            raise ValueError(f"shuffle_buffer must be >= 1, found {self.shuffle_buffer}")
+        if self.num_workers < 0:
+            raise ValueError(f"num_workers must be >= 0, found {self.num_workers}")
+        if self.prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1, found {self.prefetch}")

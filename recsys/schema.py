@@ -1,0 +1,141 @@
+"""The feature schema: label, dense columns, sparse features and the tables they look up.
+
+A job file declares it under ``[schema]``::
+
+    [schema]
+    label = "label"
+    dense = ["i1", "i2"]
+
+    [schema.tables.item]          # one embedding table
+    dim = 16
+    capacity = 1_000_000          # rows kept in memory before eviction
+    # num_rows = 1000             # fixed-size table: keys folded to [0, num_rows)
+
+    [[schema.sparse]]             # one sparse feature
+    name = "item"
+    column = "item_id"            # source column in the Parquet files
+    kind = "int64"                # or "string"
+    multi_hot = false             # true: an Arrow list<> column, one bag per row
+    table = "item"                # features may share a table
+
+Features that share a table share its salt, so the same raw id in two features maps to
+the same key (e.g. a clicked-items history and a candidate item). No data is read here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Literal
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+
+
+@dataclass(kw_only=True, slots=True)
+class TableSpec:
+    """One embedding table."""
+
+    dim: int
+    """Embedding width."""
+    capacity: int = 1_000_000
+    """Rows kept in memory (per table, whole job) before least-recently-used eviction."""
+    num_rows: int | None = None
+    """If set, a fixed-size hashed table: keys are folded into ``[0, num_rows)``."""
+
+    def __post_init__(self) -> None:
+        if self.dim <= 0:
+            raise ValueError(f"dim must be > 0, found {self.dim}")
+        if self.capacity <= 0:
+            raise ValueError(f"capacity must be > 0, found {self.capacity}")
+        if self.num_rows is not None and self.num_rows <= 0:
+            raise ValueError(f"num_rows must be > 0 when set, found {self.num_rows}")
+
+
+@dataclass(kw_only=True, slots=True)
+class FeatureSpec:
+    """One sparse feature: a source column hashed into one table."""
+
+    name: str
+    """Feature name (the KeyedJaggedTensor key)."""
+    column: str = ""
+    """Source column; defaults to ``name``."""
+    kind: Literal["int64", "string"] = "int64"
+    """Raw id kind: 64-bit ints or UTF-8 strings."""
+    multi_hot: bool = False
+    """True for an Arrow ``list<>`` column (a bag of ids per row)."""
+    table: str = ""
+    """Table looked up; defaults to ``name``."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """How a bag's embeddings are pooled."""
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(f"feature name {self.name!r} is not a valid identifier")
+        if not self.column:
+            self.column = self.name
+        if not self.table:
+            self.table = self.name
+
+
+@dataclass(kw_only=True, slots=True)
+class Schema:
+    """The feature schema of a data set (see module docstring for the TOML form)."""
+
+    label: str = "label"
+    """Label column (0/1, any numeric type)."""
+    dense: list[str] = field(default_factory=list)
+    """Dense float columns, in model input order."""
+    dense_transform: Literal["none", "signed_log1p"] = "signed_log1p"
+    """Applied to dense values: ``sign(x)·log1p(|x|)`` tames heavy tails."""
+    dense_fill_null: float = 0.0
+    """Value used for a null dense cell (before the transform)."""
+    sparse: list[FeatureSpec] = field(default_factory=list)
+    """Sparse features, in KeyedJaggedTensor key order."""
+    tables: dict[str, TableSpec] = field(default_factory=dict)
+    """Tables by name."""
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.sparse]
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"sparse feature names must be unique, repeated: {dup}")
+        dup = sorted({c for c in self.dense if self.dense.count(c) > 1})
+        if dup:
+            raise ValueError(f"dense columns must be unique, repeated: {dup}")
+        for feat in self.sparse:
+            if feat.table not in self.tables:
+                raise ValueError(
+                    f"sparse feature {feat.name!r} looks up table {feat.table!r}, "
+                    f"which is not declared; declared tables: {sorted(self.tables)}"
+                )
+        unused = sorted(set(self.tables) - {f.table for f in self.sparse})
+        if unused:
+            raise ValueError(f"tables declared but used by no feature: {unused}")
+        if self.label in self.dense or self.label in {f.column for f in self.sparse}:
+            raise ValueError(f"label column {self.label!r} is also used as a feature")
+
+    @property
+    def feature_names(self) -> list[str]:
+        """Sparse feature names in KJT key order."""
+        return [f.name for f in self.sparse]
+
+    def columns(self, passthrough: list[str] = ()) -> list[str]:
+        """Return the columns a reader needs, each once, in a stable order."""
+        out = [self.label, *self.dense, *(f.column for f in self.sparse), *passthrough]
+        return list(dict.fromkeys(out))
+
+    def feature(self, name: str) -> FeatureSpec:
+        """Return the feature called ``name``."""
+        for f in self.sparse:
+            if f.name == name:
+                return f
+        raise KeyError(f"no sparse feature {name!r}; features: {self.feature_names}")
+
+    def features_of_table(self, table: str) -> list[FeatureSpec]:
+        """Return the features that look up ``table``."""
+        return [f for f in self.sparse if f.table == table]
+
+    def replace(self, **changes) -> "Schema":
+        """Return a copy with fields changed (checks run again)."""
+        return dataclasses.replace(self, **changes)
