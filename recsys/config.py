@@ -26,10 +26,12 @@ from typing import Any, Literal, TypeVar, Union
 
 import tomli_w
 
+from recsys.errors import UserError
+
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A job file or override does not fit the config's declared shape."""
 
 

@@ -1,0 +1,82 @@
+"""Benchmarks behind ``recsys bench TARGET``: side by side in one run, reported as ratios.
+
+Every target module has ``measure(quick: bool, data: Path | None) -> dict`` returning at
+least ``comparisons: [{"name", "ours", "baseline", "ratio", "unit"}]`` (ratio = ours /
+baseline, higher is better for ours) plus whatever else is useful. ``run`` adds the
+environment (date, versions, threads, peak RSS), prints the table and writes the JSON.
+No assertions on timings here or anywhere.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import resource
+import sys
+from pathlib import Path
+
+
+def comparison(name: str, ours: float, baseline: float, unit: str, **extra) -> dict:
+    """Return one comparison row; ``ratio`` is ours / baseline."""
+    return {
+        "name": name,
+        "ours": ours,
+        "baseline": baseline,
+        "ratio": ours / baseline if baseline else float("nan"),
+        "unit": unit,
+        **extra,
+    }
+
+
+def peak_rss_mb() -> dict:
+    """Return peak resident memory of this process and of its finished children, in MiB."""
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return {"self": round(own, 1), "children": round(kids, 1)}
+
+
+def environment() -> dict:
+    """Return versions and machine facts that make a figure reproducible."""
+    env = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "command": " ".join(["recsys", *sys.argv[1:]]) if sys.argv else "",
+    }
+    for mod in ("numpy", "pyarrow", "numba", "torch", "torchrec"):
+        if mod in sys.modules:
+            env[mod] = getattr(sys.modules[mod], "__version__", "?")
+    return env
+
+
+def format_table(result: dict) -> str:
+    """Return the comparisons as an aligned text table."""
+    rows = [("comparison", "ours", "baseline", "ratio", "unit")]
+    for c in result["comparisons"]:
+        rows.append((c["name"], f"{c['ours']:.4g}", f"{c['baseline']:.4g}", f"{c['ratio']:.3f}", c["unit"]))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run(target: str, json_out: Path | None = None, quick: bool = False, data: Path | None = None) -> dict:
+    """Run benchmark ``target``, print its table, write ``json_out``; return the result."""
+    module = importlib.import_module(f"recsys.bench.{target}")
+    result = module.measure(quick=quick, data=data)
+    result = {"target": target, "quick": quick, **result}
+    result["peak_rss_mb"] = peak_rss_mb()
+    result["environment"] = environment()
+    print(f"recsys bench {target}{' --quick' if quick else ''}")
+    print(format_table(result))
+    print(f"peak RSS: {result['peak_rss_mb']['self']} MiB (children {result['peak_rss_mb']['children']} MiB)")
+    if json_out is not None:
+        json_out = Path(json_out)
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {json_out}")
+    return result

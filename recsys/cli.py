@@ -1,0 +1,120 @@
+"""The ``recsys`` command. Parses arguments and calls into the library; no business logic.
+
+Heavy modules (torch, torchrec) are imported inside the subcommand that needs them, so
+``recsys --help`` and ``recsys gen-synthetic`` start fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from recsys.config import ConfigError
+from recsys.errors import UserError
+
+BENCH_TARGETS = ("reader", "hashing")
+
+
+def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
+    from recsys import synth
+
+    oracle = synth.generate(
+        args.preset,
+        args.out,
+        seed=args.seed,
+        row_group_size=args.row_group_size,
+        progress=lambda msg: print(msg, flush=True),
+    )
+    print(json.dumps(oracle, indent=2))
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from recsys.io.reader import describe
+
+    schema = None
+    paths = args.paths
+    if args.config:
+        from recsys.config import load_job
+
+        job = load_job(args.config, args.set)
+        schema = job.schema
+        if not paths:
+            paths = job.data.train.paths
+    if not paths:
+        raise ConfigError("inspect: give data paths, or --config with data.train.paths")
+    print(describe(paths, schema))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from recsys.bench import run
+
+    run(args.target, json_out=args.json, quick=args.quick, data=args.data)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the argument parser of the ``recsys`` command."""
+    parser = argparse.ArgumentParser(
+        prog="recsys",
+        description="Train recommendation models with huge sparse ID features.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser(
+        "gen-synthetic",
+        help="write a synthetic CTR data set with a known optimum",
+        description="Write DIR/train/, DIR/eval/ (Parquet, zstd) and DIR/oracle.json "
+        "(AUC and log loss of the true probabilities on the eval split).",
+    )
+    p.add_argument("--preset", choices=("tiny", "small", "large"), default="tiny")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same data (default 0)")
+    p.add_argument("--row-group-size", type=int, default=None, help="rows per Parquet row group")
+    p.set_defaults(func=_cmd_gen_synthetic)
+
+    p = sub.add_parser(
+        "inspect",
+        help="describe a Parquet data set and how a job's schema maps onto it",
+        description="Print each file's schema, rows and row groups; with --config, which "
+        "columns the job's feature schema maps to what, and what is missing or mistyped.",
+    )
+    p.add_argument("paths", nargs="*", help="files, directories or globs (default: the job's train paths)")
+    p.add_argument("--config", type=Path, help="job file (TOML) whose schema to check")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job setting")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "bench",
+        help="side-by-side benchmarks (ours vs the limit and the peer)",
+        description="Run a benchmark, print its comparison table, optionally write JSON.",
+    )
+    p.add_argument("target", choices=BENCH_TARGETS)
+    p.add_argument("--json", type=Path, help="write results here")
+    p.add_argument("--quick", action="store_true", help="small variant (at most about a minute)")
+    p.add_argument("--data", type=Path, help="data directory to use instead of the default")
+    p.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``recsys`` command; return its exit code."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return args.func(args)
+    except (UserError, FileNotFoundError) as exc:
+        print(f"recsys {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
