@@ -1,0 +1,99 @@
+"""Shared fixtures: a real redis-server on a free port, and free ports for process groups."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    """Return a TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes (then fail)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class RedisServer:
+    """A redis-server process owned by a test."""
+
+    host: str
+    port: int
+    proc: subprocess.Popen
+    workdir: Path
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def ping(self) -> bool:
+        try:
+            with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """Stop the server (an outage, as far as clients can tell)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+
+def start_redis(workdir: Path) -> RedisServer:
+    """Start a non-persistent redis-server on a free loopback port and wait until it answers."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: run `make test` (it installs it) or "
+                    "`sudo apt-get install -y redis-server`")
+    workdir.mkdir(parents=True, exist_ok=True)
+    last_error = ""
+    for _ in range(5):  # a port can be taken between probing and binding
+        port = free_port()
+        proc = subprocess.Popen(
+            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        server = RedisServer("127.0.0.1", port, proc, workdir)
+        try:
+            wait_until(lambda: server.ping() or proc.poll() is not None, 10, "redis-server to answer PING")
+        except TimeoutError as exc:
+            last_error = str(exc)
+        if proc.poll() is None and server.ping():
+            return server
+        server.stop()
+        log = workdir / "redis.log"
+        last_error = log.read_text()[-500:] if log.exists() else last_error
+    pytest.fail(f"could not start redis-server: {last_error}")
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh redis-server for one test; stopped afterwards."""
+    server = start_redis(tmp_path / "redis")
+    yield server
+    server.stop()
