@@ -1,0 +1,50 @@
+"""DLRM and DCN-v2 dense models built from torchrec's arches, fed pooled embeddings.
+
+Legend: ``B`` batch, ``N`` dense columns, ``F`` sparse features, ``D`` embedding dim.
+
+    dense [B, N] ──► bottom MLP ──► [B, D] ─┐
+                                             ├─► interaction ──► top MLP ──► logit [B]
+    pooled embeddings [B, F, D] ─────────────┘
+       dlrm: [dense, pairwise dots of the F+1 vectors]   (torchrec InteractionArch)
+       dcn:  low-rank cross layers over the F·D+D concat (torchrec InteractionDCNArch)
+
+Model code never knows where embedding rows live: it takes pooled tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec.models.dlrm import DenseArch, InteractionArch, InteractionDCNArch, OverArch
+from torchrec.modules.crossnet import LowRankCrossNet
+
+from recsys.model.config import ModelConfig
+
+
+class RankingModel(nn.Module):
+    """Return click logits [B] from dense features [B, N] and pooled embeddings [B, F, D]."""
+
+    def __init__(self, cfg: ModelConfig, num_dense: int, num_sparse: int, dim: int) -> None:
+        super().__init__()
+        if cfg.bottom_mlp[-1] != dim:
+            raise ValueError(
+                f"model.bottom_mlp must end in the embedding dim {dim} (dense and sparse "
+                f"vectors meet in one interaction), found {cfg.bottom_mlp}"
+            )
+        if num_dense <= 0:
+            raise ValueError("the model needs at least one dense column")
+        self.dense_arch = DenseArch(num_dense, cfg.bottom_mlp)
+        if cfg.arch == "dlrm":
+            self.interaction = InteractionArch(num_sparse_features=num_sparse)
+            inter_out = dim + num_sparse + num_sparse * (num_sparse - 1) // 2
+        else:
+            width = (num_sparse + 1) * dim
+            cross = LowRankCrossNet(width, num_layers=cfg.dcn_layers, low_rank=cfg.dcn_low_rank)
+            self.interaction = InteractionDCNArch(num_sparse_features=num_sparse, crossnet=cross)
+            inter_out = width
+        self.over_arch = OverArch(inter_out, cfg.top_mlp)
+
+    def forward(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> torch.Tensor:
+        dense_BD = self.dense_arch(dense_BN)
+        inter = self.interaction(dense_BD, pooled_BFD)
+        return self.over_arch(inter).squeeze(-1)
