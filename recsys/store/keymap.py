@@ -1,0 +1,576 @@
+"""A vectorized 64-bit key → slot map with exact LRU eviction, and the admission sketch.
+
+Legend: ``N`` keys in one call (may repeat), ``M`` new keys of a call, ``K`` keys evicted by
+a call, ``C`` capacity (slots), ``NB`` hash buckets (a power of two, > 2·C), ``P`` the
+eviction candidate pool.
+
+Keys are int64 arrays holding uint64 bit patterns (``recsys.hashing``): every value,
+0 and negative ones included, is a valid key, so occupancy is marked separately, never by
+a sentinel key. Layout::
+
+    buckets_NB2  int64 [NB, 2]   (key, code) per bucket, one cache line per probe
+                                 code >= 0: the key's slot; -1: empty bucket;
+                                 <= -2: new key #(-code-2) of the running call (pending)
+    slot_key_C   int64 [C]       key held by each slot
+    slot_step_C  int64 [C]       step of the slot's last access (its LRU time, "last_seen")
+    slot_used_C  bool  [C]       occupancy
+    slot_call_C  int64 [C]       id of the last call that touched the slot
+    free_C       int64 [C]       stack of free slots (first ``n_free`` entries)
+
+Open addressing with linear probing from ``fmix64(key ^ tag) & (NB - 1)``; deletion is
+backward-shift (no tombstones, so probe lengths never degrade). At most 50 % of the
+buckets hold rows, so probes stay short; a call's new keys enter as *pending* entries
+during the call, which lets one pass deduplicate repeated keys.
+
+Eviction policy (exact, and what the tests' reference model implements):
+
+- ``lookup(keys, step)`` requires ``step`` >= the step of every earlier ``lookup``; every
+  distinct key of the call is *touched*: its last-access step becomes ``step``.
+- If the call brings ``M`` keys that are not present and only ``F < M`` slots are free,
+  exactly ``M - F`` present keys are evicted: the smallest by ``(last-access step, key as
+  uint64)`` among the keys *not touched by this call*. Ties therefore never depend on slot
+  layout, so a table restored from a checkpoint evicts exactly what the original would.
+- If the call's distinct keys exceed the capacity, ``ValueError`` is raised and the map
+  is unchanged.
+- ``assign`` (rows put back by the spill tier or a checkpoint) follows the same rule with
+  the call's keys protected, but sets each key's last-access step to the given value.
+
+Finding the smallest keys is amortized: a scan of all slots collects a *pool* of the ``P``
+oldest keys with last access < the scanning call's step (``P`` = max(needed, C/8)), and
+later calls select their victims from it (a partition, no sort), after dropping entries
+touched since (their step changed) or freed. This is exact:
+every key outside the pool is newer than every valid pool entry, because keys outside it
+were newer at scan time, and touches and inserts only happen at steps >= the scan step.
+``assign`` may insert rows of any age: one older than the scan step drops the pool. When no
+key older than the current step remains, victims are chosen by an exact, uncached selection.
+
+Costs: 65–97 bytes per slot (buckets 32–64, slot arrays 33). A lookup is one probe per
+input key (repeats included), plus for its new keys a second probe, and per evicted key a
+backward-shift deletion; a pool scan reads the slot arrays once per ~C/8 evictions. Keys
+are not validated beyond dtype and shape (hot path).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+from numba import njit
+
+# The numba-callable murmur3 finalizer of THE hashing module (one definition of the mixer).
+from recsys.hashing import _fmix
+
+__all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys"]
+
+_EMPTY = -1
+_MAP_TAG = np.uint64(0x2545F4914F6CDD1D)
+_SKETCH_TAG = np.uint64(0x94D049BB133111EB)
+_INT64_MIN = np.iinfo(np.int64).min
+
+
+class MapUpdate(NamedTuple):
+    """What a ``lookup`` or ``assign`` did: slots of the keys, new keys, evicted keys."""
+
+    slots_N: np.ndarray
+    """Slot of each input key (int64)."""
+    new_keys_M: np.ndarray
+    """Keys that were not present, in first-appearance order."""
+    new_slots_M: np.ndarray
+    """Slots given to ``new_keys_M``."""
+    evicted_keys_K: np.ndarray
+    """Keys evicted to make room (a set: in no particular order)."""
+    evicted_slots_K: np.ndarray
+    """Slots they held (now held by new keys: read their rows before overwriting them)."""
+    evicted_steps_K: np.ndarray
+    """Their last-access steps."""
+    hits: int
+    """Input positions whose key was present before the call."""
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@njit(inline="always")
+def _home(key, mask_u):
+    return np.int64(_fmix(np.uint64(key) ^ _MAP_TAG) & mask_u)
+
+
+@njit(nogil=True, cache=True)
+def _find_kernel(buckets, keys, out):
+    mask = np.int64(buckets.shape[0] - 1)
+    mask_u = np.uint64(mask)
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        h = _home(key, mask_u)
+        out[i] = -1
+        while True:
+            code = buckets[h, 1]
+            if code == _EMPTY:
+                break
+            if buckets[h, 0] == key:
+                out[i] = code
+                break
+            h = (h + 1) & mask
+
+
+@njit(nogil=True, cache=True)
+def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
+    """Resolve present keys, enter absent ones as pending; return (pending, distinct hits,
+    hit positions, overflow). Stops early on overflow (the caller removes the pending)."""
+    mask = np.int64(buckets.shape[0] - 1)
+    mask_u = np.uint64(mask)
+    n_pend = 0
+    n_hit = 0
+    n_hit_pos = 0
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        h = _home(key, mask_u)
+        n_probe = 0
+        while True:
+            code = buckets[h, 1]
+            if code == _EMPTY:
+                if n_hit + n_pend >= capacity:
+                    return n_pend, n_hit, n_hit_pos, True
+                buckets[h, 0] = key
+                buckets[h, 1] = -2 - n_pend
+                pend_keys[n_pend] = key
+                out[i] = -2 - n_pend
+                n_pend += 1
+                break
+            if buckets[h, 0] == key:
+                out[i] = code
+                if code >= 0:
+                    n_hit_pos += 1
+                    if slot_call[code] != call_id:
+                        slot_call[code] = call_id
+                        n_hit += 1
+                        if n_hit + n_pend > capacity:
+                            return n_pend, n_hit, n_hit_pos, True
+                break
+            h = (h + 1) & mask
+            n_probe += 1
+            if n_probe > mask:  # every bucket is taken: only possible past capacity
+                return n_pend, n_hit, n_hit_pos, True
+    return n_pend, n_hit, n_hit_pos, False
+
+
+@njit(nogil=True)
+def _delete(buckets, key):
+    """Remove ``key`` (present) by backward-shift deletion."""
+    mask = np.int64(buckets.shape[0] - 1)
+    mask_u = np.uint64(mask)
+    i = _home(key, mask_u)
+    while not (buckets[i, 0] == key and buckets[i, 1] != _EMPTY):
+        i = (i + 1) & mask
+    j = i
+    while True:
+        j = (j + 1) & mask
+        if buckets[j, 1] == _EMPTY:
+            break
+        k = _home(buckets[j, 0], mask_u)
+        # the entry at j may fill the hole at i unless its home lies cyclically in (i, j]
+        if i <= j:
+            stays = i < k <= j
+        else:
+            stays = k > i or k <= j
+        if not stays:
+            buckets[i, 0] = buckets[j, 0]
+            buckets[i, 1] = buckets[j, 1]
+            i = j
+    buckets[i, 1] = _EMPTY
+
+
+@njit(nogil=True, cache=True)
+def _delete_keys_kernel(buckets, keys, n):
+    for j in range(n):
+        _delete(buckets, keys[j])
+
+
+@njit(nogil=True, cache=True)
+def _commit_kernel(buckets, pend_keys, n_pend, free, n_free, slot_key, slot_used, slot_step,
+                   steps, per_key_step, out, new_slots):
+    """Give pending keys free slots, then set every input key's slot and last-access step."""
+    mask = np.int64(buckets.shape[0] - 1)
+    mask_u = np.uint64(mask)
+    for j in range(n_pend):
+        n_free -= 1
+        s = free[n_free]
+        key = pend_keys[j]
+        h = _home(key, mask_u)
+        code = -2 - j
+        while buckets[h, 1] != code:
+            h = (h + 1) & mask
+        buckets[h, 1] = s
+        slot_key[s] = key
+        slot_used[s] = True
+        new_slots[j] = s
+    step = steps[0]
+    for i in range(out.shape[0]):
+        c = out[i]
+        if c <= -2:
+            c = new_slots[-2 - c]
+            out[i] = c
+        slot_step[c] = steps[i] if per_key_step else step
+    return n_free
+
+
+@njit(nogil=True, cache=True)
+def _evict_kernel(buckets, victims, slot_key, slot_used, slot_step, free, n_free,
+                  out_keys, out_steps, out_slots, n_out):
+    for t in range(victims.shape[0]):
+        s = victims[t]
+        key = slot_key[s]
+        out_keys[n_out] = key
+        out_steps[n_out] = slot_step[s]
+        out_slots[n_out] = s
+        n_out += 1
+        _delete(buckets, key)
+        slot_used[s] = False
+        free[n_free] = s
+        n_free += 1
+    return n_free, n_out
+
+
+@njit(nogil=True, cache=True)
+def _remove_kernel(buckets, keys, slot_used, free, n_free, out):
+    mask = np.int64(buckets.shape[0] - 1)
+    mask_u = np.uint64(mask)
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        h = _home(key, mask_u)
+        out[i] = -1
+        while True:
+            code = buckets[h, 1]
+            if code == _EMPTY:
+                break
+            if buckets[h, 0] == key:
+                out[i] = code
+                _delete(buckets, key)
+                slot_used[code] = False
+                free[n_free] = code
+                n_free += 1
+                break
+            h = (h + 1) & mask
+    return n_free
+
+
+@njit(nogil=True, cache=True)
+def _candidates_kernel(slot_used, slot_step, slot_call, call_id, limited, step_limit):
+    """Return the used slots not touched by this call (with step < step_limit if limited)."""
+    n = 0
+    for s in range(slot_used.shape[0]):
+        if slot_used[s] and slot_call[s] != call_id and (not limited or slot_step[s] < step_limit):
+            n += 1
+    out = np.empty(n, dtype=np.int64)
+    n = 0
+    for s in range(slot_used.shape[0]):
+        if slot_used[s] and slot_call[s] != call_id and (not limited or slot_step[s] < step_limit):
+            out[n] = s
+            n += 1
+    return out
+
+
+@njit(nogil=True, cache=True)
+def _pool_valid_kernel(pool_slots, pool_steps, slot_used, slot_step, slot_call, call_id):
+    """Return the pool entries still valid: held, untouched since the scan, not in this call."""
+    out = np.empty(pool_slots.shape[0], dtype=np.int64)
+    n = 0
+    for t in range(pool_slots.shape[0]):
+        s = pool_slots[t]
+        if slot_used[s] and slot_step[s] == pool_steps[t] and slot_call[s] != call_id:
+            out[n] = s
+            n += 1
+    return out[:n]
+
+
+# --------------------------------------------------------------------------- the map
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+class KeyMap:
+    """Return slots for 64-bit keys, inserting absent keys and evicting LRU keys (see module doc)."""
+
+    def __init__(self, capacity: int, *, pool_fraction: float = 0.125) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be > 0, found {capacity}")
+        self.capacity = int(capacity)
+        # > 2·C: during a call, C held keys plus up to C pending ones still leave an empty
+        # bucket, which every probe and backward shift needs to stop
+        nb = _next_pow2(2 * self.capacity + 1)
+        self._buckets = np.empty((nb, 2), dtype=np.int64)
+        self._buckets[:, 1] = _EMPTY
+        self.slot_key = np.zeros(self.capacity, dtype=np.int64)
+        self.slot_step = np.zeros(self.capacity, dtype=np.int64)
+        self._slot_used = np.zeros(self.capacity, dtype=np.bool_)
+        self._slot_call = np.zeros(self.capacity, dtype=np.int64)
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # pops slot 0 first
+        self._n_free = self.capacity
+        self._call_id = 0
+        self._clock = 0
+        self._has_clock = False
+        self._pool_target = max(1, int(self.capacity * pool_fraction))
+        self._drop_pool()
+
+    # ------------------------------------------------------------------ queries
+
+    def __len__(self) -> int:
+        """Return the number of keys held."""
+        return self.capacity - self._n_free
+
+    @property
+    def clock(self) -> int | None:
+        """Return the step of the latest ``lookup`` (None before the first)."""
+        return self._clock if self._has_clock else None
+
+    def find(self, keys_N: np.ndarray) -> np.ndarray:
+        """Return the slot of each key, -1 where absent; touches nothing."""
+        keys = as_keys(keys_N)
+        out = np.empty(keys.shape[0], dtype=np.int64)
+        _find_kernel(self._buckets, keys, out)
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return (keys, slots, last-access steps) of every held key, in slot order."""
+        slots = np.flatnonzero(self._slot_used).astype(np.int64)
+        return self.slot_key[slots], slots, self.slot_step[slots]
+
+    # ------------------------------------------------------------------ updates
+
+    def lookup(self, keys_N: np.ndarray, step: int) -> MapUpdate:
+        """Return the slots of ``keys_N`` at ``step``, inserting absent keys (LRU eviction).
+
+        ``step`` may not be below an earlier lookup's (the clock belongs to this object: a
+        map rebuilt from a checkpoint starts without one). Repeated keys are fine."""
+        step = int(step)
+        if self._has_clock and step < self._clock:
+            raise ValueError(
+                f"lookup step {step} is before the previous lookup's step {int(self._clock)}; "
+                "steps must not decrease"
+            )
+        update = self._place(as_keys(keys_N), np.array([step], dtype=np.int64), False, step)
+        self._clock = step
+        self._has_clock = True
+        return update
+
+    def assign(self, keys_N: np.ndarray, steps_N: np.ndarray) -> MapUpdate:
+        """Return the slots of ``keys_N`` (inserted if absent) with last-access ``steps_N``."""
+        keys = as_keys(keys_N)
+        steps = np.ascontiguousarray(steps_N, dtype=np.int64)
+        if steps.shape != keys.shape:
+            raise ValueError(f"assign needs one step per key: {keys.shape[0]} keys, steps shape {steps.shape}")
+        if keys.shape[0] == 0:
+            return self._place(keys, np.zeros(1, dtype=np.int64), False, None)
+        oldest = int(steps.min())
+        if oldest < self._pool_limit:
+            self._drop_pool()  # rows older than the pool's scan arrive: its order no longer holds
+        limit = min(oldest, int(self._clock)) if self._has_clock else None
+        return self._place(keys, steps, True, limit)
+
+    def remove(self, keys_N: np.ndarray) -> np.ndarray:
+        """Remove keys; return the slot each held (-1 where absent). Slots become free."""
+        keys = as_keys(keys_N)
+        out = np.empty(keys.shape[0], dtype=np.int64)
+        self._n_free = int(_remove_kernel(self._buckets, keys, self._slot_used, self._free, self._n_free, out))
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _place(self, keys: np.ndarray, steps: np.ndarray, per_key: bool, limit: int | None) -> MapUpdate:
+        """Place ``keys``; victims older than ``limit`` may come from the pool (None: exact scan)."""
+        self._call_id += 1
+        call_id = self._call_id
+        n = keys.shape[0]
+        out = np.empty(n, dtype=np.int64)
+        pend = np.empty(min(n, self.capacity), dtype=np.int64)
+        n_pend, n_hit, n_hit_pos, overflow = _probe_kernel(
+            self._buckets, keys, self._slot_call, call_id, self.capacity, out, pend
+        )
+        if overflow:
+            _delete_keys_kernel(self._buckets, pend, n_pend)
+            distinct = len(np.unique(keys))
+            raise ValueError(
+                f"a call touches {distinct} distinct keys but the map holds at most {self.capacity}; "
+                "raise the table's capacity or send smaller batches"
+            )
+        need = n_pend - self._n_free
+        ev_keys = np.empty(max(need, 0), dtype=np.int64)
+        ev_steps = np.empty(max(need, 0), dtype=np.int64)
+        ev_slots = np.empty(max(need, 0), dtype=np.int64)
+        if need > 0:
+            got = self._evict(need, limit, call_id, ev_keys, ev_steps, ev_slots)
+            if got != need:  # cannot happen: the probe counted the call's distinct keys
+                raise RuntimeError(f"internal error: evicted {got} keys, needed {need}")
+        new_slots = np.empty(n_pend, dtype=np.int64)
+        self._n_free = int(
+            _commit_kernel(
+                self._buckets, pend, n_pend, self._free, self._n_free, self.slot_key,
+                self._slot_used, self.slot_step, steps, per_key, out, new_slots,
+            )
+        )
+        return MapUpdate(out, pend[:n_pend].copy(), new_slots, ev_keys, ev_slots, ev_steps, int(n_hit_pos))
+
+    def _evict(self, need: int, limit: int | None, call_id: int, ev_keys, ev_steps, ev_slots) -> int:
+        """Evict ``need`` keys by the policy; return how many were evicted.
+
+        Pool entries are only valid while every write since its scan had a step >= the
+        scan's ``limit``; lookups guarantee it, ``assign`` drops the pool otherwise."""
+        got = 0
+        while got < need and limit is not None:
+            if self._pool_slots.shape[0] == 0 and not self._refill_pool(need - got, limit, call_id):
+                break
+            valid = _pool_valid_kernel(
+                self._pool_slots, self._pool_steps, self._slot_used, self.slot_step, self._slot_call, call_id
+            )
+            chosen = self._oldest(valid, need - got)
+            if chosen is None:  # the whole pool goes
+                victims = valid
+                self._drop_pool()
+            else:
+                victims = valid[chosen]
+                self._pool_slots = np.ascontiguousarray(valid[~chosen])
+                self._pool_steps = self.slot_step[self._pool_slots]
+            got = self._evict_slots(victims, got, ev_keys, ev_steps, ev_slots)
+        if got < need:
+            # No key older than this step is left (or rows of any age were assigned): pick
+            # exactly, among all keys this call did not touch.
+            cand = _candidates_kernel(self._slot_used, self.slot_step, self._slot_call, call_id, False, 0)
+            chosen = self._oldest(cand, need - got)
+            got = self._evict_slots(cand if chosen is None else cand[chosen], got, ev_keys, ev_steps, ev_slots)
+        return got
+
+    def _evict_slots(self, victims: np.ndarray, got: int, ev_keys, ev_steps, ev_slots) -> int:
+        self._n_free, got = _evict_kernel(
+            self._buckets, np.ascontiguousarray(victims), self.slot_key, self._slot_used, self.slot_step,
+            self._free, self._n_free, ev_keys, ev_steps, ev_slots, got,
+        )
+        self._n_free = int(self._n_free)
+        return int(got)
+
+    def _refill_pool(self, need: int, limit: int, call_id: int) -> bool:
+        self._drop_pool()
+        cand = _candidates_kernel(self._slot_used, self.slot_step, self._slot_call, call_id, True, limit)
+        if cand.shape[0] == 0:
+            return False
+        chosen = self._oldest(cand, max(need, self._pool_target))
+        self._pool_slots = cand if chosen is None else np.ascontiguousarray(cand[chosen])
+        self._pool_steps = self.slot_step[self._pool_slots]
+        self._pool_limit = limit
+        return True
+
+    def _oldest(self, cand: np.ndarray, m: int) -> np.ndarray | None:
+        """Return a mask of the ``m`` entries of ``cand`` with the smallest (step, key as
+        uint64), or None when that is all of them. Selection, not sorting: O(len(cand))."""
+        if cand.shape[0] <= m:
+            return None
+        steps = self.slot_step[cand]
+        threshold = np.partition(steps, m - 1)[m - 1]
+        mask = steps < threshold
+        rest = m - int(np.count_nonzero(mask))  # >= 1 by the choice of threshold
+        tied = np.flatnonzero(steps == threshold)
+        if rest < tied.shape[0]:
+            tied_keys = self.slot_key[cand[tied]].view(np.uint64)
+            tied = tied[np.argpartition(tied_keys, rest - 1)[:rest]]
+        mask[tied] = True
+        return mask
+
+    def _drop_pool(self) -> None:
+        self._pool_slots = np.empty(0, dtype=np.int64)
+        self._pool_steps = np.empty(0, dtype=np.int64)
+        self._pool_limit = _INT64_MIN
+
+
+def as_keys(keys) -> np.ndarray:
+    """Return ``keys`` as a contiguous 1-D int64 array (uint64 input is reinterpreted)."""
+    keys = np.ascontiguousarray(keys)
+    if keys.ndim != 1:
+        raise ValueError(f"keys must be a 1-D array, found shape {keys.shape}")
+    if keys.dtype == np.uint64:
+        return keys.view(np.int64)
+    if keys.dtype != np.int64:
+        if keys.dtype.kind not in "iu" and keys.shape[0] > 0:
+            raise TypeError(f"keys must be int64 (uint64 bit patterns), found dtype {keys.dtype}")
+        keys = keys.astype(np.int64)
+    return keys
+
+
+# --------------------------------------------------------------------------- admission
+
+
+@njit(nogil=True, cache=True)
+def _sketch_kernel(cells, keys, cap, commit, out):
+    """Per key: estimated count after one more sighting; with ``commit``, record it.
+
+    Count-min with conservative update: a sighting raises only the key's smallest cells,
+    so estimates overshoot less. Returns the number of sightings recorded."""
+    depth = cells.shape[0]
+    mask_u = np.uint64(cells.shape[1] - 1)
+    for i in range(keys.shape[0]):
+        h = _fmix(np.uint64(keys[i]) ^ _SKETCH_TAG)
+        h1 = h & np.uint64(0xFFFFFFFF)
+        h2 = (h >> np.uint64(32)) | np.uint64(1)
+        est = np.int64(255)
+        for r in range(depth):
+            c = np.int64(cells[r, np.int64((h1 + np.uint64(r) * h2) & mask_u)])
+            if c < est:
+                est = c
+        new = min(est + 1, cap)
+        out[i] = new
+        if commit:
+            for r in range(depth):
+                idx = np.int64((h1 + np.uint64(r) * h2) & mask_u)
+                if cells[r, idx] < new:
+                    cells[r, idx] = new
+    return keys.shape[0] if commit else 0
+
+
+class FrequencySketch:
+    """Return approximate sighting counts of keys in bounded memory (count-min, aging).
+
+    ``depth`` rows of ``width`` saturating uint8 counters (capped at ``cap``), conservative
+    update. Estimates never undercount within an aging period: a key is admitted no later
+    than its ``cap``-th sighting, possibly earlier when it shares every cell with other keys
+    (probability ~ (load / width)^depth). Aging: after ``10 · width`` recorded sightings,
+    every counter is halved (TinyLFU's reset), so counts reflect recent traffic and a long
+    run cannot saturate the sketch.
+    """
+
+    def __init__(self, width: int, cap: int, depth: int = 4) -> None:
+        if not 1 <= cap <= 255:
+            raise ValueError(f"cap must be in [1, 255], found {cap}")
+        self.width = _next_pow2(max(int(width), 64))
+        self.cap = int(cap)
+        self.cells = np.zeros((depth, self.width), dtype=np.uint8)
+        self.recorded = 0
+        self.reset_every = 10 * self.width
+
+    def estimate_next(self, keys_N: np.ndarray) -> np.ndarray:
+        """Return each key's count if it were seen once more now (nothing recorded)."""
+        keys = as_keys(keys_N)
+        out = np.empty(keys.shape[0], dtype=np.int64)
+        _sketch_kernel(self.cells, keys, self.cap, False, out)
+        return out
+
+    def add(self, keys_N: np.ndarray) -> np.ndarray:
+        """Record one sighting per key; return each key's count after its sighting."""
+        keys = as_keys(keys_N)
+        out = np.empty(keys.shape[0], dtype=np.int64)
+        self.recorded += int(_sketch_kernel(self.cells, keys, self.cap, True, out))
+        if self.recorded >= self.reset_every:
+            self.cells >>= 1
+            self.recorded = 0
+        return out
+
+    def state(self) -> dict[str, np.ndarray | int]:
+        """Return the sketch's state (cells and the aging counter), copied."""
+        return {"cells": self.cells.copy(), "recorded": self.recorded}
+
+    def load_state(self, state: dict) -> None:
+        """Restore ``state()`` output of a sketch of the same shape (e.g. the same shard)."""
+        cells = np.asarray(state["cells"], dtype=np.uint8)
+        if cells.shape != self.cells.shape:
+            raise ValueError(f"sketch state has shape {cells.shape}, this sketch {self.cells.shape}")
+        self.cells[...] = cells
+        self.recorded = int(state["recorded"])

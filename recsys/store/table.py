@@ -1,0 +1,532 @@
+"""One shard's embedding table: rows, optimizer state and LRU bookkeeping in flat arrays.
+
+Legend: ``C`` capacity (slots), ``D`` dim, ``U`` unique keys of a call, ``M`` keys new to
+the table in a call, ``K`` keys evicted by a call, ``N`` rows of an Arrow table.
+
+Layout (every array preallocated at construction, indexed by slot)::
+
+                slot:   0     1     2    ...  C-1
+    KeyMap         key  k0    k1    -         k9       64-bit key -> slot, LRU by step
+             last_seen  12    15    -         15       (the map's slot_step_C)
+    weights_CD          [ row 0 ][ row 1 ][ free ] ... [ row C-1 ]    float32 or float16
+    optimizer state     rowwise_adagrad: rowwise_state_C        float32
+                        adagrad:         state_sum_CD           float32
+                        adam:            exp_avg_CD, exp_avg_sq_CD float32, adam_step_C int64
+                        sgd:             (none)
+    admission           FrequencySketch [4, W] uint8, W = pow2 >= max(2C, 4096)
+                        (8-16 bytes per slot; only when min_count > 1)
+
+    lookup(keys_U, step)                 apply_gradients(keys_U, grads_UD, step)
+      keys ─► KeyMap ─► slots ─► gather     keys ─► KeyMap.find ─► slots ─► optimizer
+              │ new key: init row            (absent / rejected keys: ignored, counted)
+              └ full: evict LRU rows ─► on_evict(rows as Arrow)
+
+A new key's initial vector depends only on (seed, table name, key): element ``d`` is
+``a · ((2·(h_d >> 40) + 1) / 2^24 - 1)`` with ``h_d = fmix64(base + (d+1)·φ)``,
+``base = fmix64(key ^ table_salt(name) ^ fmix64(seed ^ tag))`` and φ the golden-ratio
+constant, so every shard, insertion order, capacity and world size starts a key identically.
+
+Admission (``min_count > 1``): sightings of keys that have no row are counted in a
+count-min sketch (``keymap.FrequencySketch``), chosen over an exact bounded counting map
+because one-off ids — the very keys admission exists to keep out — can outnumber the
+capacity within one batch; a sketch's memory is fixed and it never undercounts, so a key
+is admitted no later than its ``min_count``-th sighting (earlier only on a full hash
+collision, ~(keys per aging period / width)^4). A key is admitted on the lookup that brings
+its ``min_count``-th sighting and gets its row then. Before that, lookups return zeros and
+gradients for it are ignored. The sketch ages (halves) every ``10·W`` sightings and is
+not part of ``state_dict``: carry it with ``admission_state`` / ``load_admission_state``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+from numba import njit
+
+from recsys import hashing
+from recsys.hashing import _fmix
+from recsys.schema import TableSpec
+from recsys.store import optim
+from recsys.store.config import StoreConfig
+from recsys.store.keymap import FrequencySketch, KeyMap, as_keys
+
+__all__ = ["EmbeddingTable", "init_vectors", "COUNTERS", "to_float16", "to_float32"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_INIT_TAG = 0xD6E8FEB86659FD93
+_MASK = (1 << 64) - 1
+
+COUNTERS = (
+    "hits",  # looked-up keys that had a row
+    "misses",  # looked-up keys that had none
+    "inserts",  # rows created (initialized) by lookups
+    "admitted",  # misses given a row (every miss when min_count = 1)
+    "rejected",  # misses not admitted yet (read the zero vector)
+    "evictions",  # rows evicted to make room
+    "updated",  # rows changed by apply_gradients
+    "ignored",  # gradient rows ignored: key without a row (never admitted, evicted, popped)
+    "rows_in",  # rows put in by insert_rows / load_state_dict
+    "rows_out",  # rows taken out by pop_rows
+)
+
+
+# --------------------------------------------------------------------------- initial rows
+
+
+@njit(nogil=True, cache=True)
+def _init_kernel(keys, rows, salt, bound, out):
+    """Write the initial vector of ``keys[i]`` into ``out[rows[i]]`` (float32)."""
+    D = out.shape[1]
+    for i in range(keys.shape[0]):
+        base = _fmix(np.uint64(keys[i]) ^ salt)
+        r = rows[i]
+        for d in range(D):
+            h = _fmix(base + np.uint64(d + 1) * _GOLDEN)
+            k = np.float64(h >> np.uint64(40))  # 24 uniform bits
+            out[r, d] = np.float32(bound * ((2.0 * k + 1.0) * (1.0 / 16777216.0) - 1.0))
+
+
+@njit(nogil=True, cache=True)
+def _fill_rows_kernel(arr, rows, value):
+    for i in range(rows.shape[0]):
+        arr[rows[i]] = value
+
+
+# --------------------------------------------------------------------------- float16 rows
+# numba has no float16 type and numpy converts float16 in software (~8x slower than these
+# loops), so float16 rows are moved as uint16 bit patterns and converted here: IEEE
+# binary16, round to nearest even, overflow to inf, subnormals kept; NaN becomes a quiet NaN.
+
+
+@njit(inline="always")
+def _f32_to_f16_bits(x):
+    sign = (x >> np.uint32(16)) & np.uint32(0x8000)
+    a = x & np.uint32(0x7FFFFFFF)
+    if a > np.uint32(0x7F800000):  # NaN
+        return np.uint16(sign | np.uint32(0x7E00))
+    if a >= np.uint32(0x477FF000):  # >= 65520 rounds past the largest half, 65504
+        return np.uint16(sign | np.uint32(0x7C00))
+    if a < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero)
+        if a <= np.uint32(0x33000000):  # <= 2^-25: the tie at 2^-25 goes to even, zero
+            return np.uint16(sign)
+        e = a >> np.uint32(23)
+        m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
+        shift = np.uint32(126) - e  # value / 2^-24 = m >> shift, 14 <= shift <= 24
+        q = m >> shift
+        rem = m & ((np.uint32(1) << shift) - np.uint32(1))
+        halfway = np.uint32(1) << (shift - np.uint32(1))
+    else:
+        q = (a - np.uint32(0x38000000)) >> np.uint32(13)  # rebias 127 -> 15, keep 10 bits
+        rem = a & np.uint32(0x1FFF)
+        halfway = np.uint32(0x1000)
+    if rem > halfway or (rem == halfway and (q & np.uint32(1))):
+        q += np.uint32(1)  # a carry into the exponent is the right answer
+    return np.uint16(sign | q)
+
+
+@njit(inline="always")
+def _f16_bits_to_f32_bits(h):
+    h32 = np.uint32(h)
+    sign = (h32 & np.uint32(0x8000)) << np.uint32(16)
+    e = (h32 >> np.uint32(10)) & np.uint32(0x1F)
+    m = h32 & np.uint32(0x3FF)
+    if e == np.uint32(0):
+        if m == np.uint32(0):
+            return sign
+        e32 = np.uint32(113)
+        while (m & np.uint32(0x400)) == np.uint32(0):
+            m <<= np.uint32(1)
+            e32 -= np.uint32(1)
+        return sign | (e32 << np.uint32(23)) | ((m & np.uint32(0x3FF)) << np.uint32(13))
+    if e == np.uint32(31):
+        return sign | np.uint32(0x7F800000) | (m << np.uint32(13))
+    return sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+
+
+@njit(nogil=True, cache=True)
+def _f16_table_kernel(out_u32):
+    for h in range(out_u32.shape[0]):
+        out_u32[h] = _f16_bits_to_f32_bits(np.uint16(h))
+
+
+@njit(nogil=True, cache=True)
+def _gather_f16_kernel(w16, rows, lut_u32, out_u32):
+    """``out[i] = float32(w[rows[i]])`` via the 64k-entry table, zeros where ``rows[i] < 0``."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            out_u32[i, :] = 0
+        else:
+            for d in range(out_u32.shape[1]):
+                out_u32[i, d] = lut_u32[w16[r, d]]
+
+
+_F16_LUT = None
+
+
+def _f16_lut() -> np.ndarray:
+    """Return float32 bit patterns of all 65536 float16 values (built on first use: 256 KiB)."""
+    global _F16_LUT
+    if _F16_LUT is None:
+        lut = np.empty(1 << 16, dtype=np.uint32)
+        _f16_table_kernel(lut)
+        _F16_LUT = lut
+    return _F16_LUT
+
+
+@njit(nogil=True, cache=True)
+def _scatter_f16_kernel(in_u32, w16, rows):
+    """``w[rows[i]] = float16(in[i])`` for ``rows[i] >= 0``."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r >= 0:
+            for d in range(in_u32.shape[1]):
+                w16[r, d] = _f32_to_f16_bits(in_u32[i, d])
+
+
+def to_float16(values: np.ndarray) -> np.ndarray:
+    """Return float32 ``values`` [N, D] rounded to float16 by this module's kernel."""
+    src = np.ascontiguousarray(values, dtype=np.float32)
+    out = np.empty(src.shape, dtype=np.float16)
+    _scatter_f16_kernel(src.view(np.uint32), out.view(np.uint16), np.arange(src.shape[0]))
+    return out
+
+
+def to_float32(values: np.ndarray) -> np.ndarray:
+    """Return float16 ``values`` [N, D] widened to float32 by this module's kernel."""
+    src = np.ascontiguousarray(values, dtype=np.float16)
+    out = np.empty(src.shape, dtype=np.float32)
+    _gather_f16_kernel(src.view(np.uint16), np.arange(src.shape[0]), _f16_lut(), out.view(np.uint32))
+    return out
+
+
+def init_salt(table: str, seed: int) -> int:
+    """Return the 64-bit salt of initial vectors for ``table`` under ``seed``."""
+    return hashing.table_salt(table) ^ hashing.fmix64((seed & _MASK) ^ _INIT_TAG)
+
+
+def init_vectors(keys_M: np.ndarray, dim: int, table: str, seed: int, bound: float) -> np.ndarray:
+    """Return the initial float32 [M, dim] rows of ``keys_M``, each ~ U(-bound, bound)."""
+    keys = as_keys(keys_M)
+    out = np.empty((keys.shape[0], dim), dtype=np.float32)
+    _init_kernel(keys, np.arange(keys.shape[0]), np.uint64(init_salt(table, seed)), float(bound), out)
+    return out
+
+
+# --------------------------------------------------------------------------- the table
+
+
+class EmbeddingTable:
+    """One shard's rows of table ``name``: lookup with insertion, sparse updates, Arrow I/O.
+
+    ``on_evict`` receives the rows an LRU eviction removes (``state_dict`` columns), after
+    the table is consistent again; without it evicted rows are dropped. Not thread-safe:
+    the store serializes calls.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        spec: TableSpec,
+        cfg: StoreConfig,
+        *,
+        on_evict: Callable[[pa.Table], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.cfg = cfg
+        self.dim = spec.dim
+        # a fixed-size table's keys are already folded into [0, num_rows) (recsys.hashing.fold)
+        self.capacity = spec.capacity if spec.num_rows is None else min(spec.capacity, spec.num_rows)
+        self.on_evict = on_evict
+        self._map = KeyMap(self.capacity)
+        self._np_dtype = np.dtype(cfg.dtype)
+        self.weights_CD = np.zeros((self.capacity, self.dim), dtype=self._np_dtype)
+        self._w16 = self.weights_CD.view(np.uint16) if self._np_dtype == np.float16 else None
+        self._columns = optim.state_columns(cfg.optimizer)
+        self._state = {
+            c.name: np.zeros((self.capacity, self.dim) if c.per_dim else self.capacity, dtype=c.dtype)
+            for c in self._columns
+        }
+        self._state_init = {c.name: optim.initial_state_value(cfg, c) for c in self._columns}
+        self._sketch = (
+            FrequencySketch(max(2 * self.capacity, 4096), cap=cfg.min_count) if cfg.min_count > 1 else None
+        )
+        self._salt = np.uint64(init_salt(name, cfg.seed))
+        self._bound = float(cfg.init_bound(self.dim))
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self.schema = self._arrow_schema()
+
+    # ------------------------------------------------------------------ reads
+
+    def __len__(self) -> int:
+        """Return the number of rows held."""
+        return len(self._map)
+
+    def counters(self) -> dict[str, int]:
+        """Return the event counters (see ``COUNTERS``) and ``rows``, the rows held now."""
+        return {**self._counters, "rows": len(self._map)}
+
+    def peek(self, keys_U: np.ndarray) -> np.ndarray:
+        """Return float32 [U, D] rows of ``keys_U`` (zeros where absent); changes nothing."""
+        return self._gather(self._map.find(keys_U))
+
+    def lookup(self, keys_U: np.ndarray, step: int) -> np.ndarray:
+        """Return float32 [U, D] rows of the unique keys ``keys_U`` at training ``step``.
+
+        Absent keys are admitted (see module doc) and initialized, evicting least-recently
+        used rows if the table is full; keys not admitted read zeros. ``step`` must not be
+        below an earlier lookup's. Raises ``ValueError`` (table unchanged) if the call's
+        keys cannot all fit. Uniqueness is the caller's promise (not checked: hot path).
+        """
+        keys = as_keys(keys_U)
+        step = int(step)
+        if self._sketch is None:
+            upd = self._map.lookup(keys, step)
+            slots = upd.slots_N
+            n_miss = keys.shape[0] - upd.hits
+            n_admit = n_miss
+        else:
+            found = self._map.find(keys)
+            miss = found < 0
+            miss_keys = keys[miss]
+            admit = self._sketch.estimate_next(miss_keys) >= self.cfg.min_count
+            take = ~miss
+            take[miss] = admit
+            upd = self._map.lookup(keys[take], step)  # raises before anything is recorded
+            self._sketch.add(miss_keys)
+            slots = np.full(keys.shape[0], -1, dtype=np.int64)
+            slots[take] = upd.slots_N
+            n_miss = miss_keys.shape[0]
+            n_admit = int(admit.sum())
+        c = self._counters
+        c["hits"] += keys.shape[0] - n_miss
+        c["misses"] += n_miss
+        c["admitted"] += n_admit
+        c["rejected"] += n_miss - n_admit
+        c["inserts"] += upd.new_slots_M.shape[0]
+        evicted = self._take_evicted(upd)
+        self._init_rows(upd.new_keys_M, upd.new_slots_M)
+        rows = self._gather(slots)
+        self._emit(evicted)
+        return rows
+
+    # ------------------------------------------------------------------ updates
+
+    def apply_gradients(self, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
+        """Apply the sparse optimizer to the rows of ``keys_U`` with gradients ``grads_UD``.
+
+        Keys without a row (not admitted, evicted, popped) are ignored and counted.
+        ``step`` is the step whose lookup produced the rows: it may not be later than the
+        latest lookup (pushes may lag lookups, never lead them).
+        """
+        keys = as_keys(keys_U)
+        grads = np.ascontiguousarray(grads_UD, dtype=np.float32)
+        if grads.shape != (keys.shape[0], self.dim):
+            raise ValueError(
+                f"table {self.name!r}: grads must have shape ({keys.shape[0]}, {self.dim}), found {grads.shape}"
+            )
+        clock = self._map.clock
+        if clock is None or int(step) > clock:
+            raise ValueError(
+                f"table {self.name!r}: gradients of step {step} arrive before its lookup "
+                f"(latest lookup step: {clock})"
+            )
+        slots = self._map.find(keys)
+        n_ignored = int((slots < 0).sum())
+        self._counters["ignored"] += n_ignored
+        self._counters["updated"] += keys.shape[0] - n_ignored
+        if self._np_dtype == np.float32:
+            optim.apply_update(self.cfg, self.weights_CD, slots, self._state, slots, grads)
+        else:  # float32 math on a gathered copy, rounded back to float16
+            w32 = self._gather(slots)
+            optim.apply_update(self.cfg, w32, np.arange(slots.shape[0]), self._state, slots, grads)
+            _scatter_f16_kernel(w32.view(np.uint32), self._w16, slots)
+
+    # ------------------------------------------------------------------ rows in and out
+
+    def state_dict(self) -> pa.Table:
+        """Return every row as an Arrow table sorted by key (signed int64 order).
+
+        Columns: ``key`` int64, ``embedding`` fixed_size_list<float32|float16>[D], the
+        optimizer's state columns (``optim.state_columns``), ``last_seen`` int64.
+        """
+        keys, slots, steps = self._map.items()
+        order = np.argsort(keys, kind="stable")
+        return self._rows_table(keys[order], slots[order], steps[order])
+
+    def load_state_dict(self, rows: pa.Table) -> None:
+        """Merge ``rows`` (any subset of a ``state_dict``) into the table; see ``insert_rows``."""
+        self.insert_rows(rows)
+
+    def pop_rows(self, keys: np.ndarray) -> pa.Table:
+        """Remove the rows of ``keys`` and return them (absent keys are skipped)."""
+        keys = as_keys(keys)
+        slots = self._map.remove(keys)
+        live = slots >= 0
+        slots = slots[live]
+        out = self._rows_table(keys[live], slots, self._map.slot_step[slots])
+        self._counters["rows_out"] += out.num_rows
+        return out
+
+    def insert_rows(self, rows: pa.Table) -> None:
+        """Put rows back exactly (embedding, optimizer state, last_seen), replacing present keys.
+
+        Rows of a float32 table load into a float16 one (rounded) and vice versa. If the
+        table is full, least-recently-used rows not in ``rows`` are evicted (``on_evict``).
+        """
+        keys, emb, states, last_seen = self._read_rows(rows)
+        upd = self._map.assign(keys, last_seen)
+        evicted = self._take_evicted(upd)
+        slots = upd.slots_N
+        if self._w16 is not None and emb.dtype == np.float32:
+            _scatter_f16_kernel(np.ascontiguousarray(emb).view(np.uint32), self._w16, slots)
+        else:
+            self.weights_CD[slots] = emb
+        for name, values in states.items():
+            self._state[name][slots] = values
+        self._counters["rows_in"] += keys.shape[0]
+        self._emit(evicted)
+
+    # ------------------------------------------------------------------ admission state
+
+    def admission_state(self) -> dict | None:
+        """Return the admission sketch's state (None when ``min_count`` is 1)."""
+        return None if self._sketch is None else self._sketch.state()
+
+    def load_admission_state(self, state: dict | None) -> None:
+        """Restore ``admission_state()`` of a table with the same capacity and config."""
+        if (state is None) != (self._sketch is None):
+            raise ValueError(
+                f"table {self.name!r}: admission state {'missing' if state is None else 'given'} "
+                f"but min_count is {self.cfg.min_count}"
+            )
+        if state is not None:
+            self._sketch.load_state(state)
+
+    # ------------------------------------------------------------------ internals
+
+    def _init_rows(self, keys_M: np.ndarray, slots_M: np.ndarray) -> None:
+        if slots_M.shape[0] == 0:
+            return
+        if self._np_dtype == np.float32:  # in place: a [M, D] fancy assignment costs 3x more
+            _init_kernel(keys_M, slots_M, self._salt, self._bound, self.weights_CD)
+        else:
+            w32 = init_vectors(keys_M, self.dim, self.name, self.cfg.seed, self._bound)
+            _scatter_f16_kernel(w32.view(np.uint32), self._w16, slots_M)
+        for name, arr in self._state.items():
+            _fill_rows_kernel(arr, slots_M, arr.dtype.type(self._state_init[name]))
+
+    def _gather(self, slots_U: np.ndarray) -> np.ndarray:
+        """Return float32 rows of ``slots_U``, zeros where a slot is -1."""
+        if self._w16 is not None:
+            out = np.empty((slots_U.shape[0], self.dim), dtype=np.float32)
+            _gather_f16_kernel(self._w16, slots_U, _f16_lut(), out.view(np.uint32))
+            return out
+        absent = slots_U < 0
+        if not absent.any():
+            return self.weights_CD.take(slots_U, axis=0)
+        out = self.weights_CD.take(np.where(absent, 0, slots_U), axis=0)
+        out[absent] = 0.0
+        return out
+
+    def _take_evicted(self, upd) -> pa.Table | None:
+        k = upd.evicted_keys_K.shape[0]
+        if k == 0:
+            return None
+        self._counters["evictions"] += k
+        if self.on_evict is None:
+            return None
+        # copy before new rows overwrite the slots
+        return self._rows_table(upd.evicted_keys_K, upd.evicted_slots_K, upd.evicted_steps_K)
+
+    def _emit(self, evicted: pa.Table | None) -> None:
+        if evicted is not None:
+            self.on_evict(evicted)
+
+    def _arrow_schema(self) -> pa.Schema:
+        emb_type = pa.float32() if self._np_dtype == np.float32 else pa.float16()
+        fields = [pa.field("key", pa.int64(), nullable=False),
+                  pa.field("embedding", pa.list_(emb_type, self.dim), nullable=False)]
+        for c in self._columns:
+            t = pa.from_numpy_dtype(c.dtype)
+            fields.append(pa.field(c.name, pa.list_(t, self.dim) if c.per_dim else t, nullable=False))
+        fields.append(pa.field("last_seen", pa.int64(), nullable=False))
+        meta = {"recsys.table": self.name, "recsys.optimizer": self.cfg.optimizer,
+                "recsys.dim": str(self.dim), "recsys.dtype": self.cfg.dtype}
+        return pa.schema(fields, metadata=meta)
+
+    def _rows_table(self, keys_N: np.ndarray, slots_N: np.ndarray, steps_N: np.ndarray) -> pa.Table:
+        cols = [pa.array(np.ascontiguousarray(keys_N, dtype=np.int64)),
+                _fixed_list(self.weights_CD[slots_N], self.dim)]
+        for c in self._columns:
+            values = self._state[c.name][slots_N]
+            cols.append(_fixed_list(values, self.dim) if c.per_dim else pa.array(values))
+        cols.append(pa.array(np.ascontiguousarray(steps_N, dtype=np.int64)))
+        return pa.Table.from_arrays(cols, schema=self.schema)
+
+    def _read_rows(self, rows: pa.Table):
+        """Return (keys, embeddings, {state column: values}, last_seen) of ``rows``, checked."""
+        where = f"table {self.name!r}: rows to load"
+        if not isinstance(rows, pa.Table):
+            raise TypeError(f"{where}: expected a pyarrow.Table, found {type(rows).__name__}")
+        expected = self.schema.names
+        if sorted(rows.column_names) != sorted(expected):
+            raise ValueError(
+                f"{where}: columns {rows.column_names} do not match this table's "
+                f"({self.cfg.optimizer}, dim {self.dim}): expected {expected}"
+            )
+        keys = _int64_column(rows, "key", where)
+        if np.unique(keys).shape[0] != keys.shape[0]:
+            raise ValueError(f"{where}: column 'key' repeats keys")
+        last_seen = _int64_column(rows, "last_seen", where)
+        emb = _matrix_column(rows, "embedding", self.dim, where, (np.float32, np.float16))
+        states = {}
+        for c in self._columns:
+            if c.per_dim:
+                states[c.name] = _matrix_column(rows, c.name, self.dim, where, (c.dtype,))
+            else:
+                states[c.name] = _vector_column(rows, c.name, where, c.dtype)
+        if keys.shape[0] > self.capacity:
+            raise ValueError(f"{where}: {keys.shape[0]} rows exceed the capacity {self.capacity}")
+        return keys, emb, states, last_seen
+
+
+# --------------------------------------------------------------------------- Arrow helpers
+
+
+def _fixed_list(values_ND: np.ndarray, dim: int) -> pa.Array:
+    flat = pa.array(np.ascontiguousarray(values_ND).reshape(-1))
+    return pa.FixedSizeListArray.from_arrays(flat, dim)
+
+
+def _column(rows: pa.Table, name: str, where: str) -> pa.Array:
+    col = rows.column(name)
+    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if arr.null_count:
+        raise ValueError(f"{where}: column {name!r} has {arr.null_count} null value(s)")
+    return arr
+
+
+def _vector_column(rows: pa.Table, name: str, where: str, dtype) -> np.ndarray:
+    arr = _column(rows, name, where)
+    if arr.type != pa.from_numpy_dtype(dtype):
+        raise ValueError(f"{where}: column {name!r} has type {arr.type}, expected {pa.from_numpy_dtype(dtype)}")
+    return arr.to_numpy(zero_copy_only=False)
+
+
+def _int64_column(rows: pa.Table, name: str, where: str) -> np.ndarray:
+    return _vector_column(rows, name, where, np.int64)
+
+
+def _matrix_column(rows: pa.Table, name: str, dim: int, where: str, dtypes) -> np.ndarray:
+    arr = _column(rows, name, where)
+    allowed = [pa.list_(pa.from_numpy_dtype(d), dim) for d in dtypes]
+    if arr.type not in allowed:
+        raise ValueError(f"{where}: column {name!r} has type {arr.type}, expected one of {allowed}")
+    flat = arr.flatten()  # honours slicing, unlike .values
+    if flat.null_count:
+        raise ValueError(f"{where}: column {name!r} has {flat.null_count} null element(s)")
+    return flat.to_numpy(zero_copy_only=False).reshape(-1, dim)

@@ -1,0 +1,265 @@
+"""KeyMap (64-bit key → slot, exact LRU) and FrequencySketch, against plain-Python references.
+
+Legend: ``N`` keys in a call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from recsys.store.keymap import FrequencySketch, KeyMap
+
+MASK = (1 << 64) - 1
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+# every corner of the int64 range is a valid key; 0 and -1 especially
+UNIVERSE = [0, -1, 1, 2, 3, 7, I64_MAX, I64_MIN, I64_MIN + 1, 0x5555555555555555, -0x2AAAAAAAAAAAAAAB, 1 << 40]
+
+
+class RefMap:
+    """The documented policy, spelled out with a dict: key -> last-access step."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.last: dict[int, int] = {}
+        self.clock: int | None = None
+
+    def _place(self, keys: list[int], steps: list[int]):
+        distinct = list(dict.fromkeys(keys))
+        if len(distinct) > self.capacity:
+            raise ValueError("overflow")
+        new = [k for k in distinct if k not in self.last]
+        need = len(new) - (self.capacity - len(self.last))
+        evicted = []
+        if need > 0:
+            protected = set(distinct)
+            order = sorted((s, k & MASK, k) for k, s in self.last.items() if k not in protected)
+            evicted = [(k, s) for s, _, k in order[:need]]
+            for k, _ in evicted:
+                del self.last[k]
+        for k, s in zip(keys, steps):
+            self.last[k] = s
+        return new, evicted
+
+    def lookup(self, keys, step):
+        if self.clock is not None and step < self.clock:
+            raise ValueError("step went back")
+        out = self._place(keys, [step] * len(keys))
+        self.clock = step
+        return out
+
+    def assign(self, keys, steps):
+        return self._place(keys, steps)
+
+    def remove(self, keys):
+        return [self.last.pop(k, None) is not None for k in keys]
+
+
+def check_same(km: KeyMap, ref: RefMap) -> None:
+    keys, slots, steps = km.items()
+    assert dict(zip(keys.tolist(), steps.tolist())) == ref.last
+    assert len(km) == len(ref.last) == len(set(slots.tolist()))
+    found = km.find(np.array(UNIVERSE, dtype=np.int64))
+    for k, s in zip(UNIVERSE, found.tolist()):
+        assert (s >= 0) == (k in ref.last)
+        if s >= 0:
+            assert km.slot_key[s] == k
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("lookup"), st.lists(st.sampled_from(UNIVERSE), max_size=8), st.integers(0, 2)),
+        st.tuples(st.just("assign"), st.lists(st.sampled_from(UNIVERSE), max_size=5, unique=True), st.integers(-3, 6)),
+        st.tuples(st.just("remove"), st.lists(st.sampled_from(UNIVERSE), max_size=4), st.just(0)),
+        st.tuples(st.just("back"), st.lists(st.sampled_from(UNIVERSE), max_size=3), st.integers(1, 3)),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(capacity=st.integers(1, 7), pool_fraction=st.sampled_from([0.01, 0.3, 1.0]), ops=ops, seed=st.integers(0, 9))
+def test_keymap_matches_reference(capacity, pool_fraction, ops, seed):
+    km, ref = KeyMap(capacity, pool_fraction=pool_fraction), RefMap(capacity)
+    rng = np.random.default_rng(seed)
+    step = 0
+    for op, keys, arg in ops:
+        arr = np.array(keys, dtype=np.int64)
+        if op in ("lookup", "back"):
+            step = step + arg if op == "lookup" else step - arg
+            try:
+                want_new, want_evicted = ref.lookup(keys, step)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    km.lookup(arr, step)
+                step = ref.clock if ref.clock is not None else step
+                check_same(km, ref)
+                continue
+            upd = km.lookup(arr, step)
+            assert upd.new_keys_M.tolist() == want_new
+            assert sorted(zip(upd.evicted_keys_K.tolist(), upd.evicted_steps_K.tolist())) == sorted(want_evicted)
+            assert upd.hits == sum(1 for k in keys if k not in want_new)
+            assert (km.slot_key[upd.slots_N] == arr).all()
+            assert sorted(upd.new_slots_M.tolist()) == sorted(set(upd.slots_N[np.isin(arr, want_new)].tolist()))
+        elif op == "assign":
+            steps = (arg + rng.integers(-2, 3, size=len(keys))).tolist()
+            try:
+                want_new, want_evicted = ref.assign(keys, steps)
+            except ValueError:
+                with pytest.raises(ValueError):
+                    km.assign(arr, np.array(steps, dtype=np.int64))
+                check_same(km, ref)
+                continue
+            upd = km.assign(arr, np.array(steps, dtype=np.int64))
+            assert upd.new_keys_M.tolist() == want_new
+            assert sorted(zip(upd.evicted_keys_K.tolist(), upd.evicted_steps_K.tolist())) == sorted(want_evicted)
+        else:
+            want = ref.remove(keys)
+            got = km.remove(arr)
+            assert (got >= 0).tolist() == want
+        check_same(km, ref)
+
+
+def test_long_zipf_run_matches_reference():
+    """Many batches through a small map: pool refills, wrap-around probes, deletions."""
+    rng = np.random.default_rng(0)
+    capacity = 60
+    km, ref = KeyMap(capacity, pool_fraction=0.1), RefMap(capacity)
+    universe = rng.integers(I64_MIN, I64_MAX, size=400, dtype=np.int64)
+    for step in range(300):
+        n = int(rng.integers(1, 40))
+        ranks = np.minimum(rng.zipf(1.3, size=n), 400) - 1
+        keys = universe[ranks]
+        want_new, want_evicted = ref.lookup(keys.tolist(), step // 2)
+        upd = km.lookup(keys, step // 2)
+        assert upd.new_keys_M.tolist() == want_new
+        assert sorted(upd.evicted_keys_K.tolist()) == sorted(k for k, _ in want_evicted)
+        if step % 37 == 0:  # rows leave and come back with old steps
+            gone = keys[:3]
+            ref.remove(gone.tolist())
+            km.remove(gone)
+            back = np.unique(gone)
+            ref.assign(back.tolist(), [0] * len(back))
+            km.assign(back, np.zeros(len(back), dtype=np.int64))
+    check_same(km, ref)
+
+
+def test_corner_keys_are_ordinary_keys():
+    km = KeyMap(8)
+    keys = np.array([0, -1, I64_MIN, I64_MAX, 1], dtype=np.int64)
+    upd = km.lookup(keys, 0)
+    assert upd.hits == 0 and len(km) == 5
+    assert km.find(keys).tolist() == upd.slots_N.tolist()
+    assert km.find(np.array([2, -2], dtype=np.int64)).tolist() == [-1, -1]
+    # uint64 input is the same bit pattern
+    as_u64 = keys.view(np.uint64)
+    assert km.find(as_u64).tolist() == upd.slots_N.tolist()
+    assert km.remove(np.array([0], dtype=np.int64)).tolist() == [upd.slots_N[0]]
+    assert km.find(keys).tolist() == [-1, *upd.slots_N[1:].tolist()]
+
+
+def test_eviction_order_is_step_then_unsigned_key():
+    km = KeyMap(4)
+    km.lookup(np.array([5, -1, 3], dtype=np.int64), 10)  # -1 is the largest uint64
+    km.lookup(np.array([9], dtype=np.int64), 11)
+    km.lookup(np.array([3], dtype=np.int64), 12)  # 3 is now the newest
+    upd = km.lookup(np.array([100, 101, 102], dtype=np.int64), 13)
+    assert sorted(zip(upd.evicted_keys_K.tolist(), upd.evicted_steps_K.tolist())) == [(-1, 10), (5, 10), (9, 11)]
+    upd = km.lookup(np.array([200], dtype=np.int64), 14)  # 5 < -1 as uint64: -1 is newer
+    km2 = KeyMap(4)
+    km2.lookup(np.array([5, -1, 3, 9], dtype=np.int64), 10)
+    assert km2.lookup(np.array([100], dtype=np.int64), 11).evicted_keys_K.tolist() == [3]
+    assert km2.lookup(np.array([101], dtype=np.int64), 11).evicted_keys_K.tolist() == [5]
+    assert km2.lookup(np.array([102], dtype=np.int64), 11).evicted_keys_K.tolist() == [9]
+    assert km2.lookup(np.array([103], dtype=np.int64), 11).evicted_keys_K.tolist() == [-1]
+    assert sorted(upd.new_slots_M.tolist()) == sorted(upd.evicted_slots_K.tolist())
+
+
+def test_keys_of_the_current_call_are_never_evicted():
+    km = KeyMap(3)
+    km.lookup(np.array([1, 2, 3], dtype=np.int64), 0)
+    upd = km.lookup(np.array([1, 4], dtype=np.int64), 0)  # same step: only 2, 3 may go; 2 < 3
+    assert upd.evicted_keys_K.tolist() == [2]
+    upd = km.lookup(np.array([3, 1, 5], dtype=np.int64), 0)  # 4 is the only candidate
+    assert upd.evicted_keys_K.tolist() == [4]
+
+
+def test_overflow_raises_and_leaves_map_unchanged():
+    km = KeyMap(3)
+    km.lookup(np.array([1, 2], dtype=np.int64), 0)
+    before = [a.copy() for a in km.items()]
+    with pytest.raises(ValueError, match="4 distinct keys but the map holds at most 3"):
+        km.lookup(np.array([1, 7, 8, 9, 7], dtype=np.int64), 1)
+    with pytest.raises(ValueError, match="distinct keys"):
+        km.assign(np.array([5, 6, 7, 8], dtype=np.int64), np.zeros(4, dtype=np.int64))
+    after = km.items()
+    for a, b in zip(before, after):
+        assert a.tolist() == b.tolist()
+    assert km.find(np.array([7, 8, 9], dtype=np.int64)).tolist() == [-1, -1, -1]
+    # repeated keys count once: three distinct keys fit
+    upd = km.lookup(np.array([7, 7, 8, 9, 9, 9], dtype=np.int64), 1)
+    assert upd.new_keys_M.tolist() == [7, 8, 9]
+    assert upd.slots_N[0] == upd.slots_N[1] and upd.slots_N[3] == upd.slots_N[5]
+
+
+def test_steps_must_not_decrease():
+    km = KeyMap(2)
+    assert km.clock is None
+    km.lookup(np.array([1], dtype=np.int64), 5)
+    with pytest.raises(ValueError, match="step 4 is before the previous lookup's step 5"):
+        km.lookup(np.array([1], dtype=np.int64), 4)
+    assert km.clock == 5
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="capacity"):
+        KeyMap(0)
+    km = KeyMap(2)
+    with pytest.raises(ValueError, match="1-D"):
+        km.find(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(TypeError, match="int64"):
+        km.find(np.array([1.5]))
+    with pytest.raises(ValueError, match="one step per key"):
+        km.assign(np.array([1, 2]), np.array([0]))
+
+
+def test_large_random_inserts_and_deletes_match_a_set():
+    rng = np.random.default_rng(1)
+    km = KeyMap(50_000)
+    keys = np.unique(rng.integers(I64_MIN, I64_MAX, size=40_000, dtype=np.int64))
+    rng.shuffle(keys)
+    upd = km.lookup(keys, 0)
+    assert upd.new_keys_M.shape[0] == keys.shape[0]
+    gone = keys[::3]
+    assert (km.remove(gone) >= 0).all()
+    kept = np.setdiff1d(keys, gone)
+    assert (km.find(kept) >= 0).all()
+    assert (km.find(gone) == -1).all()
+    assert (km.slot_key[km.find(kept)] == kept).all()
+    assert len(km) == kept.shape[0]
+
+
+# --------------------------------------------------------------------------- sketch
+
+
+def test_sketch_counts_without_undercounting_and_ages():
+    sk = FrequencySketch(width=1024, cap=5)
+    keys = np.arange(200, dtype=np.int64) * 7919 - 1000
+    for i in range(1, 4):
+        assert (sk.estimate_next(keys) == i).all()  # nothing recorded by estimate_next
+        assert (sk.add(keys) == i).all()  # 200 keys in 4×1024 cells: no full collision
+    assert (sk.add(keys[:1]) == 4).all() and (sk.add(keys[:1]) == 5).all()
+    assert (sk.add(keys[:1]) == 5).all()  # saturates at cap
+    # aging: after 10·width sightings every count is halved
+    filler = np.arange(10**6, 10**6 + sk.reset_every - sk.recorded, dtype=np.int64)
+    sk.add(filler)
+    assert sk.recorded == 0
+    assert sk.estimate_next(keys[:1])[0] <= 5 // 2 + 1
+    state = sk.state()
+    other = FrequencySketch(width=1024, cap=5)
+    other.load_state(state)
+    assert (other.estimate_next(keys) == sk.estimate_next(keys)).all()
+    with pytest.raises(ValueError, match="shape"):
+        FrequencySketch(width=64, cap=5).load_state(state)
