@@ -240,7 +240,10 @@ def write_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.tom
 
 
 from recsys.io.config import ReaderConfig  # noqa: E402  (component configs, torch-free)
+from recsys.model.config import ModelConfig  # noqa: E402
 from recsys.schema import Schema  # noqa: E402
+from recsys.store.config import StoreConfig  # noqa: E402
+from recsys.train.config import TrainConfig  # noqa: E402
 
 
 @dataclass(kw_only=True, slots=True)
@@ -265,6 +268,12 @@ class JobConfig:
     """Feature schema."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Data splits."""
+    store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
+    """Embedding store: sparse optimizer, initialization, admission, staleness."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """Dense model."""
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    """Training loop, checkpoints, logging."""
 
 
 def load_job(path: str | os.PathLike, overrides: list[str] = ()) -> JobConfig:

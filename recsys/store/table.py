@@ -269,9 +269,20 @@ class EmbeddingTable:
         """Return the event counters (see ``COUNTERS``) and ``rows``, the rows held now."""
         return {**self._counters, "rows": len(self._map)}
 
-    def peek(self, keys_U: np.ndarray) -> np.ndarray:
-        """Return float32 [U, D] rows of ``keys_U`` (zeros where absent); changes nothing."""
-        return self._gather(self._map.find(keys_U))
+    def peek(self, keys_U: np.ndarray, init_missing: bool = False) -> np.ndarray:
+        """Return float32 [U, D] rows of ``keys_U``; changes nothing.
+
+        Absent keys read zeros, or with ``init_missing`` the initial vector they would get
+        if inserted now (what training would have fed the model for a new key).
+        """
+        slots = self._map.find(keys_U)
+        rows = self._gather(slots)
+        if init_missing:
+            absent = slots < 0
+            if absent.any():
+                keys = as_keys(keys_U)[absent]
+                rows[absent] = init_vectors(keys, self.dim, self.name, self.cfg.seed, self._bound)
+        return rows
 
     def lookup(self, keys_U: np.ndarray, step: int) -> np.ndarray:
         """Return float32 [U, D] rows of the unique keys ``keys_U`` at training ``step``.

@@ -1,0 +1,1 @@
+"""Offline evaluation: metrics on predictions (numpy only)."""

@@ -1,0 +1,1 @@
+"""The trainer: loop, pipelining, DDP, checkpoints, logging, launch. ``python -m recsys.train``."""

@@ -1,0 +1,68 @@
+"""Settings of the trainer (no torch here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """How long and how the dense part trains, and what the run writes."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    """Compute device (cuda uses NCCL for DDP; the store's collectives stay on gloo)."""
+    seed: int = 0
+    """Seed of the dense model's initialization."""
+    epochs: int = 1
+    """Passes over the training split."""
+    max_steps: int = 0
+    """Stop after this many steps (0: no limit beyond ``epochs``)."""
+    optimizer: Literal["adam", "adagrad"] = "adam"
+    """Dense optimizer."""
+    lr: float = 1e-3
+    """Peak dense learning rate."""
+    weight_decay: float = 0.0
+    """Dense weight decay."""
+    warmup_steps: int = 100
+    """Linear warm-up from 0 to ``lr`` over this many steps."""
+    decay: Literal["none", "linear", "cosine"] = "none"
+    """Decay after warm-up, down to ``lr * min_lr_ratio`` at the last step (needs a known step count)."""
+    min_lr_ratio: float = 0.1
+    """Floor of the decay, as a fraction of ``lr``."""
+    clip_grad_norm: float = 0.0
+    """Clip the dense gradient's global norm (0: off)."""
+    threads: int = 0
+    """Torch intra-op threads per process (0: cores divided by local processes)."""
+    log_every: int = 50
+    """Write a metrics line every this many steps."""
+    eval_every: int = 0
+    """Evaluate on the eval split every this many steps (0: only at the end)."""
+    eval_max_rows: int = 0
+    """Rows of the eval split used by periodic evaluations (0: all); the final one uses all."""
+    checkpoint_every_steps: int = 0
+    """Checkpoint every this many steps (0: off)."""
+    checkpoint_every_minutes: float = 0.0
+    """Checkpoint every this many minutes (0: off)."""
+    keep_last: int = 3
+    """Complete checkpoints kept."""
+    progress: Literal["auto", "bar", "lines", "none"] = "auto"
+    """Progress display on rank 0: a bar on a TTY, plain periodic lines otherwise."""
+
+    def __post_init__(self) -> None:
+        for name in ("epochs", "max_steps", "warmup_steps", "threads", "eval_every", "eval_max_rows",
+                     "checkpoint_every_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, found {getattr(self, name)}")
+        if self.epochs == 0 and self.max_steps == 0:
+            raise ValueError("set epochs or max_steps")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, found {self.lr}")
+        if self.log_every <= 0:
+            raise ValueError(f"log_every must be > 0, found {self.log_every}")
+        if self.keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, found {self.keep_last}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio}")
+        if self.checkpoint_every_minutes < 0 or self.clip_grad_norm < 0:
+            raise ValueError("checkpoint_every_minutes and clip_grad_norm must be >= 0")

@@ -1,0 +1,230 @@
+"""The sharded store: lookup/pool/push, 2 ranks == 1 rank, resharding, the staleness schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from dist_utils import run_distributed
+from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.store.config import StoreConfig
+from recsys.store.sharded import ShardedEmbeddingStore
+
+DIM = 4
+
+
+def make_schema(capacity: int = 10_000) -> Schema:
+    return Schema(
+        dense=["d"],
+        tables={"user": TableSpec(dim=DIM, capacity=capacity), "item": TableSpec(dim=DIM, capacity=capacity)},
+        sparse=[
+            FeatureSpec(name="user"),
+            FeatureSpec(name="item"),
+            FeatureSpec(name="history", table="item", multi_hot=True, pooling="mean"),
+        ],
+    )
+
+
+def make_kjt(rng: np.random.Generator, B: int, vocab: int = 60) -> KeyedJaggedTensor:
+    """Return a KJT of B rows: user, item single-hot; history 0..4 items (mean pooled)."""
+    lengths = np.concatenate([np.ones(B), np.ones(B), rng.integers(0, 5, B)]).astype(np.int32)
+    values = rng.zipf(1.3, size=int(lengths.sum())) % vocab
+    return KeyedJaggedTensor(
+        keys=["user", "item", "history"], values=torch.from_numpy(values.astype(np.int64)),
+        lengths=torch.from_numpy(lengths),
+    )
+
+
+def split_kjt(kjt: KeyedJaggedTensor, parts: int) -> list[KeyedJaggedTensor]:
+    """Return the KJT's rows cut into ``parts`` equal consecutive slices (rank r gets slice r)."""
+    B = kjt.stride()
+    per = B // parts
+    out = []
+    jts = kjt.to_dict()
+    for r in range(parts):
+        vals, lens = [], []
+        for key in kjt.keys():
+            jt = jts[key]
+            l = jt.lengths()[r * per : (r + 1) * per]
+            o = jt.offsets()
+            vals.append(jt.values()[o[r * per] : o[(r + 1) * per]])
+            lens.append(l)
+        out.append(KeyedJaggedTensor(keys=kjt.keys(), values=torch.cat(vals), lengths=torch.cat(lens)))
+    return out
+
+
+def train_steps(store: ShardedEmbeddingStore, kjts, world: int, steps_per_push_check=None) -> list[float]:
+    """Run steps of loss = sum(pooled * V) / B_global; return the losses of this rank's part."""
+    V = torch.linspace(-1, 1, 3 * DIM).view(1, 3, DIM)
+    losses = []
+    for step, kjt in enumerate(kjts):
+        lookup = store.lookup(kjt, step)
+        pooled = lookup.pooled(3)
+        loss = (pooled * V).sum() / (kjt.stride() * world)
+        loss.backward()
+        store.push(lookup)
+        losses.append(loss.item())
+    store.flush()
+    return losses
+
+
+def all_rows(state: dict[str, pa.Table]) -> dict[str, dict[int, np.ndarray]]:
+    out = {}
+    for name, t in state.items():
+        keys = t.column("key").to_numpy()
+        emb = np.stack(t.column("embedding").to_numpy(zero_copy_only=False)) if len(keys) else np.empty((0, DIM))
+        out[name] = {int(k): e for k, e in zip(keys, emb)}
+    return out
+
+
+def global_batches(steps: int = 6, B: int = 16):
+    rng = np.random.default_rng(7)
+    return [make_kjt(rng, B) for _ in range(steps)]
+
+
+def _sharded_body(rank: int, world: int, staleness: int):
+    batches = [split_kjt(k, world)[rank] for k in global_batches()]
+    store = ShardedEmbeddingStore(make_schema(), StoreConfig(lr=0.1, staleness=staleness), threaded=True)
+    losses = train_steps(store, batches, world)
+    state = store.state_dict()
+    store.close()
+    return losses, state
+
+
+def test_single_process_push_matches_manual_rowwise_adagrad():
+    schema = make_schema()
+    store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.5))
+    kjt = KeyedJaggedTensor(keys=["user", "item", "history"], values=torch.tensor([1, 2, 3, 2, 2, 5]),
+                            lengths=torch.tensor([1, 1, 1, 1, 0, 2], dtype=torch.int32))
+    lookup = store.lookup(kjt, 0)
+    before = {n: r.detach().clone() for n, r in lookup.rows.items()}
+    pooled = lookup.pooled(3)
+    # history row 0 is empty -> zeros; row 1 is the mean of items 2 and 5
+    assert torch.allclose(pooled[0, 2], torch.zeros(DIM))
+    item = dict(zip(lookup.parts[1].keys_U.tolist(), before["item"]))
+    assert torch.allclose(pooled[1, 2], (item[2] + item[5]) / 2)
+    pooled.sum().backward()
+    store.push(lookup)
+    store.flush()
+    # item 2: once as 'item' (row 0) and as half of a history mean (row 1): grad 1.5 per element
+    g = 1.5
+    expected = item[2] - 0.5 * g / (np.sqrt(g * g) + 1e-8)
+    after = store.peek_rows("item", np.array([2]))
+    assert torch.allclose(torch.from_numpy(after[0]), expected, atol=1e-6)
+
+
+def test_two_ranks_equal_one_rank_at_staleness_zero():
+    single = ShardedEmbeddingStore(make_schema(), StoreConfig(lr=0.1))
+    losses_1 = train_steps(single, global_batches(), 1)
+    rows_1 = all_rows(single.state_dict())
+    results = run_distributed(_sharded_body, 2, 0)
+    losses_2 = [a + b for a, b in zip(results[0][0], results[1][0])]
+    np.testing.assert_allclose(losses_2, losses_1, rtol=1e-5)
+    merged = {name: {} for name in rows_1}
+    for _, state in results:
+        for name, rows in all_rows(state).items():
+            assert not set(rows) & set(merged[name]), "a key is owned by two ranks"
+            merged[name].update(rows)
+    for name in rows_1:
+        assert merged[name].keys() == rows_1[name].keys()
+        for k, v in rows_1[name].items():
+            np.testing.assert_allclose(merged[name][k], v, rtol=1e-5, atol=1e-6)
+
+
+def _reshard_body(rank: int, world: int, state):
+    store = ShardedEmbeddingStore(make_schema(), StoreConfig(lr=0.1))
+    store.load_state_dict(state)
+    mine = store.state_dict()
+    kjt = split_kjt(global_batches(1, 12)[0], world)[rank]
+    pooled = store.lookup(kjt, None, train=False).pooled(3)
+    return mine, pooled
+
+
+def test_state_saved_at_two_ranks_loads_at_one_and_three():
+    saved = run_distributed(_sharded_body, 2, 0)
+    full = {name: pa.concat_tables([s[name] for _, s in saved]) for name in saved[0][1]}
+    one = ShardedEmbeddingStore(make_schema(), StoreConfig(lr=0.1))
+    one.load_state_dict(full)
+    rows_one = all_rows(one.state_dict())
+    assert {n: len(r) for n, r in rows_one.items()} == {n: t.num_rows for n, t in full.items()}
+    pooled_one = one.lookup(global_batches(1, 12)[0], None, train=False).pooled(3)
+    three = run_distributed(_reshard_body, 3, full)
+    for name in full:
+        parts = [all_rows(state)[name] for state, _ in three]
+        assert sum(len(p) for p in parts) == full[name].num_rows
+        union = {k: v for p in parts for k, v in p.items()}
+        assert union.keys() == rows_one[name].keys()
+        for k, v in union.items():
+            np.testing.assert_array_equal(v, rows_one[name][k])
+    torch.testing.assert_close(torch.cat([p for _, p in three]), pooled_one)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_each_push_becomes_visible_exactly_staleness_steps_later(staleness):
+    store = ShardedEmbeddingStore(make_schema(), StoreConfig(lr=0.1, staleness=staleness), threaded=True)
+    batches = global_batches(8)
+    # submit the next lookup before pushing the current step, as the trainer does
+    future = store.submit_lookup(batches[0], 0)
+    for step in range(len(batches)):
+        lookup = future.result()
+        if step + 1 < len(batches):
+            future = store.submit_lookup(batches[step + 1], step + 1)
+        lookup.pooled(3).sum().backward()
+        store.push(lookup)
+    store.flush()
+    store.close()
+    seen = dict(store.visibility)
+    for push_step in range(len(batches) - staleness - 1):
+        assert seen[push_step] == push_step + staleness + 1
+    for push_step in range(len(batches) - staleness - 1, len(batches)):
+        assert seen[push_step] == -1  # applied by the final flush, seen by no lookup
+
+
+def test_staleness_runs_are_deterministic():
+    def run():
+        store = ShardedEmbeddingStore(make_schema(), StoreConfig(lr=0.1, staleness=2), threaded=True)
+        losses = train_steps_pipelined(store, global_batches(8))
+        rows = all_rows(store.state_dict())
+        store.close()
+        return losses, rows
+
+    (l1, r1), (l2, r2) = run(), run()
+    assert l1 == l2
+    for name in r1:
+        assert r1[name].keys() == r2[name].keys()
+        for k in r1[name]:
+            np.testing.assert_array_equal(r1[name][k], r2[name][k])
+
+
+def train_steps_pipelined(store, batches):
+    losses = []
+    future = store.submit_lookup(batches[0], 0)
+    for step in range(len(batches)):
+        lookup = future.result()
+        if step + 1 < len(batches):
+            future = store.submit_lookup(batches[step + 1], step + 1)
+        loss = lookup.pooled(3).pow(2).sum()
+        loss.backward()
+        store.push(lookup)
+        losses.append(loss.item())
+    store.flush()
+    return losses
+
+
+def test_schedule_errors_are_clear():
+    store = ShardedEmbeddingStore(make_schema(), StoreConfig(staleness=0))
+    batches = global_batches(2)
+    lookup = store.lookup(batches[0], 0)
+    with pytest.raises(RuntimeError, match=r"must see the pushes of steps \[0\]"):
+        store.lookup(batches[1], 1)
+    with pytest.raises(ValueError, match="already looked up"):
+        store.submit_lookup(batches[0], 0)
+    with pytest.raises(RuntimeError, match=r"looked up but not pushed"):
+        store.flush()
+    store.cancel(lookup)
+    with pytest.raises(ValueError, match="no pending training lookup"):
+        store.push(lookup)
+    store.flush()
