@@ -9,6 +9,7 @@ from typing import Literal
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam", "sgd")
 DTYPES = ("float32", "float16")
 MAX_MIN_COUNT = 255  # admission counters are saturating uint8
+SPILL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -39,6 +40,22 @@ class StoreConfig:
     """Seed of the initial vectors (with the table name and the key, nothing else)."""
     staleness: int = 0
     """Lookups of step t see the pushes of steps <= t - staleness - 1, exactly (0: synchronous)."""
+    device_cache_rows: int = 0
+    """Rows per table and shard cached on the compute device, write-back (0: no device cache)."""
+    spill_url: str = ""
+    """Redis URL of the spill tier keeping evicted rows, e.g. ``redis://host:6379/0`` ("": none)."""
+    spill_namespace: str = "recsys"
+    """Prefix of spill keys: ``<namespace>:spill:<table>:<key as 16 hex digits>``."""
+    spill_batch_rows: int = 1000
+    """Keys per Redis command (MSET / MGET / UNLINK) of the spill tier."""
+    spill_queue_rows: int = 100_000
+    """Evicted rows buffered for the background writer; evictions wait while it is full."""
+    spill_retries: int = 3
+    """Retries of a failed Redis call (after the first attempt) before ``SpillError``."""
+    spill_backoff_s: float = 0.05
+    """Wait before the first retry; doubled before each further one."""
+    spill_timeout_s: float = 5.0
+    """Socket timeout of one Redis call (connect, send, reply)."""
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZERS:
@@ -65,6 +82,31 @@ class StoreConfig:
             raise ValueError(f"staleness must be >= 0, found {self.staleness}")
         if not 1 <= self.min_count <= MAX_MIN_COUNT:
             raise ValueError(f"min_count must be in [1, {MAX_MIN_COUNT}], found {self.min_count}")
+        if self.device_cache_rows < 0:
+            raise ValueError(f"device_cache_rows must be >= 0 (0: no device cache), found {self.device_cache_rows}")
+        if self.spill_url and not self.spill_url.startswith(SPILL_SCHEMES):
+            raise ValueError(
+                f"spill_url must start with one of {list(SPILL_SCHEMES)} (or be empty: no spill tier), "
+                f"found {self.spill_url!r}"
+            )
+        if not self.spill_namespace or any(ch.isspace() for ch in self.spill_namespace):
+            raise ValueError(f"spill_namespace must be non-empty without whitespace, found {self.spill_namespace!r}")
+        if not 1 <= self.spill_batch_rows <= 100_000:
+            raise ValueError(f"spill_batch_rows must be in [1, 100000], found {self.spill_batch_rows}")
+        if self.spill_queue_rows < self.spill_batch_rows:
+            raise ValueError(
+                f"spill_queue_rows must be >= spill_batch_rows ({self.spill_batch_rows}), found {self.spill_queue_rows}"
+            )
+        if not 0 <= self.spill_retries <= 20:
+            raise ValueError(f"spill_retries must be in [0, 20], found {self.spill_retries}")
+        if not (math.isfinite(self.spill_backoff_s) and 0 <= self.spill_backoff_s <= 60):
+            raise ValueError(f"spill_backoff_s must be in [0, 60] seconds, found {self.spill_backoff_s}")
+        if not (math.isfinite(self.spill_timeout_s) and self.spill_timeout_s > 0):
+            raise ValueError(f"spill_timeout_s must be a finite number > 0, found {self.spill_timeout_s}")
+
+    def spill_retry_budget_s(self) -> float:
+        """Return the longest a spill call waits in backoff before ``SpillError`` (timeouts excluded)."""
+        return self.spill_backoff_s * (2**self.spill_retries - 1)
 
     def init_bound(self, dim: int) -> float:
         """Return ``a`` of the initial distribution U(-a, a) for a table of width ``dim``."""

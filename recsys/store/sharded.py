@@ -122,11 +122,10 @@ class ShardedEmbeddingStore:
         self.group = group
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        if table_factory is None:
-            from recsys.store.table import EmbeddingTable as table_factory
         self.table_names = list(schema.tables)
         self.tables = {
-            name: table_factory(name, self._shard_spec(spec), cfg) for name, spec in schema.tables.items()
+            name: self._make_table(table_factory, name, self._shard_spec(spec), cfg)
+            for name, spec in schema.tables.items()
         }
         self._features_of = {
             t: [i for i, f in enumerate(schema.sparse) if f.table == t] for t in self.table_names
@@ -145,6 +144,31 @@ class ShardedEmbeddingStore:
             self._ops = queue.Queue()
             self._worker = threading.Thread(target=self._work, name="store-worker", daemon=True)
             self._worker.start()
+
+    def _make_table(self, table_factory, name: str, spec: TableSpec, cfg: StoreConfig):
+        """Return one table's tiers: ``table_factory``'s table (default: an ``EmbeddingTable``
+        spilling to ``cfg.spill_url`` if set, listing only this rank's keys), wrapped in a
+        ``DeviceCache`` on ``self.device`` when ``cfg.device_cache_rows > 0``."""
+        if table_factory is not None:
+            table = table_factory(name, spec, cfg)
+        else:
+            from recsys.store.table import EmbeddingTable
+
+            spill = None
+            if cfg.spill_url:
+                from recsys.store.spill import SpillTier
+
+                owns = None
+                if self.world_size > 1:
+                    world, rank = self.world_size, self.rank
+                    owns = lambda keys: hashing.owner_of(keys, world) == rank  # noqa: E731
+                spill = SpillTier(name, spec.dim, cfg, owns=owns)
+            table = EmbeddingTable(name, spec, cfg, spill=spill)
+        if cfg.device_cache_rows > 0:
+            from recsys.store.device_cache import DeviceCache
+
+            table = DeviceCache(table, cfg.device_cache_rows, self.device)
+        return table
 
     def _shard_spec(self, spec: TableSpec) -> TableSpec:
         per_shard = -(-spec.capacity // self.world_size)
@@ -197,12 +221,27 @@ class ShardedEmbeddingStore:
         self._submit(("flush", limit)).result()
 
     def close(self) -> None:
-        """Stop the worker thread; queued pushes are applied first."""
+        """Stop the worker thread; queued pushes are applied first. Then close every table:
+        device caches write back, spill tiers flush (the first failure is raised after all
+        tables were closed)."""
         if self._worker is not None and self._worker.is_alive():
             self._ops.put(None)
             self._worker.join()
-        if self._failure is None:
-            self._apply_pushes_through(float("inf"))
+        errors: list[BaseException] = []
+        try:
+            if self._failure is None:
+                self._apply_pushes_through(float("inf"))
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the tables closed
+            errors.append(exc)
+        for table in self.tables.values():
+            close = getattr(table, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except BaseException as exc:  # noqa: BLE001
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
 
     def peek_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return this shard's float32 rows of ``keys`` in ``table`` (zeros where absent)."""

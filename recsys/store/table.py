@@ -35,10 +35,30 @@ collision, ~(keys per aging period / width)^4). A key is admitted on the lookup 
 its ``min_count``-th sighting and gets its row then. Before that, lookups return zeros and
 gradients for it are ignored. The sketch ages (halves) every ``10·W`` sightings and is
 not part of ``state_dict``: carry it with ``admission_state`` / ``load_admission_state``.
+
+Spill tier (``spill``, a ``recsys.store.spill.SpillTier``; built from ``cfg.spill_url``
+unless given): evicted rows go to it with their optimizer state and last_seen, and a
+lookup's misses are asked of it before anything is initialized::
+
+    lookup(keys_U, step)
+      KeyMap.find ─► misses ─► spill.fetch (in-memory buffer, then MGET) ─► found / not found
+      one KeyMap.lookup of every admitted key (the whole call's keys protected from eviction)
+        new slots: found rows copied back exactly, the others initialized; every key's
+        last_seen becomes ``step``; evicted rows ─► spill.put (async)
+      spill.forget(found keys): their Redis copies stop being authoritative (async UNLINK)
+
+A spilled key found in the tier is admitted whatever the sketch says (it had a row).
+``apply_gradients`` brings back spilled rows of its keys the same way (with their own
+last_seen), so a row evicted between its lookup and its push still gets its gradient.
+``peek`` reads spilled rows without moving them. ``state_dict`` holds the spilled rows
+too (after a flush of pending writes); ``insert_rows`` takes more rows than the capacity
+(oldest first, the overflow spills). A spill error (``SpillError``) leaves the table as it
+was before the call; a key that might be in Redis is never initialized instead.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -52,7 +72,7 @@ from recsys.store import optim
 from recsys.store.config import StoreConfig
 from recsys.store.keymap import FrequencySketch, KeyMap, as_keys
 
-__all__ = ["EmbeddingTable", "init_vectors", "COUNTERS", "to_float16", "to_float32"]
+__all__ = ["EmbeddingTable", "RowBlock", "init_vectors", "COUNTERS", "to_float16", "to_float32"]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _INIT_TAG = 0xD6E8FEB86659FD93
@@ -70,6 +90,42 @@ COUNTERS = (
     "rows_in",  # rows put in by insert_rows / load_state_dict
     "rows_out",  # rows taken out by pop_rows
 )
+
+
+@dataclass(slots=True)
+class RowBlock:
+    """Rows with everything a table keeps of them (``state_dict`` columns as numpy arrays)."""
+
+    keys: np.ndarray
+    """int64 [N]."""
+    emb: np.ndarray
+    """[N, D] in the table's storage dtype (float32 or float16)."""
+    states: dict[str, np.ndarray]
+    """Optimizer state per ``optim.state_columns`` name: [N, D] or [N]."""
+    last_seen: np.ndarray
+    """int64 [N]: step of each row's last access."""
+
+    @property
+    def num_rows(self) -> int:
+        """Return N."""
+        return int(self.keys.shape[0])
+
+    def take(self, idx) -> "RowBlock":
+        """Return the rows at ``idx`` (an index array or a boolean mask), copied."""
+        return RowBlock(self.keys[idx], self.emb[idx], {k: v[idx] for k, v in self.states.items()},
+                        self.last_seen[idx])
+
+    @staticmethod
+    def concat(blocks: "list[RowBlock]") -> "RowBlock":
+        """Return the rows of ``blocks`` (at least one) one after another."""
+        if len(blocks) == 1:
+            return blocks[0]
+        return RowBlock(
+            np.concatenate([b.keys for b in blocks]),
+            np.concatenate([b.emb for b in blocks]),
+            {k: np.concatenate([b.states[k] for b in blocks]) for k in blocks[0].states},
+            np.concatenate([b.last_seen for b in blocks]),
+        )
 
 
 # --------------------------------------------------------------------------- initial rows
@@ -222,8 +278,9 @@ class EmbeddingTable:
     """One shard's rows of table ``name``: lookup with insertion, sparse updates, Arrow I/O.
 
     ``on_evict`` receives the rows an LRU eviction removes (``state_dict`` columns), after
-    the table is consistent again; without it evicted rows are dropped. Not thread-safe:
-    the store serializes calls.
+    the table is consistent again; without it (and without a spill tier) evicted rows are
+    dropped. ``spill``: the spill tier ("auto": one built from ``cfg.spill_url`` when set;
+    None: none). Not thread-safe: the store serializes calls.
     """
 
     def __init__(
@@ -233,6 +290,7 @@ class EmbeddingTable:
         cfg: StoreConfig,
         *,
         on_evict: Callable[[pa.Table], None] | None = None,
+        spill="auto",
     ) -> None:
         self.name = name
         self.spec = spec
@@ -258,6 +316,15 @@ class EmbeddingTable:
         self._bound = float(cfg.init_bound(self.dim))
         self._counters = dict.fromkeys(COUNTERS, 0)
         self.schema = self._arrow_schema()
+        if isinstance(spill, str):
+            if spill != "auto":
+                raise ValueError(f"spill must be a SpillTier, None or 'auto', found {spill!r}")
+            spill = None
+            if cfg.spill_url:
+                from recsys.store.spill import SpillTier  # redis is only needed with a spill tier
+
+                spill = SpillTier(name, self.dim, cfg)
+        self.spill = spill
 
     # ------------------------------------------------------------------ reads
 
@@ -267,7 +334,10 @@ class EmbeddingTable:
 
     def counters(self) -> dict[str, int]:
         """Return the event counters (see ``COUNTERS``) and ``rows``, the rows held now."""
-        return {**self._counters, "rows": len(self._map)}
+        out = {**self._counters, "rows": len(self._map)}
+        if self.spill is not None:
+            out.update(self.spill.counters())
+        return out
 
     def peek(self, keys_U: np.ndarray, init_missing: bool = False) -> np.ndarray:
         """Return float32 [U, D] rows of ``keys_U``; changes nothing.
@@ -275,13 +345,19 @@ class EmbeddingTable:
         Absent keys read zeros, or with ``init_missing`` the initial vector they would get
         if inserted now (what training would have fed the model for a new key).
         """
-        slots = self._map.find(keys_U)
+        keys = as_keys(keys_U)
+        slots = self._map.find(keys)
         rows = self._gather(slots)
-        if init_missing:
-            absent = slots < 0
-            if absent.any():
-                keys = as_keys(keys_U)[absent]
-                rows[absent] = init_vectors(keys, self.dim, self.name, self.cfg.seed, self._bound)
+        absent = slots < 0
+        if self.spill is not None and absent.any():
+            self.spill.check()
+            where = np.flatnonzero(absent)
+            found, block = self.spill.fetch(keys[where], count=False)
+            if block.num_rows:
+                rows[where[found]] = _as_float32(block.emb)
+                absent[where[found]] = False
+        if init_missing and absent.any():
+            rows[absent] = init_vectors(keys[absent], self.dim, self.name, self.cfg.seed, self._bound)
         return rows
 
     def lookup(self, keys_U: np.ndarray, step: int) -> np.ndarray:
@@ -292,9 +368,26 @@ class EmbeddingTable:
         below an earlier lookup's. Raises ``ValueError`` (table unchanged) if the call's
         keys cannot all fit. Uniqueness is the caller's promise (not checked: hot path).
         """
+        slots = self._touch(as_keys(keys_U), int(step))
+        return self._gather(slots)
+
+    def lookup_rows(self, keys_U: np.ndarray, step: int, want_U: np.ndarray) -> tuple[np.ndarray, RowBlock]:
+        """``lookup`` that returns, instead of float32 rows, which keys have a row (bool [U])
+        and the full rows (``RowBlock``) of the keys with a row where ``want_U`` is true."""
         keys = as_keys(keys_U)
-        step = int(step)
-        if self._sketch is None:
+        slots = self._touch(keys, int(step))
+        has_row = slots >= 0
+        sel = np.flatnonzero(has_row & np.asarray(want_U, dtype=bool))
+        return has_row, self._block(keys[sel], slots[sel], self._map.slot_step[slots[sel]])
+
+    def _touch(self, keys: np.ndarray, step: int) -> np.ndarray:
+        """Touch ``keys`` at ``step``, admitting, restoring (spill) or initializing misses;
+        return their slots (-1: not admitted)."""
+        spill = self.spill
+        fetched = None
+        if spill is not None:
+            spill.check()
+        if self._sketch is None and spill is None:
             upd = self._map.lookup(keys, step)
             slots = upd.slots_N
             n_miss = keys.shape[0] - upd.hits
@@ -303,26 +396,55 @@ class EmbeddingTable:
             found = self._map.find(keys)
             miss = found < 0
             miss_keys = keys[miss]
-            admit = self._sketch.estimate_next(miss_keys) >= self.cfg.min_count
+            in_spill = np.zeros(miss_keys.shape[0], dtype=bool)
+            if spill is not None and miss_keys.shape[0]:
+                self._check_call(keys, step)  # no Redis round trip for a call that cannot succeed
+                in_spill, fetched = spill.fetch(miss_keys)  # read-only: a raise changes nothing
+            if self._sketch is None:
+                admit = np.ones(miss_keys.shape[0], dtype=bool)
+            else:
+                admit = in_spill | (self._sketch.estimate_next(miss_keys) >= self.cfg.min_count)
             take = ~miss
             take[miss] = admit
             upd = self._map.lookup(keys[take], step)  # raises before anything is recorded
-            self._sketch.add(miss_keys)
+            if self._sketch is not None:
+                self._sketch.add(miss_keys[~in_spill])  # a spilled key had a row: not a sighting
             slots = np.full(keys.shape[0], -1, dtype=np.int64)
             slots[take] = upd.slots_N
             n_miss = miss_keys.shape[0]
             n_admit = int(admit.sum())
+        evicted = self._take_evicted(upd)
+        new_keys, new_slots = upd.new_keys_M, upd.new_slots_M
+        if fetched is not None and fetched.num_rows:
+            pos = _positions(fetched.keys, new_keys)  # every fetched key is new
+            restored = np.zeros(new_keys.shape[0], dtype=bool)
+            restored[pos] = True
+            self._write_rows(new_slots[pos], fetched)
+            new_keys, new_slots = new_keys[~restored], new_slots[~restored]
+        self._init_rows(new_keys, new_slots)
         c = self._counters
         c["hits"] += keys.shape[0] - n_miss
         c["misses"] += n_miss
         c["admitted"] += n_admit
         c["rejected"] += n_miss - n_admit
-        c["inserts"] += upd.new_slots_M.shape[0]
-        evicted = self._take_evicted(upd)
-        self._init_rows(upd.new_keys_M, upd.new_slots_M)
-        rows = self._gather(slots)
+        c["inserts"] += new_slots.shape[0]
+        if fetched is not None and fetched.num_rows:
+            spill.forget(fetched.keys)
         self._emit(evicted)
-        return rows
+        return slots
+
+    def _check_call(self, keys: np.ndarray, step: int) -> None:
+        """Raise the errors ``KeyMap.lookup`` would raise for this call, changing nothing."""
+        clock = self._map.clock
+        if clock is not None and step < clock:
+            raise ValueError(
+                f"lookup step {step} is before the previous lookup's step {int(clock)}; steps must not decrease"
+            )
+        if self._sketch is None and keys.shape[0] > self.capacity and np.unique(keys).shape[0] > self.capacity:
+            raise ValueError(
+                f"a call touches {np.unique(keys).shape[0]} distinct keys but the map holds at most "
+                f"{self.capacity}; raise the table's capacity or send smaller batches"
+            )
 
     # ------------------------------------------------------------------ updates
 
@@ -345,7 +467,11 @@ class EmbeddingTable:
                 f"table {self.name!r}: gradients of step {step} arrive before its lookup "
                 f"(latest lookup step: {clock})"
             )
+        if self.spill is not None:
+            self.spill.check()
         slots = self._map.find(keys)
+        if self.spill is not None and (slots < 0).any():
+            slots = self._restore_for_update(keys, slots)
         n_ignored = int((slots < 0).sum())
         self._counters["ignored"] += n_ignored
         self._counters["updated"] += keys.shape[0] - n_ignored
@@ -365,6 +491,13 @@ class EmbeddingTable:
         optimizer's state columns (``optim.state_columns``), ``last_seen`` int64.
         """
         keys, slots, steps = self._map.items()
+        if self.spill is not None:
+            self.spill.check()
+            block = self._block(keys, slots, steps)
+            spilled = self.spill.rows()  # flushes pending writes first
+            spilled = spilled.take(self._map.find(spilled.keys) < 0)  # the host copy wins
+            block = RowBlock.concat([block, spilled])
+            return self._block_table(block.take(np.argsort(block.keys, kind="stable")))
         order = np.argsort(keys, kind="stable")
         return self._rows_table(keys[order], slots[order], steps[order])
 
@@ -373,7 +506,10 @@ class EmbeddingTable:
         self.insert_rows(rows)
 
     def pop_rows(self, keys: np.ndarray) -> pa.Table:
-        """Remove the rows of ``keys`` and return them (absent keys are skipped)."""
+        """Remove the rows of ``keys`` and return them (absent keys are skipped).
+
+        Only rows held in memory move; spilled rows stay in the spill tier, whose keys do
+        not depend on the shard (their new owner finds them on its next miss)."""
         keys = as_keys(keys)
         slots = self._map.remove(keys)
         live = slots >= 0
@@ -387,19 +523,43 @@ class EmbeddingTable:
 
         Rows of a float32 table load into a float16 one (rounded) and vice versa. If the
         table is full, least-recently-used rows not in ``rows`` are evicted (``on_evict``).
+        With a spill tier, ``rows`` may exceed the capacity: they go in oldest first (by
+        last_seen, then key), so the newest stay in memory and the others spill.
         """
         keys, emb, states, last_seen = self._read_rows(rows)
-        upd = self._map.assign(keys, last_seen)
-        evicted = self._take_evicted(upd)
-        slots = upd.slots_N
-        if self._w16 is not None and emb.dtype == np.float32:
-            _scatter_f16_kernel(np.ascontiguousarray(emb).view(np.uint32), self._w16, slots)
+        if self.spill is not None:
+            self.spill.check()
+        block = RowBlock(keys, emb, states, last_seen)
+        if keys.shape[0] <= self.capacity:
+            self._insert_block(block)
         else:
-            self.weights_CD[slots] = emb
-        for name, values in states.items():
-            self._state[name][slots] = values
+            order = np.lexsort((keys.view(np.uint64), last_seen))
+            for start in range(0, keys.shape[0], self.capacity):
+                self._insert_block(block.take(order[start : start + self.capacity]))
         self._counters["rows_in"] += keys.shape[0]
-        self._emit(evicted)
+
+    def write_back(self, block: RowBlock) -> None:
+        """Overwrite rows with ``block`` (a cache's newer copies), keeping their LRU place.
+
+        Keys without a row here are inserted with their last_seen (evicting LRU rows if
+        full). Nothing is counted as ``rows_in``."""
+        slots = self._map.find(block.keys)
+        present = slots >= 0
+        if present.any():
+            self._write_rows(slots[present], block.take(present) if not present.all() else block)
+        if not present.all():
+            self._insert_block(block.take(~present))
+
+    def flush(self) -> None:
+        """Wait until the spill tier's pending writes are in Redis (no-op without one)."""
+        if self.spill is not None:
+            self.spill.flush()
+
+    def close(self) -> None:
+        """Flush and close the spill tier (no-op without one). Raises ``SpillError`` if rows
+        could not be written (they stay in this process's memory)."""
+        if self.spill is not None:
+            self.spill.close()
 
     # ------------------------------------------------------------------ admission state
 
@@ -443,19 +603,75 @@ class EmbeddingTable:
         out[absent] = 0.0
         return out
 
-    def _take_evicted(self, upd) -> pa.Table | None:
+    def _take_evicted(self, upd) -> RowBlock | None:
         k = upd.evicted_keys_K.shape[0]
         if k == 0:
             return None
         self._counters["evictions"] += k
-        if self.on_evict is None:
+        if self.on_evict is None and self.spill is None:
             return None
         # copy before new rows overwrite the slots
-        return self._rows_table(upd.evicted_keys_K, upd.evicted_slots_K, upd.evicted_steps_K)
+        return self._block(upd.evicted_keys_K, upd.evicted_slots_K, upd.evicted_steps_K)
 
-    def _emit(self, evicted: pa.Table | None) -> None:
-        if evicted is not None:
-            self.on_evict(evicted)
+    def _emit(self, evicted: RowBlock | None) -> None:
+        if evicted is None:
+            return
+        if self.spill is not None:
+            self.spill.put(evicted)  # holds the rows even when it raises
+        if self.on_evict is not None:
+            self.on_evict(self._block_table(evicted))
+
+    def _insert_block(self, block: RowBlock) -> None:
+        """Put ``block`` (at most ``capacity`` distinct keys) in with its last_seen steps."""
+        upd = self._map.assign(block.keys, block.last_seen)
+        evicted = self._take_evicted(upd)
+        self._write_rows(upd.slots_N, block)
+        if self.spill is not None and upd.new_keys_M.shape[0]:
+            self.spill.forget(upd.new_keys_M)  # a spilled copy of these keys is now stale
+        self._emit(evicted)
+
+    def _write_rows(self, slots: np.ndarray, block: RowBlock) -> None:
+        """Write ``block``'s embeddings and optimizer state into ``slots``."""
+        emb = block.emb
+        if self._w16 is not None and emb.dtype == np.float32:
+            _scatter_f16_kernel(np.ascontiguousarray(emb).view(np.uint32), self._w16, slots)
+        else:
+            self.weights_CD[slots] = emb
+        for name, values in block.states.items():
+            self._state[name][slots] = values
+
+    def _restore_for_update(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Bring back spilled rows of gradient keys (their last_seen kept); return new slots."""
+        absent = slots < 0
+        found, block = self.spill.fetch(keys[absent])
+        if block.num_rows == 0:
+            return slots
+        present = ~absent
+        all_keys = np.concatenate([keys[present], block.keys])
+        all_steps = np.concatenate([self._map.slot_step[slots[present]], block.last_seen])
+        upd = self._map.assign(all_keys, all_steps)  # protects the present keys too
+        evicted = self._take_evicted(upd)
+        self._write_rows(upd.slots_N[present.sum():], block)
+        self.spill.forget(block.keys)
+        self._emit(evicted)
+        return self._map.find(keys)
+
+    def _block(self, keys_N: np.ndarray, slots_N: np.ndarray, steps_N: np.ndarray) -> RowBlock:
+        """Return a copy of the rows in ``slots_N``."""
+        return RowBlock(
+            np.ascontiguousarray(keys_N, dtype=np.int64),
+            self.weights_CD[slots_N],
+            {c.name: self._state[c.name][slots_N] for c in self._columns},
+            np.ascontiguousarray(steps_N, dtype=np.int64),
+        )
+
+    def _block_table(self, block: RowBlock) -> pa.Table:
+        cols = [pa.array(block.keys), _fixed_list(block.emb, self.dim)]
+        for c in self._columns:
+            values = block.states[c.name]
+            cols.append(_fixed_list(values, self.dim) if c.per_dim else pa.array(values))
+        cols.append(pa.array(block.last_seen))
+        return pa.Table.from_arrays(cols, schema=self.schema)
 
     def _arrow_schema(self) -> pa.Schema:
         emb_type = pa.float32() if self._np_dtype == np.float32 else pa.float16()
@@ -470,13 +686,7 @@ class EmbeddingTable:
         return pa.schema(fields, metadata=meta)
 
     def _rows_table(self, keys_N: np.ndarray, slots_N: np.ndarray, steps_N: np.ndarray) -> pa.Table:
-        cols = [pa.array(np.ascontiguousarray(keys_N, dtype=np.int64)),
-                _fixed_list(self.weights_CD[slots_N], self.dim)]
-        for c in self._columns:
-            values = self._state[c.name][slots_N]
-            cols.append(_fixed_list(values, self.dim) if c.per_dim else pa.array(values))
-        cols.append(pa.array(np.ascontiguousarray(steps_N, dtype=np.int64)))
-        return pa.Table.from_arrays(cols, schema=self.schema)
+        return self._block_table(self._block(keys_N, slots_N, steps_N))
 
     def _read_rows(self, rows: pa.Table):
         """Return (keys, embeddings, {state column: values}, last_seen) of ``rows``, checked."""
@@ -500,9 +710,20 @@ class EmbeddingTable:
                 states[c.name] = _matrix_column(rows, c.name, self.dim, where, (c.dtype,))
             else:
                 states[c.name] = _vector_column(rows, c.name, where, c.dtype)
-        if keys.shape[0] > self.capacity:
+        if keys.shape[0] > self.capacity and self.spill is None:
             raise ValueError(f"{where}: {keys.shape[0]} rows exceed the capacity {self.capacity}")
         return keys, emb, states, last_seen
+
+
+def _positions(needles: np.ndarray, haystack: np.ndarray) -> np.ndarray:
+    """Return the index in ``haystack`` (distinct keys) of each of ``needles`` (all present)."""
+    order = np.argsort(haystack, kind="stable")
+    return order[np.searchsorted(haystack, needles, sorter=order)]
+
+
+def _as_float32(values: np.ndarray) -> np.ndarray:
+    """Return float16 or float32 rows as float32 (float16 through this module's kernel)."""
+    return to_float32(values) if values.dtype == np.float16 else np.asarray(values, dtype=np.float32)
 
 
 # --------------------------------------------------------------------------- Arrow helpers

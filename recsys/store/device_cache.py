@@ -1,0 +1,326 @@
+"""The device cache: a table's hot rows, with their optimizer state, on the compute device.
+
+Legend: ``R`` cached rows (``device_cache_rows``), ``D`` dim, ``U`` keys of a call.
+
+``DeviceCache`` sits in front of an ``EmbeddingTable`` (the host tier, which may spill to
+Redis) and offers the same interface (lookup / peek / apply_gradients / state_dict /
+load_state_dict / insert_rows / pop_rows / counters / flush / close)::
+
+    lookup(keys_U, step)
+      cache KeyMap.find ─► hits: rows on the device
+                        └► misses: host.lookup_rows ─► host row + state (host may fetch
+                                   from spill or initialize) ─► copied to the device
+      host.lookup_rows touches *every* key of the call, so the host's LRU order is exactly
+      what it would be without the cache; cache misses evict the cache's LRU rows, and
+      dirty ones are written back (row + state + last_seen) to the host first.
+    apply_gradients(keys_U, grads_UD, step)
+      cached keys: the optimizer in torch on the device (the formulas of
+      ``recsys.store.optim``, float32 math); other keys: the host's optimizer.
+
+Write-back: while a row is cached its device copy is authoritative and the host's copy may
+be stale (it is marked dirty once updated). A dirty row is written back when the cache
+evicts it, before ``pop_rows`` takes it, and on ``flush`` / ``state_dict`` / ``close``
+(which write back every dirty row and keep the rows cached, now clean).
+
+Devices: the cache lives on the ``device`` given (``torch.device``); nothing moves to a GPU
+implicitly. Rows cross between host and device only on a cache miss (host → device) and a
+write-back (device → host). ``lookup`` returns host numpy rows (the table interface the
+sharded store's CPU all_to_all uses); ``lookup_tensor`` returns them on the device. Only
+the CPU device is tested here; on CUDA the same code runs with ``device="cuda:N"``.
+
+Counters (merged with the host's): ``cache_hits`` / ``cache_misses`` (keys with a row
+found / not found in the cache), ``cache_evictions``, ``writebacks`` (rows written back),
+and ``updated`` counts device and host updates together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from recsys.store import optim
+from recsys.store.keymap import KeyMap, as_keys
+from recsys.store.table import EmbeddingTable, RowBlock
+
+__all__ = ["DeviceCache", "CACHE_COUNTERS", "apply_update_torch"]
+
+CACHE_COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "writebacks")
+_TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
+                 np.dtype(np.int64): torch.int64}
+
+
+class DeviceCache:
+    """A write-back LRU cache of up to ``rows`` rows of ``host`` on ``device`` (see module doc).
+
+    Not thread-safe: the store serializes calls.
+    """
+
+    def __init__(self, host: EmbeddingTable, rows: int, device: torch.device | str) -> None:
+        if rows <= 0:
+            raise ValueError(f"table {host.name!r}: device cache rows must be > 0, found {rows}")
+        self.host = host
+        self.name, self.spec, self.cfg, self.dim = host.name, host.spec, host.cfg, host.dim
+        self.capacity = host.capacity
+        self.rows = int(rows)
+        self.device = torch.device(device)
+        self._map = KeyMap(self.rows)
+        self._np_dtype = np.dtype(self.cfg.dtype)
+        self._w = torch.zeros((self.rows, self.dim), dtype=_TORCH_DTYPES[self._np_dtype], device=self.device)
+        self._columns = optim.state_columns(self.cfg.optimizer)
+        self._state = {
+            c.name: torch.zeros((self.rows, self.dim) if c.per_dim else (self.rows,),
+                                dtype=_TORCH_DTYPES[np.dtype(c.dtype)], device=self.device)
+            for c in self._columns
+        }
+        self._dirty = np.zeros(self.rows, dtype=bool)
+        self._counters = dict.fromkeys(CACHE_COUNTERS, 0)
+        self._updated = 0
+
+    @property
+    def spill(self):
+        """Return the host's spill tier (None without one)."""
+        return self.host.spill
+
+    def __len__(self) -> int:
+        """Return the number of rows of the table (held by the host; cached rows included)."""
+        return len(self.host)
+
+    def cached(self) -> int:
+        """Return the number of rows cached on the device."""
+        return len(self._map)
+
+    def counters(self) -> dict[str, int]:
+        """Return the host's counters with the cache's (``updated`` includes device updates)."""
+        out = self.host.counters()
+        out["updated"] += self._updated
+        out.update(self._counters)
+        out["cached"] = len(self._map)
+        return out
+
+    # ------------------------------------------------------------------ reads
+
+    def lookup(self, keys_U: np.ndarray, step: int) -> np.ndarray:
+        """Return float32 [U, D] host rows of the unique keys ``keys_U`` (as ``EmbeddingTable``)."""
+        return self.lookup_tensor(keys_U, step).cpu().numpy()
+
+    def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
+        """Return float32 [U, D] rows on the device; misses come from the host (see module doc)."""
+        keys = as_keys(keys_U)
+        step = int(step)
+        if keys.shape[0] > self.rows and np.unique(keys).shape[0] > self.rows:
+            raise ValueError(
+                f"table {self.name!r}: a call touches {np.unique(keys).shape[0]} distinct keys but the "
+                f"device cache holds {self.rows} rows; raise StoreConfig.device_cache_rows or send smaller batches"
+            )
+        clock = self._map.clock
+        if clock is not None and step < clock:
+            raise ValueError(f"table {self.name!r}: lookup step {step} is before the previous lookup's step {clock}")
+        miss = self._map.find(keys) < 0
+        has_row, block = self.host.lookup_rows(keys, step, miss)  # raises with nothing changed
+        upd = self._map.lookup(keys[has_row], step)
+        c = self._counters
+        c["cache_hits"] += upd.hits
+        c["cache_misses"] += int(has_row.sum()) - upd.hits
+        wb = None
+        k = upd.evicted_keys_K.shape[0]
+        if k:
+            c["cache_evictions"] += k
+            ev_slots = upd.evicted_slots_K
+            dirty = self._dirty[ev_slots]
+            if dirty.any():  # copied out before the new rows overwrite the slots
+                wb = self._block(upd.evicted_keys_K[dirty], ev_slots[dirty], upd.evicted_steps_K[dirty])
+        if upd.new_keys_M.shape[0]:
+            order = np.argsort(block.keys, kind="stable")
+            pos = order[np.searchsorted(block.keys, upd.new_keys_M, sorter=order)]
+            self._load(upd.new_slots_M, block.take(pos))
+            self._dirty[upd.new_slots_M] = False
+        slots = np.full(keys.shape[0], -1, dtype=np.int64)
+        slots[has_row] = upd.slots_N
+        rows = self._gather(slots)
+        if wb is not None:  # last: the cache is consistent even if the host raises (rows kept there)
+            c["writebacks"] += wb.num_rows
+            self.host.write_back(wb)
+        return rows
+
+    def peek(self, keys_U: np.ndarray, init_missing: bool = False) -> np.ndarray:
+        """Return float32 [U, D] rows of ``keys_U``, cached ones from the device; changes nothing."""
+        keys = as_keys(keys_U)
+        slots = self._map.find(keys)
+        cached = slots >= 0
+        out = np.empty((keys.shape[0], self.dim), dtype=np.float32)
+        if cached.any():
+            out[cached] = self._gather(slots[cached]).cpu().numpy()
+        if not cached.all():
+            out[~cached] = self.host.peek(keys[~cached], init_missing=init_missing)
+        return out
+
+    # ------------------------------------------------------------------ updates
+
+    def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int) -> None:
+        """Apply the sparse optimizer to the rows of the unique keys ``keys_U`` (as
+        ``EmbeddingTable``): on the device for cached rows, on the host for the others."""
+        keys = as_keys(keys_U)
+        grads = torch.as_tensor(grads_UD, dtype=torch.float32)
+        if tuple(grads.shape) != (keys.shape[0], self.dim):
+            raise ValueError(
+                f"table {self.name!r}: grads must have shape ({keys.shape[0]}, {self.dim}), found {tuple(grads.shape)}"
+            )
+        clock = self._map.clock
+        if clock is None or int(step) > clock:
+            raise ValueError(
+                f"table {self.name!r}: gradients of step {step} arrive before its lookup (latest lookup step: {clock})"
+            )
+        slots = self._map.find(keys)
+        cached = slots >= 0
+        if cached.any():
+            sel = np.flatnonzero(cached)
+            idx = torch.from_numpy(slots[sel]).to(self.device)
+            g = grads.index_select(0, torch.from_numpy(sel)).to(self.device)
+            w = self._w.index_select(0, idx).float()
+            state = {name: t.index_select(0, idx) for name, t in self._state.items()}
+            apply_update_torch(self.cfg, w, state, g)
+            self._w.index_copy_(0, idx, w.to(self._w.dtype))
+            for name, t in self._state.items():
+                t.index_copy_(0, idx, state[name])
+            self._dirty[slots[sel]] = True
+            self._updated += sel.shape[0]
+        if not cached.all():
+            rest = np.flatnonzero(~cached)
+            host_grads = grads.index_select(0, torch.from_numpy(rest)).cpu().numpy()
+            self.host.apply_gradients(keys[rest], host_grads, step)
+
+    # ------------------------------------------------------------------ rows in and out
+
+    def write_back_all(self) -> int:
+        """Write every dirty cached row back to the host (rows stay cached); return how many."""
+        keys, slots, steps = self._map.items()
+        dirty = self._dirty[slots]
+        if not dirty.any():
+            return 0
+        wb = self._block(keys[dirty], slots[dirty], steps[dirty])
+        self.host.write_back(wb)
+        self._dirty[slots[dirty]] = False
+        self._counters["writebacks"] += wb.num_rows
+        return wb.num_rows
+
+    def flush(self) -> None:
+        """Write dirty rows back to the host, then flush the host's spill writes."""
+        self.write_back_all()
+        self.host.flush()
+
+    def close(self) -> None:
+        """Write dirty rows back, then close the host (its spill tier)."""
+        self.write_back_all()
+        self.host.close()
+
+    def state_dict(self) -> pa.Table:
+        """Return every row (``EmbeddingTable.state_dict``) after writing dirty rows back."""
+        self.write_back_all()
+        return self.host.state_dict()
+
+    def load_state_dict(self, rows: pa.Table) -> None:
+        """Merge ``rows`` into the host; cached copies of their keys are dropped."""
+        self.insert_rows(rows)
+
+    def insert_rows(self, rows: pa.Table) -> None:
+        """Put rows into the host exactly; cached copies of their keys are dropped (stale)."""
+        if isinstance(rows, pa.Table) and "key" in rows.column_names:
+            self._drop(rows.column("key").to_numpy())
+        self.host.insert_rows(rows)
+
+    def pop_rows(self, keys: np.ndarray) -> pa.Table:
+        """Remove the rows of ``keys`` (written back first if dirty) and return them."""
+        keys = as_keys(keys)
+        slots = self._map.find(keys)
+        dirty = (slots >= 0) & self._dirty[np.maximum(slots, 0)]
+        if dirty.any():
+            sel = np.unique(slots[dirty])
+            self.host.write_back(self._block(self._map.slot_key[sel], sel, self._map.slot_step[sel]))
+            self._counters["writebacks"] += sel.shape[0]
+        self._drop(keys)
+        return self.host.pop_rows(keys)
+
+    def admission_state(self) -> dict | None:
+        """Return the host's admission sketch state."""
+        return self.host.admission_state()
+
+    def load_admission_state(self, state: dict | None) -> None:
+        """Restore the host's admission sketch state."""
+        self.host.load_admission_state(state)
+
+    # ------------------------------------------------------------------ internals
+
+    def _drop(self, keys: np.ndarray) -> None:
+        """Forget cached copies of ``keys`` without writing them back."""
+        slots = self._map.remove(as_keys(keys))
+        self._dirty[slots[slots >= 0]] = False
+
+    def _gather(self, slots: np.ndarray) -> torch.Tensor:
+        absent = slots < 0
+        idx = torch.from_numpy(np.where(absent, 0, slots)).to(self.device)
+        out = self._w.index_select(0, idx).float()
+        if absent.any():
+            out[torch.from_numpy(absent).to(self.device)] = 0.0
+        return out
+
+    def _block(self, keys: np.ndarray, slots: np.ndarray, steps: np.ndarray) -> RowBlock:
+        """Return host copies of the cached rows in ``slots``."""
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
+        emb = self._w.index_select(0, idx).cpu().numpy()
+        states = {name: t.index_select(0, idx).cpu().numpy() for name, t in self._state.items()}
+        return RowBlock(np.ascontiguousarray(keys, dtype=np.int64), emb, states,
+                        np.ascontiguousarray(steps, dtype=np.int64))
+
+    def _load(self, slots: np.ndarray, block: RowBlock) -> None:
+        """Copy host rows ``block`` into the cache's ``slots``."""
+        idx = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)).to(self.device)
+        self._w.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(block.emb)).to(self.device, self._w.dtype))
+        for name, t in self._state.items():
+            t.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(block.states[name])).to(self.device))
+
+
+# --------------------------------------------------------------------------- torch optimizers
+
+
+def apply_update_torch(cfg, w: torch.Tensor, state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
+    """Apply ``cfg.optimizer`` in place to float32 rows ``w`` [U, D] and their ``state`` rows,
+    one gradient row each, with ``recsys.store.optim``'s formulas (float32 math, per-row
+    scalars formed in float64). Results agree with the numba kernels to float rounding
+    (row-wise Adagrad sums ``g'^2`` in another order)."""
+    f32 = torch.float32
+    lr, eps, wd = _f32(cfg.lr), _f32(cfg.eps), _f32(cfg.weight_decay)
+    gd = g + wd * w if cfg.weight_decay else g
+    opt = cfg.optimizer
+    if opt == "rowwise_adagrad":
+        st = state["rowwise_state"] + (gd * gd).sum(dim=1) * _f32(1.0 / w.shape[1])
+        state["rowwise_state"].copy_(st)
+        mult = lr / (torch.sqrt(st) + eps)
+        w.sub_(mult.unsqueeze(1) * gd)
+    elif opt == "adagrad":
+        st = state["state_sum"] + gd * gd
+        state["state_sum"].copy_(st)
+        w.sub_(lr * (gd / (torch.sqrt(st) + eps)))
+    elif opt == "adam":
+        t = state["adam_step"] + 1
+        state["adam_step"].copy_(t)
+        td = t.to(torch.float64)
+        step_size = (float(cfg.lr) / (1.0 - torch.pow(float(cfg.beta1), td))).to(f32).unsqueeze(1)
+        bc2_sqrt = torch.sqrt(1.0 - torch.pow(float(cfg.beta2), td)).to(f32).unsqueeze(1)
+        b1, b2 = _f32(cfg.beta1), _f32(cfg.beta2)
+        m = b1 * state["exp_avg"] + _f32(1.0 - cfg.beta1) * gd
+        v = b2 * state["exp_avg_sq"] + (_f32(1.0 - cfg.beta2) * gd) * gd
+        state["exp_avg"].copy_(m)
+        state["exp_avg_sq"].copy_(v)
+        w.sub_(step_size * (m / (torch.sqrt(v) / bc2_sqrt + eps)))
+    elif opt == "sgd":
+        w.sub_(lr * gd)
+    else:
+        raise ValueError(f"unknown optimizer {opt!r}")
+
+
+def _f32(x: float) -> float:
+    """Return ``x`` rounded to float32 (as a Python float: torch keeps float32 tensors float32)."""
+    return float(np.float32(x)) if math.isfinite(x) else x

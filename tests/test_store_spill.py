@@ -1,0 +1,453 @@
+"""The Redis spill tier against a real redis-server: exact round trips, invisible eviction,
+the in-flight buffer, world-size independent keys, and outages (``SpillError``, no re-init).
+
+Legend: ``U`` keys of a call, ``D`` dim.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import redis
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from conftest import RedisServer, wait_until
+from recsys import hashing
+from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.store.config import StoreConfig
+from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.store.spill import FORMAT_VERSION, SpillError, SpillTier, spill_key, value_dtype
+from recsys.store.table import EmbeddingTable
+
+pytestmark = pytest.mark.redis
+
+D = 4
+OPTIMIZERS = ["rowwise_adagrad", "adagrad", "adam", "sgd"]
+
+
+@pytest.fixture
+def closing():
+    """Collect tables / tiers / clients; close them after the test (outage errors ignored)."""
+    items = []
+    yield items.append
+    for item in reversed(items):
+        try:
+            item.close()
+        except SpillError:
+            pass
+
+
+def cfg_for(url: str = "", **kw) -> StoreConfig:
+    base = dict(optimizer="adam", lr=0.05, weight_decay=0.01, spill_url=url, spill_retries=2,
+                spill_backoff_s=0.01, spill_timeout_s=2.0)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def grads_for(keys: np.ndarray, rows: np.ndarray, step: int) -> np.ndarray:
+    """Deterministic gradients that depend on the rows (so a wrong row changes everything after)."""
+    phase = (keys.astype(np.float64) % 97)[:, None] + np.arange(rows.shape[1]) + step
+    return (0.5 * rows + np.sin(phase)).astype(np.float32)
+
+
+def batches(steps: int, vocab: int, per_step: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [np.unique(rng.integers(-vocab // 2, vocab // 2, per_step)) for _ in range(steps)]
+
+
+def row_map(state: pa.Table) -> dict[int, tuple]:
+    """key -> (embedding bytes, state columns..., last_seen) for exact comparisons."""
+    out = {}
+    cols = [c for c in state.column_names if c != "key"]
+    for i, key in enumerate(state.column("key").to_pylist()):
+        out[key] = tuple(np.asarray(state.column(c)[i].as_py()).tobytes() for c in cols)
+    return out
+
+
+def raw_client(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url)
+
+
+# --------------------------------------------------------------------------- format
+
+
+def test_key_is_the_same_for_every_world_size_and_rank():
+    assert spill_key("recsys", "user", 5) == "recsys:spill:user:0000000000000005"
+    assert spill_key("recsys", "user", -1) == "recsys:spill:user:ffffffffffffffff"
+    assert spill_key("ns", "item", -(1 << 63)) == "ns:spill:item:8000000000000000"
+    # a tier knows nothing about ranks: the names it uses are the key function's
+    tier_cfg = cfg_for("redis://127.0.0.1:1/0")
+    owned_by_rank_1 = SpillTier("user", D, tier_cfg, owns=lambda k: hashing.owner_of(k, 2) == 1)
+    try:
+        keys = np.array([5, -1, 123456789], dtype=np.int64)
+        assert owned_by_rank_1._names(keys) == [spill_key("recsys", "user", int(k)) for k in keys]
+    finally:
+        owned_by_rank_1.close()  # never connected: nothing to flush
+
+
+@pytest.mark.parametrize("optimizer,dtype", [("adam", "float32"), ("rowwise_adagrad", "float16"),
+                                             ("adagrad", "float32"), ("sgd", "float16")])
+def test_value_is_raw_little_endian_with_a_version_header(optimizer, dtype):
+    cfg = cfg_for("redis://127.0.0.1:1/0", optimizer=optimizer, dtype=dtype)
+    t = EmbeddingTable("t", TableSpec(dim=D, capacity=8), cfg_for(optimizer=optimizer, dtype=dtype))
+    t.lookup(np.array([7, -3]), 4)
+    t.apply_gradients(np.array([7, -3]), np.ones((2, D), np.float32), 4)
+    block = t._block(np.array([7, -3]), t._map.find(np.array([7, -3])), np.array([4, 4]))
+    tier = SpillTier("t", D, cfg)
+    try:
+        values = tier._encode(block)
+        dt = value_dtype(D, cfg)
+        assert all(len(v) == dt.itemsize for v in values)
+        v = values[1]
+        assert v[0] == FORMAT_VERSION
+        assert v[1] == (0 if dtype == "float32" else 1)
+        assert v[2] == OPTIMIZERS.index(optimizer)
+        assert int.from_bytes(v[4:8], "little") == D
+        assert int.from_bytes(v[8:16], "little", signed=True) == -3
+        assert int.from_bytes(v[16:24], "little", signed=True) == 4
+        emb_bytes = D * (4 if dtype == "float32" else 2)
+        assert v[24 : 24 + emb_bytes] == block.emb[1].astype("<" + block.emb.dtype.str[1:]).tobytes()
+        back = tier._decode(values, block.keys)
+        assert back.emb.tobytes() == block.emb.tobytes()
+        for name in block.states:
+            assert back.states[name].tobytes() == block.states[name].tobytes()
+        # a value of another version is refused, naming the key and both formats
+        bad = bytes([FORMAT_VERSION + 1]) + v[1:]
+        with pytest.raises(SpillError, match=r"format version 2.*reads format version 1"):
+            tier._decode([bad], block.keys[1:])
+    finally:
+        tier.close()
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="spill_url"):
+        StoreConfig(spill_url="http://x")
+    with pytest.raises(ValueError, match="spill_queue_rows"):
+        StoreConfig(spill_batch_rows=100, spill_queue_rows=10)
+    with pytest.raises(ValueError, match="spill_namespace"):
+        StoreConfig(spill_namespace="a b")
+    with pytest.raises(ValueError, match="device_cache_rows"):
+        StoreConfig(device_cache_rows=-1)
+    assert StoreConfig(spill_retries=3, spill_backoff_s=0.1).spill_retry_budget_s() == pytest.approx(0.7)
+
+
+# --------------------------------------------------------------------------- round trips
+
+
+@pytest.mark.parametrize("optimizer,dtype", [("adam", "float32"), ("rowwise_adagrad", "float16"), ("adagrad", "float32")])
+def test_evicted_row_comes_back_bit_identical(redis_server, closing, optimizer, dtype):
+    cfg = cfg_for(redis_server.url, optimizer=optimizer, dtype=dtype)
+    t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg)
+    closing(t)
+    k = np.array([42])
+    for step in range(3):
+        rows = t.lookup(k, step)
+        t.apply_gradients(k, grads_for(k, rows, step), step)
+    before = row_map(t.state_dict())[42]
+    t.lookup(np.array([1, 2]), 3)  # evicts 42
+    assert t.counters()["evictions"] == 1
+    t.flush()
+    r = raw_client(redis_server)
+    closing(r)
+    name = spill_key("recsys", "user", 42)
+    assert r.exists(name) == 1
+    assert row_map(t.state_dict())[42] == before  # the spilled row, with its last_seen (2)
+    out = t.lookup(np.array([42, 5]), 4)  # back from Redis; 5 is new
+    c = t.counters()
+    assert (c["spill_hits"], c["spill_misses"], c["inserts"]) == (1, 4, 4)  # 42 restored, 1 2 5 new
+    after = row_map(t.state_dict())[42]
+    assert after[:-1] == before[:-1]  # embedding and optimizer state: same bits
+    assert np.frombuffer(after[-1], np.int64)[0] == 4  # touched by the lookup
+    assert np.array_equal(out[0], t.peek(np.array([42]))[0])
+    t.flush()
+    assert r.exists(name) == 0  # restored rows stop being authoritative in Redis
+
+
+@pytest.mark.parametrize("optimizer,min_count", [(o, 1) for o in OPTIMIZERS] + [("adam", 2)])
+def test_training_with_spill_equals_an_unbounded_table(redis_server, closing, optimizer, min_count):
+    """Eviction + spill is invisible: every lookup and the final rows match a table that never evicts."""
+    small = EmbeddingTable("item", TableSpec(dim=D, capacity=6),
+                           cfg_for(redis_server.url, optimizer=optimizer, min_count=min_count))
+    closing(small)
+    big = EmbeddingTable("item", TableSpec(dim=D, capacity=1000), cfg_for(optimizer=optimizer, min_count=min_count))
+    for step, keys in enumerate(batches(25, vocab=30, per_step=6)):
+        a = small.lookup(keys, step)
+        b = big.lookup(keys, step)
+        assert a.tobytes() == b.tobytes(), f"step {step}"
+        small.apply_gradients(keys, grads_for(keys, a, step), step)
+        big.apply_gradients(keys, grads_for(keys, b, step), step)
+    assert small.state_dict().equals(big.state_dict())
+    c = small.counters()
+    assert c["evictions"] > 10 and c["spill_hits"] > 10 and c["spill_errors"] == 0
+    assert c["rows"] == 6
+
+
+def test_gradient_for_a_row_evicted_after_its_lookup_is_applied(redis_server, closing):
+    """Pushes may lag lookups: a row evicted before its gradient arrives is brought back."""
+    small = EmbeddingTable("t", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url))
+    closing(small)
+    big = EmbeddingTable("t", TableSpec(dim=D, capacity=100), cfg_for())
+    k0, k1 = np.array([1, 2]), np.array([3, 4])
+    for t in (small, big):
+        rows0 = t.lookup(k0, 0)
+        t.lookup(k1, 1)  # evicts 1, 2 from the small table before step 0's push
+        t.apply_gradients(k0, grads_for(k0, rows0, 0), 0)
+    assert small.counters()["ignored"] == 0
+    assert small.state_dict().equals(big.state_dict())
+
+
+def test_rows_in_flight_or_pending_are_served_from_the_buffer(redis_server, closing):
+    cfg = cfg_for(redis_server.url)
+    t = EmbeddingTable("t", TableSpec(dim=D, capacity=2), cfg)
+    closing(t)
+    ref = EmbeddingTable("t", TableSpec(dim=D, capacity=100), cfg_for())
+    entered, release = threading.Event(), threading.Event()
+
+    def gate():
+        entered.set()
+        release.wait(30)
+
+    t.spill._write_gate = gate
+    try:
+        steps = [np.array([1, 2]), np.array([3, 4]), np.array([5, 6]), np.array([1, 3])]
+        for step, keys in enumerate(steps):
+            a, b = t.lookup(keys, step), ref.lookup(keys, step)
+            assert a.tobytes() == b.tobytes(), f"step {step}"
+            t.apply_gradients(keys, grads_for(keys, a, step), step)
+            ref.apply_gradients(keys, grads_for(keys, b, step), step)
+            if step == 1:  # 1, 2 were evicted: the writer took them and is held in flight
+                assert entered.wait(10), "the writer never took the first batch"
+        # step 3 found 1 in flight and 3 pending (evicted at step 2, writer still held)
+        c = t.counters()
+        assert (c["spill_hits"], c["spill_buffer_hits"], c["spill_misses"]) == (2, 2, 6)  # 6: keys 1-6 when new
+    finally:
+        release.set()
+    t.flush()
+    r = raw_client(redis_server)
+    closing(r)
+    present = {k: r.exists(spill_key("recsys", "t", k)) for k in range(1, 7)}
+    # 1 was written (in flight) then unlinked; 3 was never written; 2, 4, 5, 6 are spilled
+    assert present == {1: 0, 2: 1, 3: 0, 4: 1, 5: 1, 6: 1}
+    assert t.state_dict().equals(ref.state_dict())
+
+
+def test_state_round_trip_beyond_capacity_spills_the_oldest(redis_server, closing):
+    src = EmbeddingTable("t", TableSpec(dim=D, capacity=100), cfg_for())
+    for step, keys in enumerate(batches(8, vocab=40, per_step=8, seed=3)):
+        rows = src.lookup(keys, step)
+        src.apply_gradients(keys, grads_for(keys, rows, step), step)
+    saved = src.state_dict()
+    dst = EmbeddingTable("t", TableSpec(dim=D, capacity=5), cfg_for(redis_server.url))
+    closing(dst)
+    dst.load_state_dict(saved)
+    assert len(dst) == 5
+    newest = np.lexsort((saved.column("key").to_numpy().view(np.uint64), saved.column("last_seen").to_numpy()))[-5:]
+    kept = dst.state_dict()
+    assert kept.equals(saved)
+    held = np.sort(dst._map.items()[0])
+    assert np.array_equal(held, np.sort(saved.column("key").to_numpy()[newest]))
+
+
+def test_world_size_two_spill_is_found_at_world_size_one(redis_server, closing):
+    """Two shards (owner = mix(key) % 2) spill into one namespace; a single shard finds every row."""
+    cfg = cfg_for(redis_server.url)
+    shards = []
+    for rank in range(2):
+        owns = (lambda r: lambda keys: hashing.owner_of(keys, 2) == r)(rank)
+        t = EmbeddingTable("user", TableSpec(dim=D, capacity=5), cfg, spill=SpillTier("user", D, cfg, owns=owns))
+        closing(t)
+        shards.append(t)
+    keys_all = np.arange(-10, 10, dtype=np.int64)
+    owner = hashing.owner_of(keys_all, 2)
+    ref = EmbeddingTable("user", TableSpec(dim=D, capacity=100), cfg_for())
+    for step in range(8):
+        keys = keys_all[(np.arange(20) + step) % 4 == 0]  # 5 keys a step, each key twice
+        ref_rows = ref.lookup(keys, step)
+        ref.apply_gradients(keys, grads_for(keys, ref_rows, step), step)
+        for rank, t in enumerate(shards):
+            mine = keys[owner[(keys + 10)] == rank]
+            rows = t.lookup(mine, step)
+            t.apply_gradients(mine, grads_for(mine, rows, step), step)
+    states = [t.state_dict() for t in shards]
+    for rank, st in enumerate(states):  # each shard lists only the spilled rows it owns
+        assert set(hashing.owner_of(st.column("key").to_numpy(), 2).tolist()) <= {rank}
+    merged = pa.concat_tables(states).sort_by("key")
+    assert merged.equals(ref.state_dict())
+    for t in shards:
+        t.flush()
+    spilled = sum(t.counters()["evictions"] - t.counters()["spill_hits"] for t in shards)
+    held = set(np.concatenate([t._map.items()[0] for t in shards]).tolist())
+    spilled = np.array([k for k in keys_all.tolist() if k not in held], dtype=np.int64)
+    assert spilled.shape[0] > 0
+    one = EmbeddingTable("user", TableSpec(dim=D, capacity=100), cfg)
+    closing(one)
+    rows = one.lookup(spilled, 10)
+    c = one.counters()
+    assert (c["spill_hits"], c["inserts"]) == (spilled.shape[0], 0)
+    assert rows.tobytes() == ref.peek(spilled).tobytes()
+
+
+def test_clear_removes_only_this_tables_rows(redis_server, closing):
+    cfg = cfg_for(redis_server.url)
+    a = EmbeddingTable("a", TableSpec(dim=D, capacity=1), cfg)
+    b = EmbeddingTable("b", TableSpec(dim=D, capacity=1), cfg)
+    closing(a)
+    closing(b)
+    for step in range(3):
+        a.lookup(np.array([step]), step)
+        b.lookup(np.array([step]), step)
+    assert a.spill.clear() == 2
+    assert a.spill.rows().num_rows == 0 and b.spill.rows().num_rows == 2
+
+
+# --------------------------------------------------------------------------- sharded store
+
+
+def _schema(capacity: int) -> Schema:
+    return Schema(
+        dense=["d"],
+        tables={"user": TableSpec(dim=D, capacity=capacity), "item": TableSpec(dim=D, capacity=capacity)},
+        sparse=[FeatureSpec(name="user"), FeatureSpec(name="item"),
+                FeatureSpec(name="history", table="item", multi_hot=True, pooling="mean")],
+    )
+
+
+def _kjts(steps: int, B: int = 8, vocab: int = 80) -> list[KeyedJaggedTensor]:
+    rng = np.random.default_rng(11)
+    out = []
+    for _ in range(steps):
+        lengths = np.concatenate([np.ones(B), np.ones(B), rng.integers(0, 4, B)]).astype(np.int32)
+        values = rng.integers(0, vocab, int(lengths.sum()))
+        out.append(KeyedJaggedTensor(keys=["user", "item", "history"], values=torch.from_numpy(values),
+                                     lengths=torch.from_numpy(lengths)))
+    return out
+
+
+def train(store: ShardedEmbeddingStore, kjts) -> list[torch.Tensor]:
+    V = torch.linspace(-1, 1, 3 * D).view(1, 3, D)
+    pooled_all = []
+    for step, kjt in enumerate(kjts):
+        lookup = store.lookup(kjt, step)
+        pooled = lookup.pooled(3)
+        ((pooled * V).sum() / kjt.stride() + (pooled**2).sum()).backward()
+        store.push(lookup)
+        pooled_all.append(pooled.detach())
+    store.flush()
+    return pooled_all
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_sharded_store_with_spill_trains_like_an_unbounded_store(redis_server, closing, staleness):
+    spilled = ShardedEmbeddingStore(_schema(capacity=36), cfg_for(redis_server.url, staleness=staleness))
+    closing(spilled)
+    plain = ShardedEmbeddingStore(_schema(capacity=10_000), cfg_for(staleness=staleness))
+    kjts = _kjts(12)
+    for a, b in zip(train(spilled, kjts), train(plain, kjts)):
+        assert torch.equal(a, b)
+    sa, sb = spilled.state_dict(), plain.state_dict()
+    for name in sa:
+        assert sa[name].equals(sb[name]), name
+    c = spilled.counters()["item"]
+    assert c["evictions"] > 0 and c["spill_hits"] > 0 and c["ignored"] == 0
+
+
+# --------------------------------------------------------------------------- outages
+
+
+def test_redis_stopped_mid_run_raises_spill_error_and_never_reinitializes(redis_server, closing):
+    cfg = cfg_for(redis_server.url)
+    t = EmbeddingTable("user", TableSpec(dim=D, capacity=4), cfg)
+    closing(t)
+    ref = EmbeddingTable("user", TableSpec(dim=D, capacity=100), cfg_for())
+    plan = batches(30, vocab=16, per_step=4, seed=5)
+    stop_at = 12
+    spilled_keys: set[int] = set()
+    error = None
+    for step, keys in enumerate(plan):
+        if step == stop_at:
+            spilled_keys = set(t.spill.rows().keys.tolist())
+            assert spilled_keys, "nothing was spilled before the outage"
+            redis_server.stop()
+        inserts = t.counters()["inserts"]
+        t0 = time.monotonic()
+        try:
+            rows = t.lookup(keys, step)
+        except SpillError as exc:
+            error, elapsed = exc, time.monotonic() - t0
+            assert t.counters()["inserts"] == inserts  # nothing initialized by the failed call
+            break
+        expect = ref.lookup(keys, step)
+        # every row any lookup returned is the true row: a spilled key never came back re-initialized
+        assert rows.tobytes() == expect.tobytes(), f"step {step}"
+        t.apply_gradients(keys, grads_for(keys, rows, step), step)
+        ref.apply_gradients(keys, grads_for(keys, expect, step), step)
+    assert error is not None, "the outage was never noticed"
+    assert step >= stop_at
+    assert elapsed < cfg.spill_retry_budget_s() + 3 * cfg.spill_timeout_s
+    msg = str(error)
+    for part in ("'user'", redis_server.url, "3 attempt(s)", "No row was re-initialized", "spill_url"):
+        assert part in msg, part
+    assert "MGET" in msg or "MSET" in msg  # the read of a miss, or a write the next call reported
+    # an evaluation read of a spilled key fails the same way instead of returning an init vector
+    k = np.array([next(iter(spilled_keys - set(t._map.items()[0].tolist())))])
+    with pytest.raises(SpillError):
+        t.peek(k, init_missing=True)
+
+
+def _restart_redis(server: RedisServer) -> subprocess.Popen:
+    """Start a redis-server again on the stopped server's port (an outage that ends)."""
+    proc = subprocess.Popen(
+        [shutil.which("redis-server"), "--port", str(server.port), "--bind", server.host, "--save", "",
+         "--appendonly", "no", "--dir", str(server.workdir)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    server.proc = proc  # the fixture stops it
+    wait_until(server.ping, 10, "redis-server to answer PING again")
+    return proc
+
+
+def test_failed_background_write_surfaces_and_keeps_the_rows(redis_server, closing):
+    cfg = cfg_for(redis_server.url)
+    t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg)
+    closing(t)
+    k = np.array([1, 2])
+    rows = t.lookup(k, 0)
+    t.apply_gradients(k, grads_for(k, rows, 0), 0)
+    before = t.state_dict()
+    redis_server.stop()
+    # evict 1 and 2 without any Redis read: put rows in
+    other = before.set_column(0, "key", pa.array([10, 11], pa.int64()))
+    t.insert_rows(other)
+    wait_until(lambda: t.spill.write_failed, 10, "the background write to fail")
+    with pytest.raises(SpillError, match=r"write \(MSET of 2 rows, UNLINK of 2 keys\).*3 attempt\(s\)"):
+        t.lookup(np.array([10, 11]), 1)  # all hits: the failure still surfaces on the next call
+    # nothing lost: the rows (and the tombstones of 10, 11) are still buffered, bit-identical,
+    # and a read of 1 or 2 is answered from the buffer
+    assert t.counters()["spill_pending"] == 4
+    found, block = t.spill.fetch(k, count=False)
+    assert found.all()
+    assert row_map(t._block_table(block)) == row_map(before)
+    with pytest.raises(SpillError):  # the writer tried again and failed again
+        t.flush()
+    _restart_redis(redis_server)
+
+    def flushed() -> bool:  # raises at most the failures from before the restart
+        try:
+            t.flush()
+        except SpillError:
+            return False
+        return True
+
+    wait_until(flushed, 20, "the buffered rows to be written after the restart")
+    c = t.counters()
+    assert (c["spill_pending"], c["spill_writes"], c["spill_unlinks"]) == (0, 2, 2)
+    r = raw_client(redis_server)
+    closing(r)
+    assert r.exists(spill_key("recsys", "user", 1), spill_key("recsys", "user", 2)) == 2
