@@ -15,7 +15,7 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError
 
-BENCH_TARGETS = ("reader", "hashing")
+BENCH_TARGETS = ("reader", "hashing", "store")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
@@ -47,6 +47,23 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if not paths:
         raise ConfigError("inspect: give data paths, or --config with data.train.paths")
     print(describe(paths, schema))
+    return 0
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from recsys.train.launch import launch
+
+    return launch(args)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from recsys.eval.run import evaluate_checkpoint
+
+    result = evaluate_checkpoint(args.checkpoint, args.data or None, device=args.device)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result, indent=2))
     return 0
 
 
@@ -90,6 +107,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser(
+        "train",
+        help="train a job (torchrun with --nproc processes, elastic restarts)",
+        description="Train the job in --config. With --nproc > 1 (or --max-restarts > 0) the "
+        "processes are launched by torchrun; a restarted run resumes from its latest checkpoint.",
+    )
+    from recsys.train.launch import add_job_arguments
+
+    add_job_arguments(p)
+    p.add_argument("--nproc", type=int, default=1, help="training processes on this machine (default 1)")
+    p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts after a failure (default 0)")
+    p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "eval",
+        help="score a checkpoint on a data split (AUC, log loss, NE, calibration)",
+        description="Stream a Parquet split through the training code path (reader, hashing, "
+        "store) and the checkpoint's model; print the metrics.",
+    )
+    p.add_argument("--checkpoint", required=True, type=Path,
+                   help="a checkpoint directory, a run's checkpoints/ directory or a run directory")
+    p.add_argument("--data", nargs="*", default=[], help="files, directories or globs (default: the job's eval split)")
+    p.add_argument("--json", type=Path, help="also write the metrics here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser(
         "bench",
         help="side-by-side benchmarks (ours vs the limit and the peer)",
         description="Run a benchmark, print its comparison table, optionally write JSON.",
@@ -105,10 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``recsys`` command; return its exit code."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    # third-party libraries (fbgemm) log chatter at INFO on the root logger: keep it quiet
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("recsys").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.func(args)
     except (UserError, FileNotFoundError) as exc:

@@ -30,6 +30,7 @@ in one message each), plus one for the per-table counts.
 from __future__ import annotations
 
 import collections
+import math
 import dataclasses
 import queue
 import threading
@@ -171,7 +172,16 @@ class ShardedEmbeddingStore:
         return table
 
     def _shard_spec(self, spec: TableSpec) -> TableSpec:
-        per_shard = -(-spec.capacity // self.world_size)
+        """Return the spec of this rank's shard: its share of the capacity plus hashing slack.
+
+        Ownership is by hash, so a shard's share of any key set fluctuates around 1/W (by
+        about sqrt(n/W)); 4 standard deviations of slack keep a table sized for its whole
+        vocabulary from evicting just because it is sharded. One shard holds all rows.
+        """
+        if self.world_size == 1:
+            return spec
+        share = spec.capacity / self.world_size
+        per_shard = min(spec.capacity, math.ceil(share + 4 * math.sqrt(share) + 8))
         return dataclasses.replace(spec, capacity=per_shard)
 
     # ------------------------------------------------------------------ public API

@@ -1,0 +1,161 @@
+"""Checkpoints keyed by id, restorable at any world size; atomic, with a ``latest`` pointer.
+
+Layout::
+
+    RUN_DIR/checkpoints/
+    ├── latest                      text: the name of the newest complete checkpoint
+    ├── step-00000100/
+    │   ├── meta.json               step, world size, reader state, time, format version
+    │   ├── dense.pt                model + dense optimizer + scheduler + RNG (tensors only;
+    │   │                           loaded with weights_only=True: no pickle of code)
+    │   └── sparse/<table>/rank-00000-of-00002.parquet
+    │                               (key, embedding, optimizer state, last_seen) rows
+    └── .tmp-step-00000200/         being written; never read; removed on restart
+
+Every rank writes its own sparse shard into the temp dir; after a barrier rank 0 fsyncs,
+renames the directory into place, then replaces ``latest`` (write temp, fsync, rename).
+A crash at any point leaves ``latest`` naming a complete checkpoint. Loading reads every
+shard of every table and keeps the rows this rank owns, so N ranks → M ranks works.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+import torch.distributed as dist
+
+FORMAT_VERSION = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            with open(Path(dirpath) / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(Path(dirpath))
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def checkpoint_name(step: int) -> str:
+    """Return the directory name of the checkpoint taken after ``step`` steps."""
+    return f"step-{step:08d}"
+
+
+def latest(ckpt_root: str | os.PathLike) -> Path | None:
+    """Return the newest complete checkpoint under ``ckpt_root``, or None."""
+    root = Path(ckpt_root)
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    path = root / pointer.read_text().strip()
+    if not (path / "meta.json").exists():
+        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
+    return path
+
+
+def save(
+    ckpt_root: str | os.PathLike,
+    step: int,
+    *,
+    sparse: dict[str, pa.Table],
+    dense: dict[str, Any],
+    meta: dict[str, Any],
+    keep_last: int,
+) -> Path:
+    """Write a checkpoint (collective: every rank calls it); return its final path."""
+    root = Path(ckpt_root)
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    name = checkpoint_name(step)
+    tmp = root / f".tmp-{name}"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    for table, rows in sparse.items():
+        out = tmp / "sparse" / table
+        out.mkdir(parents=True, exist_ok=True)
+        pq.write_table(rows, out / f"rank-{rank:05d}-of-{world:05d}.parquet", compression="zstd")
+    if rank == 0:
+        torch.save(dense, tmp / "dense.pt")
+        info = {"format_version": FORMAT_VERSION, "step": step, "world_size": world,
+                "saved_at": time.time(), "tables": sorted(sparse), **meta}
+        (tmp / "meta.json").write_text(json.dumps(info, indent=2))
+    _barrier()
+    final = root / name
+    if rank == 0:
+        _fsync_tree(tmp)
+        if final.exists():  # a re-save of the same step (e.g. SIGTERM right after a periodic save)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        pointer_tmp = root / ".latest.tmp"
+        pointer_tmp.write_text(name + "\n")
+        with open(pointer_tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(pointer_tmp, root / "latest")
+        _fsync_dir(root)
+        _prune(root, keep_last, keep=name)
+    _barrier()
+    return final
+
+
+def _prune(root: Path, keep_last: int, keep: str) -> None:
+    done = sorted(p for p in root.glob("step-*") if (p / "meta.json").exists())
+    for old in done[:-keep_last] if keep_last > 0 else []:
+        if old.name != keep:
+            shutil.rmtree(old, ignore_errors=True)
+    for stale in root.glob(".tmp-step-*"):
+        if stale.name != f".tmp-{keep}":
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+def load_meta(path: str | os.PathLike) -> dict[str, Any]:
+    """Return the checkpoint's meta.json, checking the format version."""
+    path = Path(path)
+    meta_path = path / "meta.json"
+    if not meta_path.exists():
+        raise FileNotFoundError(f"{path}: not a checkpoint (no meta.json)")
+    meta = json.loads(meta_path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{meta_path}: format_version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+    return meta
+
+
+def load_dense(path: str | os.PathLike) -> dict[str, Any]:
+    """Return the dense state (tensors and plain data only; no code is unpickled)."""
+    return torch.load(Path(path) / "dense.pt", map_location="cpu", weights_only=True)
+
+
+def load_sparse(path: str | os.PathLike, tables: list[str] | None = None) -> dict[str, pa.Table]:
+    """Return every saved row per table (all ranks' shards concatenated)."""
+    root = Path(path) / "sparse"
+    names = tables if tables is not None else sorted(p.name for p in root.iterdir() if p.is_dir())
+    out = {}
+    for name in names:
+        files = sorted((root / name).glob("rank-*.parquet"))
+        if not files:
+            raise FileNotFoundError(f"{root / name}: no shards of table {name!r}")
+        out[name] = pa.concat_tables(pq.read_table(f) for f in files)
+    return out

@@ -1,0 +1,328 @@
+"""The training loop: reader → store lookup → model → loss → backward → DDP + sparse push.
+
+One step t on every rank (the store's work runs on its own thread and process group)::
+
+    lookup_t = future.result()                    rows of batch t (seen pushes <= t-s-1)
+    batch t+1 read; store.submit_lookup(t+1)      overlaps the rest of step t
+    pooled = lookup_t.pooled(); logits = model(dense, pooled); loss.backward()   (DDP all-reduce)
+    store.push(lookup_t)                          row gradients to their owners
+    dense optimizer step; control all-reduce: [has data, stop asked, checkpoint due]
+
+All ranks run the same number of steps: a rank whose data ran out feeds empty batches
+(zero rows: zero gradients) until every rank is done, so collectives always pair up.
+
+Checkpoints flush the store first, so weights and optimizer state are from one step
+(no half-applied push). With ``staleness = 0`` a resumed run equals the uninterrupted
+one; with ``s > 0`` a checkpoint is also a synchronization point of the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from recsys import config as config_mod
+from recsys.io.batch import Batch
+from recsys.io.reader import ParquetReader
+from recsys.model.arch import RankingModel
+from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.train import checkpoint as ckpt
+from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
+
+
+@dataclasses.dataclass
+class Env:
+    """Where this process sits in the job."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_env(device: str) -> Env:
+    """Return the process's place in the job, initializing torch.distributed under torchrun."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("train.device = 'cuda' but no CUDA device is visible")
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    return Env(rank, world, local_world, dev)
+
+
+def empty_batch(schema, extra: list[str]) -> Batch:
+    """Return a zero-row batch (what a rank feeds once its data ran out)."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    F = len(schema.sparse)
+    kjt = KeyedJaggedTensor(
+        keys=schema.feature_names,
+        values=torch.empty(0, dtype=torch.int64),
+        lengths=torch.empty(0, dtype=torch.int32),
+        stride=0,
+        length_per_key=[0] * F,
+        offset_per_key=[0] * (F + 1),
+    )
+    return Batch(
+        dense=torch.empty(0, len(schema.dense)),
+        labels=torch.empty(0),
+        sparse=kjt,
+        extra={k: torch.empty(0, dtype=torch.int64) for k in extra},
+    )
+
+
+def _all_max(values: list[int], env: Env) -> list[int]:
+    if env.world_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def lr_lambda(cfg, total_steps: int | None):
+    """Return the LR multiplier function: linear warm-up, then none/linear/cosine decay."""
+
+    def f(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.decay == "none" or not total_steps or total_steps <= cfg.warmup_steps:
+            return 1.0
+        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        floor = cfg.min_lr_ratio
+        if cfg.decay == "linear":
+            return 1.0 - (1.0 - floor) * frac
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return f
+
+
+class Trainer:
+    """Builds the components of a job and runs its training loop."""
+
+    def __init__(self, job, run_dir: Path, env: Env, resume: str | None = None, source=None) -> None:
+        """``source`` replaces the training reader (anything with the reader's interface)."""
+        self.job, self.run_dir, self.env = job, Path(run_dir), env
+        tc = job.train
+        torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+        schema = job.schema
+        dims = {t.dim for t in schema.tables.values()}
+        if len(dims) != 1:
+            raise ValueError(f"all tables need one dim for the interaction, found {sorted(dims)}")
+        torch.manual_seed(tc.seed)
+        self.model = RankingModel(job.model, len(schema.dense), len(schema.sparse), dims.pop()).to(env.device)
+        self.ddp = (
+            DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+            if env.world_size > 1
+            else self.model
+        )
+        opt_cls = torch.optim.Adam if tc.optimizer == "adam" else torch.optim.Adagrad
+        self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        self.total_steps = tc.max_steps or None
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, self.total_steps))
+        self.store = ShardedEmbeddingStore(schema, job.store, device=env.device, threaded=True)
+        self.reader = source or ParquetReader(job.data.train, schema, rank=env.rank, world_size=env.world_size)
+        self.step = 0
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.log = MetricsLog(self.run_dir, enabled=env.is_main)
+        self._stop = False
+        self._empty = empty_batch(schema, list(job.data.train.passthrough))
+        self._state_before_fetch: dict | None = None
+        source = resume or ckpt.latest(self.ckpt_root)
+        if source is not None:
+            self.restore(Path(source))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save(self, lookahead: bool) -> Path:
+        """Write a checkpoint of this step (collective).
+
+        ``lookahead``: the next batch was already taken from the reader (for the lookup
+        overlap), so the reader state saved is the one from before that fetch.
+        """
+        self.store.flush(through_step=self.step - 1)
+        reader_state = self._state_before_fetch if lookahead else self.reader.state_dict()
+        states = [reader_state]
+        if self.env.world_size > 1:
+            states = [None] * self.env.world_size
+            dist.all_gather_object(states, reader_state)
+        dense = {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "scheduler": self.sched.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+        }
+        meta = {"reader": type(self.reader).merge_states(states), "config": config_mod.dumps(self.job)}
+        path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(), dense=dense,
+                         meta=meta, keep_last=self.job.train.keep_last)
+        self.log.event("checkpoint", step=self.step, path=str(path))
+        return path
+
+    def restore(self, path: Path) -> None:
+        """Load a checkpoint saved at any world size."""
+        meta = ckpt.load_meta(path)
+        dense = ckpt.load_dense(path)
+        self.model.load_state_dict(dense["model"])
+        self.opt.load_state_dict(dense["optimizer"])
+        self.sched.load_state_dict(dense["scheduler"])
+        torch.set_rng_state(dense["torch_rng"])
+        self.store.load_state_dict(ckpt.load_sparse(path, list(self.job.schema.tables)))
+        self.reader.load_state_dict(meta["reader"])
+        self.step = int(meta["step"])
+        self.log.event("resumed", step=self.step, path=str(path), saved_world_size=meta["world_size"])
+
+    # ------------------------------------------------------------------ the loop
+
+    def _fetch(self, it) -> Batch | None:
+        self._state_before_fetch = self.reader.state_dict()
+        return next(it, None)
+
+    def _submit(self, batch: Batch | None, step: int):
+        return self.store.submit_lookup((batch or self._empty).sparse, step)
+
+    def train(self) -> dict:
+        """Run until ``epochs`` or ``max_steps``; return the final metrics."""
+        tc, env = self.job.train, self.env
+        F = len(self.job.schema.sparse)
+        previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        last_ckpt = time.monotonic()
+        progress = Progress(tc.progress, enabled=env.is_main, total=self.total_steps, every=tc.log_every)
+        try:
+            while not self._done() and self.reader.epoch < tc.epochs:
+                epoch = self.reader.epoch
+                it = iter(self.reader)
+                nxt = self._fetch(it)
+                future = self._submit(nxt, self.step)
+                while True:
+                    t0 = time.perf_counter()
+                    has_data, stop, due = _all_max(
+                        [nxt is not None, self._stop, self._checkpoint_due(last_ckpt)], env)
+                    if not has_data:  # every rank finished the epoch
+                        self.store.cancel(future.result())
+                        break
+                    lookup = future.result()
+                    t1 = time.perf_counter()
+                    cur = (nxt or self._empty).to(env.device)
+                    final_step = self.total_steps is not None and self.step + 1 >= self.total_steps
+                    future = None
+                    if not final_step:  # the next lookup overlaps this step's compute
+                        nxt = self._fetch(it)
+                        future = self._submit(nxt, self.step + 1)
+                    t2 = time.perf_counter()
+                    logits = self.ddp(cur.dense, lookup.pooled(F))
+                    if cur.size:
+                        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, cur.labels)
+                    else:  # an empty batch still joins DDP's all-reduce, with zero gradients
+                        loss = logits.sum() * 0.0
+                    self.opt.zero_grad(set_to_none=False)
+                    loss.backward()
+                    t3 = time.perf_counter()
+                    self.store.push(lookup)
+                    if tc.clip_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_grad_norm)
+                    self.opt.step()
+                    self.sched.step()
+                    self.step += 1
+                    t4 = time.perf_counter()
+                    loss_value = loss.item()
+                    self.log.step(
+                        self.step, epoch, loss_value, cur.size, env.world_size,
+                        {"sparse_lookup_wait": t1 - t0, "data_wait": t2 - t1, "dense_fwd_bwd": t3 - t2,
+                         "push_and_optimizer": t4 - t3},
+                        self.store, self.sched.get_last_lr()[0], log_every=tc.log_every,
+                    )
+                    progress.update(self.step, loss_value, self.log.samples_per_s)
+                    if tc.eval_every and self.step % tc.eval_every == 0:
+                        self.evaluate(max_rows=tc.eval_max_rows)
+                    every = tc.checkpoint_every_steps and self.step % tc.checkpoint_every_steps == 0
+                    if stop or due or every:
+                        self.save(lookahead=future is not None)
+                        last_ckpt = time.monotonic()
+                        if stop:
+                            return {"step": self.step, "stopped": "SIGTERM"}
+                    if final_step:
+                        break
+            self.store.flush()
+            final = self.evaluate(max_rows=0)
+            self.save(lookahead=False)
+            return {"step": self.step, "epoch": self.reader.epoch, **final}
+        finally:
+            progress.close()
+            signal.signal(signal.SIGTERM, previous_handler)
+
+    def _done(self) -> bool:
+        return bool(self.total_steps) and self.step >= self.total_steps
+
+    def _checkpoint_due(self, since: float) -> bool:
+        minutes = self.job.train.checkpoint_every_minutes
+        return bool(minutes) and (time.monotonic() - since) >= 60 * minutes
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._stop = True
+
+    # ------------------------------------------------------------------ evaluation
+
+    @torch.no_grad()
+    def evaluate(self, max_rows: int = 0) -> dict:
+        """Return AUC / log loss on the eval split (all ranks take part; rank 0 reports)."""
+        env, schema = self.env, self.job.schema
+        cfg = self.job.data.eval
+        if not cfg.paths:
+            return {}
+        reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size)
+        self.model.eval()
+        labels, preds = [], []
+        seen = 0
+        it = iter(reader)
+        try:
+            while True:
+                batch = next(it, None)
+                if max_rows and seen >= max_rows:
+                    batch = None
+                (has_data,) = _all_max([batch is not None], env)
+                if not has_data:
+                    break
+                cur = (batch or empty_batch(schema, list(cfg.passthrough))).to(env.device)
+                lookup = self.store.lookup(cur.sparse, None, train=False)
+                logits = self.model(cur.dense, lookup.pooled(len(schema.sparse)))
+                labels.append(cur.labels.cpu().numpy())
+                preds.append(torch.sigmoid(logits).cpu().numpy())
+                seen += cur.size * env.world_size
+        finally:
+            reader.close()
+            self.model.train()
+        y = np.concatenate(labels) if labels else np.empty(0)
+        p = np.concatenate(preds) if preds else np.empty(0)
+        if env.world_size > 1:
+            gathered = [None] * env.world_size
+            dist.all_gather_object(gathered, (y, p))
+            y = np.concatenate([g[0] for g in gathered])
+            p = np.concatenate([g[1] for g in gathered])
+        result = evaluate_predictions(y, p)
+        self.log.event("eval", step=self.step, **result)
+        return result
+
+    def close(self) -> None:
+        self.store.close()
+        self.reader.close()
+        self.log.close()
