@@ -17,7 +17,8 @@ class ReaderConfig:
     shuffle: bool = True
     """Shuffle work units (and rows within them) per epoch, by seed."""
     shuffle_buffer: int = 4
-    """Row groups open at once per worker; rows are drawn at random across them (1 = none)."""
+    """Row groups open at once per worker; rows are drawn at random across them (1 = none).
+    As many more are loaded ahead, so memory is about 2 × this many converted row groups."""
     seed: int = 0
     """Seed of every shuffle; epoch e uses (seed, e)."""
     num_workers: int = 0
@@ -31,7 +32,11 @@ class ReaderConfig:
     on_bad_file: Literal["error", "skip"] = "error"
     """On a corrupt, truncated, empty or ill-typed file: stop with an error, or skip it (counted and logged)."""
     arrow_threads: bool = True
-    """Let Arrow decode columns with its thread pool."""
+    """Let Arrow decode columns with its thread pool (worker processes split the cores)."""
+    start_method: Literal["fork", "forkserver", "spawn"] = "fork"
+    """How worker processes start (``num_workers > 0``). fork starts in ~0.1 s; forkserver and
+    spawn re-import torch (seconds) but are safer if other threads of the process may hold
+    locks at fork time (e.g. another reader streaming in a background thread)."""
 
     def __post_init__(self) -> None:
         if self.batch_size <= 0:

@@ -1,0 +1,118 @@
+"""``recsys bench reader``: our reader vs pyarrow's raw decode of the same files and columns.
+
+- the limit: ``ParquetFile.iter_batches`` over every file with Arrow threads, decoding the
+  schema's columns and converting nothing;
+- ours: ``ParquetReader`` producing shuffled batches of hashed KJT + dense tensors, in the
+  calling process (a background thread) and with 2 worker processes.
+
+Runs alternate (limit, ours, limit, ours, ...) and the best of each is kept, so a noisy
+neighbour hurts both sides alike. Full size: the ``small`` synthetic set (generated if
+missing); ``--quick``: a 300k-row set of the same shape.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from recsys.bench import comparison
+
+ROOT = Path(__file__).resolve().parents[2]
+JOB = ROOT / "jobs" / "synthetic_small.toml"
+
+
+def _quick_preset():
+    from recsys.synth import Preset
+
+    return Preset(name="bench-quick", train_rows=300_000, eval_rows=1_000,
+                  rows_per_file=100_000, row_group_size=65_536)
+
+
+def ensure_data(quick: bool, data: Path | None) -> Path:
+    """Return a synthetic data directory for the benchmark, generating it when missing."""
+    from recsys import synth
+
+    if data is not None:
+        if not (Path(data) / "train").is_dir():
+            raise FileNotFoundError(f"{data}: expected a data set directory with train/ inside")
+        return Path(data)
+    target = ROOT / ("bench-out/data/reader-quick" if quick else "data/synthetic_small")
+    if not (target / "oracle.json").exists():
+        print(f"generating {target} ...", flush=True)
+        synth.generate(_quick_preset() if quick else "small", target)
+    return target
+
+
+def _raw_decode(files: list[str], columns: list[str], batch_size: int) -> int:
+    rows = 0
+    for f in files:
+        for rb in pq.ParquetFile(f).iter_batches(batch_size=batch_size, columns=columns, use_threads=True):
+            rows += rb.num_rows
+    return rows
+
+
+def _ours(reader_cfg, schema) -> int:
+    from recsys.io.reader import ParquetReader
+
+    rows = 0
+    with ParquetReader(reader_cfg, schema) as reader:
+        for batch in reader:
+            rows += batch.size
+    return rows
+
+
+def measure(quick: bool, data: Path | None = None) -> dict:
+    """Return rows/s of raw decode and of our reader (0 and 2 workers) on one data set."""
+    import dataclasses
+
+    import torch
+
+    from recsys.config import load_job
+
+    job = load_job(JOB)
+    schema = job.schema
+    root = ensure_data(quick, data)
+    files = sorted(str(p) for p in (root / "train").glob("*.parquet"))
+    columns = schema.columns()
+    batch_size = job.data.train.batch_size
+    base = dataclasses.replace(job.data.train, paths=[str(root / "train")], passthrough=[])
+    variants = {
+        "reader, 0 workers": dataclasses.replace(base, num_workers=0),
+        "reader, 2 workers": dataclasses.replace(base, num_workers=2),
+    }
+    repeats = 2 if quick else 3
+    best = {"raw": float("inf"), **{k: float("inf") for k in variants}}
+    rows = {}
+    torch.set_num_threads(2)
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rows["raw"] = _raw_decode(files, columns, batch_size)
+        best["raw"] = min(best["raw"], time.perf_counter() - t0)
+        for name, cfg in variants.items():
+            t0 = time.perf_counter()
+            rows[name] = _ours(cfg, schema)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    if len(set(rows.values())) != 1:
+        raise RuntimeError(f"row counts differ between runs: {rows}")
+    n = rows["raw"]
+    raw_rate = n / best["raw"]
+    return {
+        "comparisons": [
+            comparison(f"{name} vs raw iter_batches", n / best[name], raw_rate, "rows/s", target_ratio=0.5)
+            for name in variants
+        ],
+        "settings": {
+            "data": str(root),
+            "rows": n,
+            "files": len(files),
+            "row_groups": sum(pq.ParquetFile(f).metadata.num_row_groups for f in files),
+            "columns": len(columns),
+            "batch_size": batch_size,
+            "shuffle_buffer": base.shuffle_buffer,
+            "repeats": repeats,
+            "cpu_threads": 2,
+        },
+        "seconds_best": best,
+    }
