@@ -46,6 +46,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys import hashing
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
+from recsys.store.dedup import unique_inverse
+from recsys.store.pooling import bag_sum, gather_rows
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,48 +55,60 @@ class _TablePart:
     """One table's share of a lookup: what this rank asked for and what it served."""
 
     name: str
-    feature_idx: list[int]  # positions of the table's features in schema order
-    keys_U: np.ndarray  # unique keys this rank needs (int64)
-    order_U: np.ndarray  # permutation sorting keys_U by owner rank
-    inverse: torch.Tensor  # [sum of bag lengths] index into keys_U, features concatenated
-    offsets: torch.Tensor  # [F_t * B + 1] bag offsets into ``inverse``
-    weights: torch.Tensor | None  # per-value weights (mean pooling), else None
-    owner_sorted: np.ndarray  # owner rank of keys_U[order_U] (non-decreasing)
-    # owner side: keys received for this table, deduplicated
+    keys_U: np.ndarray  # unique keys this rank needs (int64), first-appearance order
+    base: int  # first row of this table in Lookup.rows_all
+    order_U: np.ndarray | None = None  # permutation sorting keys_U by owner rank (W > 1)
+    owner_counts: np.ndarray | None = None  # [W] keys_U per owner rank (W > 1)
+    # owner side (W > 1): keys received for this table, deduplicated
     served_U: np.ndarray | None = None
     served_inverse: np.ndarray | None = None
 
 
 @dataclasses.dataclass(slots=True)
 class Lookup:
-    """The result of ``lookup``: per-table batch-local rows, ready for pooling and push."""
+    """The result of ``lookup``: the batch's rows of every table, ready for pooling and push.
+
+    ``rows_all`` is one leaf tensor [sum of U over tables + 1, D]: table t's unique keys
+    occupy rows ``parts[t].base ..`` and the last row is a constant zero row that empty
+    bags point at (``padding_idx``: it never gets a gradient).
+    """
 
     step: int | None
     batch_size: int
     parts: list[_TablePart]
-    rows: dict[str, torch.Tensor]  # table -> [U, D] leaf tensor (requires_grad when training)
-    send_counts: np.ndarray  # [W, T] keys this rank sent to each owner, per table
-    recv_counts: np.ndarray  # [W, T] keys this rank received from each requester, per table
+    rows_all: torch.Tensor
+    single_idx: torch.Tensor  # [B, F_single] row of each single-hot feature's id (pad if none)
+    multi_values: torch.Tensor  # rows of multi-hot ids, bags feature-major
+    multi_offsets: torch.Tensor  # [F_multi * B + 1]
+    multi_weights: torch.Tensor | None  # per-id weights for mean pooling
+    perm: torch.Tensor | None  # reorders [single..., multi...] to schema order (None: already)
+    send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
+    recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
+    dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
 
-    def pooled(self, num_features: int) -> torch.Tensor:
-        """Return pooled embeddings [B, F, D] in schema feature order (all dims equal)."""
-        dims = {r.shape[1] for r in self.rows.values()}
-        if len(dims) != 1:
-            raise ValueError(f"pooled() needs one embedding dim across tables, found {sorted(dims)}")
-        out: list[torch.Tensor | None] = [None] * num_features
-        B = self.batch_size
-        for part in self.parts:
-            bags = torch.nn.functional.embedding_bag(
-                part.inverse,
-                self.rows[part.name],
-                part.offsets,
-                mode="sum",
-                per_sample_weights=part.weights,
-                include_last_offset=True,
-            )  # [F_t * B, D]
-            for j, f in enumerate(part.feature_idx):
-                out[f] = bags[j * B : (j + 1) * B]
-        return torch.stack(out, dim=1)  # type: ignore[arg-type]
+    @property
+    def rows(self) -> dict[str, torch.Tensor]:
+        """Return each table's [U, D] rows (views of ``rows_all``)."""
+        return {p.name: self.rows_all[p.base : p.base + len(p.keys_U)] for p in self.parts}
+
+    def pooled(self, num_features: int | None = None) -> torch.Tensor:
+        """Return pooled embeddings [B, F, D] in schema feature order."""
+        pad = self.rows_all.shape[0] - 1
+        pieces = []
+        if self.single_idx.shape[1]:
+            pieces.append(gather_rows(self.rows_all, self.single_idx, pad))  # [B, F_single, D]
+        n_multi = (self.multi_offsets.shape[0] - 1) // self.batch_size if self.batch_size else 0
+        if n_multi:
+            bags = bag_sum(self.rows_all, self.multi_values, self.multi_offsets, self.multi_weights, pad)
+            pieces.append(bags.view(n_multi, self.batch_size, -1).transpose(0, 1))
+        if not pieces:  # an empty batch
+            pieces.append(self.rows_all.new_zeros((0, len(self.single_idx[0]) if len(self.single_idx) else 0, self.rows_all.shape[1])))
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+        if self.perm is not None:
+            out = out.index_select(1, self.perm)
+        if num_features is not None and out.shape[1] != num_features:
+            raise ValueError(f"pooled: {out.shape[1]} features, caller expected {num_features}")
+        return out
 
 
 class ShardedEmbeddingStore:
@@ -132,9 +146,18 @@ class ShardedEmbeddingStore:
             t: [i for i, f in enumerate(schema.sparse) if f.table == t] for t in self.table_names
         }
         self._mean = np.array([f.pooling == "mean" for f in schema.sparse])
+        dims = {spec.dim for spec in schema.tables.values()}
+        if len(dims) > 1:
+            raise ValueError(f"the store keeps one embedding dim across tables, found {sorted(dims)}")
+        self.dim = dims.pop() if dims else 0
+        # pooled() emits single-hot features then multi-hot ones; perm restores schema order
+        self._single_features = [i for i, f in enumerate(schema.sparse) if not f.multi_hot]
+        self._multi_features = [i for i, f in enumerate(schema.sparse) if f.multi_hot]
+        emitted = self._single_features + self._multi_features
+        self._perm = None if emitted == sorted(emitted) else torch.tensor(np.argsort(emitted), device=self.device)
         # the schedule
         self.staleness = cfg.staleness
-        self._pending_pushes: dict[int, tuple[Lookup, dict[str, torch.Tensor]]] = {}
+        self._pending_pushes: dict[int, tuple[Lookup, torch.Tensor]] = {}
         self._unpushed: set[int] = set()  # training lookups whose push the caller still owes
         self.visibility: list[tuple[int, int]] = []  # (push step, first lookup step that saw it)
         self._threaded = threaded
@@ -211,10 +234,8 @@ class ShardedEmbeddingStore:
     def push(self, lookup: Lookup) -> None:
         """Queue the row gradients of ``lookup`` (after backward) for their owners."""
         self._fulfil(lookup)
-        grads = {}
-        for name, rows in lookup.rows.items():
-            g = rows.grad
-            grads[name] = torch.zeros(rows.shape) if g is None else g.detach().to("cpu", torch.float32)
+        g = lookup.rows_all.grad
+        grads = torch.zeros(lookup.rows_all.shape) if g is None else g.detach().to("cpu", torch.float32)
         self._submit(("push", lookup.step, (lookup, grads)))
 
     def cancel(self, lookup: Lookup) -> None:
@@ -380,83 +401,120 @@ class ShardedEmbeddingStore:
 
     def _do_lookup(self, kjt: KeyedJaggedTensor, step: int | None, train: bool) -> Lookup:
         B = kjt.stride()
-        lengths = kjt.lengths().to(torch.int64).view(len(self.schema.sparse), B)
-        values = kjt.values()
+        F = len(self.schema.sparse)
+        lengths_FB = kjt.lengths().numpy().astype(np.int64, copy=False).reshape(F, B)
+        values = kjt.values().numpy()
         offs = kjt.offset_per_key()
-        parts = []
+        # 1. per table: unique keys (first appearance) and each id's row in rows_all
+        parts, row_of_id, base = [], {}, 0
         for t in self.table_names:
             fidx = self._features_of[t]
-            keys_all = torch.cat([values[offs[f] : offs[f + 1]] for f in fidx]).numpy()
-            keys_U, inverse = np.unique(keys_all, return_inverse=True)
-            owner = hashing.owner_of(keys_U, self.world_size) if self.world_size > 1 else np.zeros(len(keys_U), np.int64)
-            order = np.argsort(owner, kind="stable")
-            lens = lengths[fidx].reshape(-1)
-            offsets = torch.zeros(lens.numel() + 1, dtype=torch.int64)
-            torch.cumsum(lens, 0, out=offsets[1:])
+            keys_all = values[offs[fidx[0]] : offs[fidx[0] + 1]] if len(fidx) == 1 else np.concatenate(
+                [values[offs[f] : offs[f + 1]] for f in fidx])
+            keys_U, inverse = unique_inverse(keys_all)
+            at = 0
+            for f in fidx:
+                n = offs[f + 1] - offs[f]
+                row_of_id[f] = inverse[at : at + n] + base
+                at += n
+            parts.append(_TablePart(t, keys_U, base))
+            base += len(keys_U)
+        pad = base
+        # 2. gather rows: from this process's tables, or from the owners
+        rows_np = np.zeros((base + 1, self.dim), dtype=np.float32)
+        if self.world_size == 1:
+            for p in parts:
+                if len(p.keys_U):
+                    rows_np[p.base : p.base + len(p.keys_U)] = self._serve(p.name, p.keys_U, step, train)
+            lookup_comm = {}
+        else:
+            lookup_comm = self._gather_remote(parts, rows_np, step, train)
+        rows_all = torch.from_numpy(rows_np).to(self.device).requires_grad_(train)
+        # 3. index tensors for pooling
+        single = self._single_features
+        single_idx = np.full((B, len(single)), pad, dtype=np.int64)
+        for j, f in enumerate(single):
+            has = lengths_FB[f] > 0
+            single_idx[has, j] = row_of_id[f]
+        multi = self._multi_features
+        if multi:
+            lens = lengths_FB[multi].reshape(-1)
+            multi_values = np.concatenate([row_of_id[f] for f in multi])
+            multi_offsets = np.zeros(lens.shape[0] + 1, dtype=np.int64)
+            np.cumsum(lens, out=multi_offsets[1:])
             weights = None
-            if self._mean[fidx].any():
-                per_bag = torch.ones(lens.numel(), dtype=torch.float32)
-                for j, f in enumerate(fidx):
+            if self._mean[multi].any():
+                per_bag = np.ones((len(multi), B), dtype=np.float32)
+                for j, f in enumerate(multi):
                     if self._mean[f]:
-                        per_bag[j * B : (j + 1) * B] = 1.0 / lens[j * B : (j + 1) * B].clamp(min=1)
-                weights = torch.repeat_interleave(per_bag, lens)
-            parts.append(_TablePart(t, fidx, keys_U, order, torch.from_numpy(inverse.astype(np.int64)),
-                                    offsets, weights, owner[order]))
+                        per_bag[j] = 1.0 / np.maximum(lengths_FB[f], 1)
+                weights = torch.from_numpy(np.repeat(per_bag.reshape(-1), lens)).to(self.device)
+        else:
+            multi_values = np.empty(0, dtype=np.int64)
+            multi_offsets = np.zeros(1, dtype=np.int64)
+            weights = None
+        dev = self.device
+        return Lookup(
+            step, B, parts, rows_all,
+            torch.from_numpy(single_idx).to(dev), torch.from_numpy(multi_values).to(dev),
+            torch.from_numpy(multi_offsets).to(dev), weights, self._perm, **lookup_comm,
+        )
 
-        W, T = self.world_size, len(parts)
-        send_counts = np.stack([np.bincount(p.owner_sorted, minlength=W) for p in parts], axis=1)  # [W, T]
+    def _serve(self, table: str, keys_U: np.ndarray, step: int | None, train: bool) -> np.ndarray:
+        """Return this shard's float32 rows of the unique ``keys_U`` (owner side)."""
+        t = self.tables[table]
+        if train:
+            return t.lookup(keys_U, step)
+        return t.peek(keys_U, init_missing=self.cfg.min_count == 1)
+
+    def _gather_remote(self, parts: list[_TablePart], rows_np: np.ndarray, step, train: bool) -> dict:
+        """Fill ``rows_np`` with rows fetched from their owners; return the exchange plan."""
+        W = self.world_size
+        for p in parts:
+            owner = hashing.owner_of(p.keys_U, W)
+            p.order_U = np.argsort(owner, kind="stable")
+            p.owner_counts = np.bincount(owner, minlength=W)
+        send_counts = np.stack([p.owner_counts for p in parts], axis=1)  # [W, T]
         recv_counts = self._exchange_counts(send_counts)
-        send_keys = self._pack([[p.keys_U[p.order_U][_seg(send_counts[:, i], r)] for i, p in enumerate(parts)] for r in range(W)])
+        # keys leave rank-major, table-minor; ``dest`` is each one's row in rows_all
+        starts = [np.concatenate([[0], np.cumsum(p.owner_counts)]) for p in parts]
+        blocks = [(p, p.order_U[starts[i][r] : starts[i][r + 1]]) for r in range(W) for i, p in enumerate(parts)]
+        send_keys = np.concatenate([p.keys_U[sel] for p, sel in blocks]) if blocks else np.empty(0, np.int64)
+        dest = np.concatenate([p.base + sel for p, sel in blocks]) if blocks else np.empty(0, np.int64)
         recv_keys = self._exchange(send_keys, send_counts.sum(1), recv_counts.sum(1), torch.int64)
-
-        # owner side: serve every table's requested keys
+        # owner side: each table's requested keys, deduplicated across requesters
         recv_split = _split_rank_table(recv_keys, recv_counts)
-        served_rows = []
+        served = []
         for i, p in enumerate(parts):
-            asked = np.concatenate([recv_split[r][i] for r in range(W)]) if W > 1 else recv_split[0][i]
-            uniq, inv = np.unique(asked, return_inverse=True)
-            table = self.tables[p.name]
-            rows = table.lookup(uniq, step) if train else table.peek(uniq, init_missing=self.cfg.min_count == 1)
-            p.served_U, p.served_inverse = uniq, inv
-            served_rows.append(np.asarray(rows, dtype=np.float32)[inv])
-        dims = [self.schema.tables[p.name].dim for p in parts]
-        send_rows = self._pack(
-            [[served_rows[i][_seg(recv_counts[:, i], r)] for i in range(T)] for r in range(W)], flat=True
-        )
-        recv_rows = self._exchange(
-            send_rows,
-            (recv_counts * np.array(dims)).sum(1),
-            (send_counts * np.array(dims)).sum(1),
-            torch.float32,
-        )
-        rows = {}
-        got = _split_rank_table(recv_rows, send_counts * np.array(dims))
-        for i, p in enumerate(parts):
-            sorted_rows = np.concatenate([got[r][i] for r in range(W)]).reshape(-1, dims[i])
-            out = np.empty_like(sorted_rows)
-            out[p.order_U] = sorted_rows
-            t = torch.from_numpy(out).to(self.device)
-            rows[p.name] = t.requires_grad_(train)
-        return Lookup(step, B, parts, rows, send_counts, recv_counts)
+            asked = np.concatenate([recv_split[r][i] for r in range(W)])
+            p.served_U, p.served_inverse = unique_inverse(asked)
+            rows = self._serve(p.name, p.served_U, step, train) if len(p.served_U) else np.empty((0, self.dim), np.float32)
+            served.append(rows[p.served_inverse])
+        served_split = [np.split(rows, np.cumsum(recv_counts[:, i])[:-1]) for i, rows in enumerate(served)]
+        send_rows = np.concatenate([served_split[i][r] for r in range(W) for i in range(len(parts))])
+        D = self.dim
+        recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32)
+        rows_np[dest] = recv_rows.reshape(-1, D)
+        return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest}
 
-    def _do_push(self, lookup: Lookup, grads: dict[str, torch.Tensor]) -> None:
-        W, parts = self.world_size, lookup.parts
-        dims = np.array([self.schema.tables[p.name].dim for p in parts])
-        send = self._pack(
-            [
-                [grads[p.name].numpy()[p.order_U][_seg(lookup.send_counts[:, i], r)] for i, p in enumerate(parts)]
-                for r in range(W)
-            ],
-            flat=True,
-        )
-        recv = self._exchange(send, (lookup.send_counts * dims).sum(1), (lookup.recv_counts * dims).sum(1), torch.float32)
-        got = _split_rank_table(recv, lookup.recv_counts * dims)
-        for i, p in enumerate(parts):
-            g = np.concatenate([got[r][i] for r in range(W)]).reshape(-1, dims[i])
-            summed = torch.zeros((len(p.served_U), dims[i]), dtype=torch.float32)
-            summed.index_add_(0, torch.from_numpy(p.served_inverse.astype(np.int64)), torch.from_numpy(g))
-            if W > 1:
-                summed /= W  # each rank's loss is a mean over its own rows
+    def _do_push(self, lookup: Lookup, grads_all: torch.Tensor) -> None:
+        grads = grads_all.numpy()
+        if self.world_size == 1:
+            for p in lookup.parts:
+                if len(p.keys_U):
+                    self.tables[p.name].apply_gradients(p.keys_U, grads[p.base : p.base + len(p.keys_U)], lookup.step)
+            return
+        W, D = self.world_size, self.dim
+        send = np.ascontiguousarray(grads[lookup.dest]).reshape(-1)
+        recv = self._exchange(send, lookup.send_counts.sum(1) * D, lookup.recv_counts.sum(1) * D, torch.float32)
+        got = _split_rank_table(recv.reshape(-1, D), lookup.recv_counts)
+        for i, p in enumerate(lookup.parts):
+            if not len(p.served_U):
+                continue
+            g = np.concatenate([got[r][i] for r in range(W)])
+            summed = torch.zeros((len(p.served_U), D), dtype=torch.float32)
+            summed.index_add_(0, torch.from_numpy(p.served_inverse), torch.from_numpy(g))
+            summed /= W  # each rank's loss is a mean over its own rows
             self.tables[p.name].apply_gradients(p.served_U, summed.numpy(), lookup.step)
 
     # ------------------------------------------------------------------ communication
@@ -482,16 +540,6 @@ class ShardedEmbeddingStore:
         )
         return out.numpy()
 
-    @staticmethod
-    def _pack(blocks: list[list[np.ndarray]], flat: bool = False) -> np.ndarray:
-        pieces = [b.reshape(-1) if flat else b for per_rank in blocks for b in per_rank]
-        return np.concatenate(pieces) if pieces else np.empty(0)
-
-
-def _seg(counts_W: np.ndarray, r: int) -> slice:
-    """Return the slice of rank ``r``'s block in a buffer ordered by rank."""
-    start = int(counts_W[:r].sum())
-    return slice(start, start + int(counts_W[r]))
 
 
 def _split_rank_table(buf: np.ndarray, sizes_WT: np.ndarray) -> list[list[np.ndarray]]:
