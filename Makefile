@@ -7,7 +7,10 @@ STAMP  := $(VENV)/.installed
 DATA   ?= data/synthetic_small
 PYTEST_ARGS ?=
 
-.PHONY: venv redis-server test test-all data data-tiny bench-quick clean
+RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
+NPROC ?= 2
+
+.PHONY: venv redis-server train test test-all data data-tiny bench-quick clean
 
 venv: $(STAMP)
 
@@ -16,9 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	# torch first: its CPU wheel is pinned, so nothing later pulls a CUDA build.
 	$(PIP) install --quiet torch==2.13.0 fbgemm-gpu-cpu==1.8.0
+	$(PIP) install --quiet -e '.[test]'
 	# torchrec's metadata asks for the CUDA fbgemm-gpu; its real requirements are in pyproject.
 	$(PIP) install --quiet --no-deps torchrec==1.8.0
-	$(PIP) install --quiet -e '.[test]'
 	@touch $(STAMP)
 
 # redis-server backs the spill tier and the lookup service; tests start their own instances.
@@ -31,6 +34,13 @@ redis-server:
 	else \
 		echo "redis-server is missing; install it with: sudo apt-get install -y redis-server"; exit 1; \
 	fi
+
+# The default batch job: small synthetic data (generated once), 2 processes on CPU, then an
+# evaluation of the final checkpoint printed next to the data's oracle AUC.
+train: venv data
+	$(VENV)/bin/recsys train --config jobs/synthetic_small.toml --nproc $(NPROC) --run-dir $(RUN_DIR)
+	$(VENV)/bin/recsys eval --checkpoint $(RUN_DIR) --oracle $(DATA)/oracle.json --json $(RUN_DIR)/eval.json
+	@echo "run directory: $(RUN_DIR)"
 
 test: venv redis-server
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -15,7 +15,7 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError
 
-BENCH_TARGETS = ("reader", "hashing", "store")
+BENCH_TARGETS = ("reader", "hashing", "store", "train")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
@@ -60,10 +60,18 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys.eval.run import evaluate_checkpoint
 
     result = evaluate_checkpoint(args.checkpoint, args.data or None, device=args.device)
+    if args.oracle:
+        oracle = json.loads(Path(args.oracle).read_text())["eval"]
+        result["oracle_auc"] = oracle["auc"]
+        result["oracle_log_loss"] = oracle["log_loss"]
+        result["auc_gap_to_oracle"] = oracle["auc"] - result.get("auc", float("nan"))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    if args.oracle:
+        print(f"AUC {result['auc']:.4f}  (oracle {result['oracle_auc']:.4f}, gap {result['auc_gap_to_oracle']:.4f})  "
+              f"log loss {result['log_loss']:.4f}  (oracle {result['oracle_log_loss']:.4f})")
     return 0
 
 
@@ -129,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint directory, a run's checkpoints/ directory or a run directory")
     p.add_argument("--data", nargs="*", default=[], help="files, directories or globs (default: the job's eval split)")
     p.add_argument("--json", type=Path, help="also write the metrics here")
+    p.add_argument("--oracle", type=Path, help="a synthetic data set's oracle.json: print the AUC next to it")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.set_defaults(func=_cmd_eval)
 
