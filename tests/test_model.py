@@ -35,3 +35,20 @@ def test_config_errors():
         RankingModel(ModelConfig(bottom_mlp=[8, 4]), 5, 3, 16)
     with pytest.raises(ValueError, match=r"ending in 1"):
         ModelConfig(top_mlp=[16, 2])
+
+
+def test_dot_interaction_equals_torchrec_interaction():
+    from torchrec.models.dlrm import InteractionArch
+
+    from recsys.model.arch import DotInteraction
+
+    torch.manual_seed(1)
+    dense = torch.randn(6, 4, requires_grad=True)
+    sparse = torch.randn(6, 5, 4, requires_grad=True)
+    ours = DotInteraction(5)(dense, sparse)
+    theirs = InteractionArch(5)(dense, sparse)
+    assert torch.equal(ours, theirs)
+    g = torch.randn_like(ours)
+    (ga,) = torch.autograd.grad(ours, sparse, g)
+    (gb,) = torch.autograd.grad(theirs, sparse, g)
+    torch.testing.assert_close(ga, gb)

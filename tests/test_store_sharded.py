@@ -228,3 +228,16 @@ def test_schedule_errors_are_clear():
     with pytest.raises(ValueError, match="no pending training lookup"):
         store.push(lookup)
     store.flush()
+
+
+def test_empty_batch_pools_to_zero_rows_of_every_feature():
+    # what a rank whose data ran out feeds while the others finish the epoch
+    store = ShardedEmbeddingStore(make_schema(), StoreConfig())
+    kjt = KeyedJaggedTensor(keys=["user", "item", "history"], values=torch.empty(0, dtype=torch.int64),
+                            lengths=torch.empty(0, dtype=torch.int32), stride=0)
+    lookup = store.lookup(kjt, 0)
+    pooled = lookup.pooled(3)
+    assert pooled.shape == (0, 3, DIM)
+    pooled.sum().backward()
+    store.push(lookup)
+    store.flush()

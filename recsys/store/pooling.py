@@ -64,7 +64,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (flat,) = ctx.saved_tensors
-        g = grad.reshape(flat.shape[0], -1).contiguous()
+        g = grad.reshape(flat.shape[0], grad.shape[-1]).contiguous()
         out = torch.zeros((ctx.num_rows, g.shape[1]), dtype=g.dtype)
         _scatter_add_kernel(flat.numpy(), g.numpy(), out.numpy())
         return out, None

@@ -82,6 +82,7 @@ class Lookup:
     multi_offsets: torch.Tensor  # [F_multi * B + 1]
     multi_weights: torch.Tensor | None  # per-id weights for mean pooling
     perm: torch.Tensor | None  # reorders [single..., multi...] to schema order (None: already)
+    num_multi: int  # multi-hot features (bags in multi_offsets: num_multi * batch_size)
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
     recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
@@ -97,12 +98,10 @@ class Lookup:
         pieces = []
         if self.single_idx.shape[1]:
             pieces.append(gather_rows(self.rows_all, self.single_idx, pad))  # [B, F_single, D]
-        n_multi = (self.multi_offsets.shape[0] - 1) // self.batch_size if self.batch_size else 0
+        n_multi = self.num_multi
         if n_multi:
             bags = bag_sum(self.rows_all, self.multi_values, self.multi_offsets, self.multi_weights, pad)
-            pieces.append(bags.view(n_multi, self.batch_size, -1).transpose(0, 1))
-        if not pieces:  # an empty batch
-            pieces.append(self.rows_all.new_zeros((0, len(self.single_idx[0]) if len(self.single_idx) else 0, self.rows_all.shape[1])))
+            pieces.append(bags.view(n_multi, self.batch_size, self.rows_all.shape[1]).transpose(0, 1))
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
         if self.perm is not None:
             out = out.index_select(1, self.perm)
@@ -457,7 +456,7 @@ class ShardedEmbeddingStore:
         return Lookup(
             step, B, parts, rows_all,
             torch.from_numpy(single_idx).to(dev), torch.from_numpy(multi_values).to(dev),
-            torch.from_numpy(multi_offsets).to(dev), weights, self._perm, **lookup_comm,
+            torch.from_numpy(multi_offsets).to(dev), weights, self._perm, len(multi), **lookup_comm,
         )
 
     def _serve(self, table: str, keys_U: np.ndarray, step: int | None, train: bool) -> np.ndarray:
