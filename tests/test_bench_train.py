@@ -1,0 +1,101 @@
+"""``recsys bench train`` on tiny sizes: the JSON shape, and every ratio and rate computed
+from the measured numbers (rows and seconds the run recorded). No timings asserted."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from recsys import bench
+from recsys.bench import train
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = train.Settings(batch_size=256, chunk=2, warmup_chunks=1, timed_chunks=2, scaling=False,
+                      job=str(ROOT / "jobs" / "synthetic_tiny.toml"))
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    from recsys import synth
+
+    out = tmp_path_factory.mktemp("tiny")
+    synth.generate("tiny", out, seed=0)
+    return out
+
+
+def _run(tmp_path, monkeypatch, data: Path, settings: train.Settings) -> tuple[dict, dict]:
+    monkeypatch.setattr(train, "QUICK", settings)
+    out = tmp_path / "train.json"
+    result = bench.run("train", json_out=out, quick=True, data=data)
+    return result, json.loads(out.read_text())
+
+
+def _check_common(result: dict, saved: dict, s: train.Settings) -> dict:
+    assert saved["target"] == "train" and saved["quick"] is True
+    assert [c["name"] for c in saved["comparisons"]] == [c["name"] for c in result["comparisons"]]
+    for c in saved["comparisons"]:
+        assert c["ours"] > 0 and c["baseline"] > 0
+        assert abs(c["ratio"] - c["ours"] / c["baseline"]) < 1e-9
+    by_name = {c["name"]: c for c in saved["comparisons"]}
+    d = saved["details"]
+
+    # rates are the recorded rows over the recorded seconds, after the warm-up only
+    timed_rows = s.timed_steps * s.batch_size
+    assert d["ours"]["timed_rows"] == timed_rows
+    assert d["ours"]["samples_per_s"] == pytest.approx(timed_rows / d["ours"]["timed_seconds"])
+    for side in ("torchrec", "dense_only"):
+        assert d[side]["timed_rows"] == timed_rows
+        assert len(d[side]["seconds_per_segment"]) == s.timed_chunks
+        assert d[side]["samples_per_s"] == pytest.approx(timed_rows / sum(d[side]["seconds_per_segment"]))
+    vs_peer, vs_limit = by_name["ours vs torchrec DMP fused"], by_name["ours vs dense-only limit"]
+    assert vs_peer["ours"] == d["ours"]["samples_per_s"] == vs_limit["ours"]
+    assert vs_peer["baseline"] == d["torchrec"]["samples_per_s"]
+    assert vs_limit["baseline"] == d["dense_only"]["samples_per_s"]
+    # one pause per segment: the warm-up one, then one per timed segment
+    assert len(d["pauses_s"]) == s.timed_chunks + 1
+
+    # both trained the same steps, then scored the whole eval split
+    auc = by_name["AUC ours vs torchrec"]
+    assert d["ours"]["eval"]["step"] == s.steps
+    assert d["ours"]["eval"]["rows"] == d["torchrec"]["eval"]["rows"] > 0
+    assert auc["ours"] == auc["auc_ours"] == d["ours"]["eval"]["auc"]
+    assert auc["baseline"] == auc["auc_torchrec"] == d["torchrec"]["eval"]["auc"]
+    assert auc["auc_difference"] == pytest.approx(auc["auc_ours"] - auc["auc_torchrec"])
+    assert 0.0 < auc["auc_ours"] < 1.0 and 0.0 < auc["auc_torchrec"] < 1.0
+
+    # the peer is what the benchmark says it is
+    peer = d["torchrec"]
+    assert peer["compute_kernels"] == ["fused"]
+    assert peer["pipelined_modules"] == ["ShardedEmbeddingBagCollection"]
+    assert len(peer["table_rows"]) == saved["settings"]["features"]
+
+    settings = saved["settings"]
+    assert settings["steps"] == s.steps and settings["batch_size"] == s.batch_size
+    assert settings["torch_threads"] == s.threads
+    assert {"torch", "torchrec", "fbgemm_gpu", "numpy", "numba", "pyarrow"} <= set(saved["versions"])
+    return by_name
+
+
+def test_train_bench_quick_writes_json(tmp_path, monkeypatch, capsys, tiny_data):
+    result, saved = _run(tmp_path, monkeypatch, tiny_data, TINY)
+    by_name = _check_common(result, saved, TINY)
+    assert set(by_name) == {"ours vs torchrec DMP fused", "ours vs dense-only limit", "AUC ours vs torchrec"}
+    assert saved["details"]["two_processes"] is None
+    assert "ratio" in capsys.readouterr().out
+
+
+@pytest.mark.multiproc
+def test_train_bench_two_processes(tmp_path, monkeypatch, tiny_data):
+    s = train.Settings(**{**TINY.__dict__, "scaling": True})
+    result, saved = _run(tmp_path, monkeypatch, tiny_data, s)
+    by_name = _check_common(result, saved, s)
+    two, scaling = saved["details"]["two_processes"], by_name["2 processes vs 1 (ours)"]
+    assert two["timed_rows"] == s.timed_steps * s.batch_size  # the same global batches
+    assert two["batch_per_rank"] == s.batch_size // 2
+    assert two["samples_per_s"] == pytest.approx(two["timed_rows"] / two["timed_seconds"])
+    assert scaling["ours"] == two["samples_per_s"]
+    assert scaling["baseline"] == saved["details"]["ours"]["samples_per_s"]
+    assert math.isfinite(scaling["ratio"])
