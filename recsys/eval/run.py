@@ -32,9 +32,15 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
         path = ckpt.latest(path / "checkpoints")
     meta = ckpt.load_meta(path)
     job = config_mod.from_dict(config_mod.JobConfig, tomllib.loads(meta["config"]), f"{path}/meta.json:config")
-    store_cfg = dataclasses.replace(job.store, spill_url="") if hasattr(job.store, "spill_url") else job.store
-    store = ShardedEmbeddingStore(job.schema, store_cfg, device=device)
-    store.load_state_dict(ckpt.load_sparse(path, list(job.schema.tables)))
+    sparse = ckpt.load_sparse(path, list(job.schema.tables))
+    # Inference holds every saved row in memory (spilled ones included: a checkpoint has
+    # them all) and touches no Redis, so a table's capacity grows to its saved rows.
+    tables = {name: dataclasses.replace(spec, capacity=max(spec.capacity, sparse[name].num_rows))
+              for name, spec in job.schema.tables.items()}
+    schema = dataclasses.replace(job.schema, tables=tables)
+    store = ShardedEmbeddingStore(schema, dataclasses.replace(job.store, spill_url="", device_cache_rows=0),
+                                  device=device)
+    store.load_state_dict(sparse)
     dims = {t.dim for t in job.schema.tables.values()}
     model = RankingModel(job.model, len(job.schema.dense), len(job.schema.sparse), dims.pop())
     model.load_state_dict(ckpt.load_dense(path)["model"])

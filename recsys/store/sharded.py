@@ -286,12 +286,19 @@ class ShardedEmbeddingStore:
         return self._call(lambda: {name: table.state_dict() for name, table in self.tables.items()})
 
     def load_state_dict(self, state: dict[str, pa.Table]) -> None:
-        """Load rows saved at any world size: this rank keeps the rows it owns."""
+        """Load rows saved at any world size: this rank keeps the rows it owns.
+
+        The saved rows are the whole truth: rows this shard spilled to Redis earlier (say,
+        after the checkpoint was taken) are deleted first, so none comes back stale.
+        """
         unknown = sorted(set(state) - set(self.tables))
         if unknown:
             raise ValueError(f"state has tables {unknown}; the schema declares {self.table_names}")
         def load() -> None:
             for name, rows in state.items():
+                spill = getattr(self.tables[name], "spill", None)
+                if spill is not None:
+                    spill.clear()
                 keys = rows.column("key").to_numpy()
                 mine = hashing.owner_of(keys, self.world_size) == self.rank
                 self.tables[name].load_state_dict(rows.filter(pa.array(mine)))
