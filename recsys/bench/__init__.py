@@ -9,14 +9,70 @@ No assertions on timings here or anywhere.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import importlib
 import json
+import logging
 import os
 import platform
 import resource
 import sys
+import warnings
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def quiet_fbgemm():
+    """Silence fbgemm's import notices and its INFO log lines (one per loaded library)."""
+    before = logging.root.manager.disable
+    logging.disable(logging.INFO)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.disable(before)
+
+
+def passive_omp() -> tuple[dict, bool]:
+    """Make OpenMP threads sleep, not spin, when idle (unless the caller chose a policy).
+
+    On 2 cores shared with other processes, libgomp's default spin-waiting turns every
+    small parallel region of a 2-thread process into a wait for a descheduled spinner:
+    measured here under load, a 2-thread store step took 0.8-5 s with spinning and
+    0.10-0.24 s with ``OMP_WAIT_POLICY=PASSIVE``. It only takes effect if set before
+    libgomp loads (torch's import); spawned ranks inherit it. Both sides of every
+    comparison run under the same policy."""
+    ours = "OMP_WAIT_POLICY" not in os.environ
+    effective = "torch" not in sys.modules
+    if ours:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    info = {
+        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
+        "set_by_bench": ours,
+        "effective_in_main_process": effective or not ours,
+    }
+    return info, ours
+
+
+def versions() -> dict:
+    """Return the versions of the libraries a figure depends on."""
+    import numba
+    import pyarrow
+    import torch
+    import torchrec
+
+    with quiet_fbgemm():
+        import fbgemm_gpu
+    return {
+        "torch": torch.__version__,
+        "torchrec": getattr(torchrec, "__version__", "?"),
+        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
+        "numpy": __import__("numpy").__version__,
+        "numba": numba.__version__,
+        "pyarrow": pyarrow.__version__,
+    }
 
 
 def comparison(name: str, ours: float, baseline: float, unit: str, **extra) -> dict:

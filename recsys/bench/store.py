@@ -40,32 +40,28 @@ side keeps its best run (medians are in the JSON too); every round uses fresh ba
 the same stream for both sides, so ours pays its steady-state insertions, as in training.
 Threads: comparison 1 runs both sides with ``torch.set_num_threads(2)`` (``threads``);
 numba and numpy code is single-threaded either way. Unless the caller set it, the run
-sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (see ``_passive_omp``): on 2 shared
+sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (see ``recsys.bench.passive_omp``): on 2 shared
 cores, spinning OpenMP workers made 2-thread runs 5-20x slower and wildly noisy.
 No assertions on timings.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gc
-import logging
 import math
 import os
 import pickle
 import socket
-import sys
 import tempfile
 import time
 import traceback
-import warnings
 from pathlib import Path
 
 import numpy as np
 from numba import njit
 
-from recsys.bench import comparison
+from recsys.bench import comparison, passive_omp, quiet_fbgemm, versions
 
 # Criteo Kaggle (Display Advertising Challenge) categorical cardinalities, C1..C26.
 CRITEO_CARDINALITIES = (
@@ -191,21 +187,8 @@ def _ours_steps(store, kjts, W, first_step: int) -> list[float]:
 # --------------------------------------------------------------------------- 1. training step
 
 
-@contextlib.contextmanager
-def _quiet():
-    """Silence fbgemm's import notices and its INFO log lines (one per loaded library)."""
-    before = logging.root.manager.disable
-    logging.disable(logging.INFO)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        logging.disable(before)
-
-
 def _fbgemm():
-    with _quiet():
+    with quiet_fbgemm():
         import fbgemm_gpu
         from fbgemm_gpu import split_table_batched_embeddings_ops_training as tbe_mod
         from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -237,7 +220,7 @@ def _measure_step(s: Settings) -> dict:
         rows_idx[:, t, :] = inv.reshape(keys.shape[0], B)
         distinct.append(int(uniq.shape[0]))
         init_rows.append(init_vectors(uniq, D, _table_name(t), cfg.seed, cfg.init_bound(D)))
-    with _quiet():
+    with quiet_fbgemm():
         tbe = tbe_mod.SplitTableBatchedEmbeddingBagsCodegen(
             [(n, D, EmbeddingLocation.HOST, tbe_mod.ComputeDevice.CPU) for n in distinct],
             optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -664,50 +647,12 @@ def _measure_dist(s: Settings) -> dict:
 # --------------------------------------------------------------------------- entry
 
 
-def _versions() -> dict:
-    import numba
-    import pyarrow
-    import torch
-    import torchrec
-
-    fbgemm_gpu = _fbgemm()[0]
-    return {
-        "torch": torch.__version__,
-        "torchrec": getattr(torchrec, "__version__", "?"),
-        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "pyarrow": pyarrow.__version__,
-    }
-
-
-def _passive_omp() -> tuple[dict, bool]:
-    """Make OpenMP threads sleep, not spin, when idle (unless the caller chose a policy).
-
-    On 2 cores shared with other processes, libgomp's default spin-waiting turns every
-    small parallel region of a 2-thread process into a wait for a descheduled spinner:
-    measured here under load, a 2-thread store step took 0.8-5 s with spinning and
-    0.10-0.24 s with ``OMP_WAIT_POLICY=PASSIVE``. It only takes effect if set before
-    libgomp loads (torch's import); spawned ranks inherit it. Both sides of every
-    comparison run under the same policy."""
-    ours = "OMP_WAIT_POLICY" not in os.environ
-    effective = "torch" not in sys.modules
-    if ours:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    info = {
-        "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
-        "set_by_bench": ours,
-        "effective_in_main_process": effective or not ours,
-    }
-    return info, ours
-
-
 def measure(quick: bool, data=None, settings: Settings | None = None) -> dict:
     """Return the four store comparisons (``settings`` overrides the preset sizes)."""
     s = settings if settings is not None else (QUICK if quick else FULL)
-    omp, restore = _passive_omp()
+    omp, restore = passive_omp()
     try:
-        with _quiet():
+        with quiet_fbgemm():
             import torchrec  # noqa: F401 - loads fbgemm, which logs a line per library
         _fbgemm()
         result = _measure_all(s)
@@ -744,6 +689,6 @@ def _measure_all(s: Settings) -> dict:
             "EmbeddingLocation.HOST, ComputeDevice.CPU, PoolingMode.SUM, FP32",
             "dist_threads": {"1 rank": 2, "2 ranks": 1},
         },
-        "versions": _versions(),
+        "versions": versions(),
         "seconds_per_part": seconds,
     }

@@ -62,9 +62,8 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.bench import comparison
+from recsys.bench import comparison, passive_omp, quiet_fbgemm, versions
 from recsys.bench.reader import ensure_data as ensure_small_data
-from recsys.bench.store import _passive_omp, _quiet
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "synthetic_small.toml"
@@ -161,7 +160,7 @@ def _silent():
     defaults that do not apply to a one-process CPU run), on top of fbgemm's."""
     import logging
 
-    with _quiet():
+    with quiet_fbgemm():
         before = logging.root.manager.disable
         logging.disable(logging.WARNING)
         try:
@@ -610,31 +609,13 @@ def _two_processes(root: Path, s: Settings, run_dir: Path) -> dict:
 # --------------------------------------------------------------------------- entry
 
 
-def _versions() -> dict:
-    import numba
-    import pyarrow
-    import torch
-    import torchrec
-
-    with _quiet():
-        import fbgemm_gpu
-    return {
-        "torch": torch.__version__,
-        "torchrec": getattr(torchrec, "__version__", "?"),
-        "fbgemm_gpu": getattr(fbgemm_gpu, "__version__", "?"),
-        "numpy": np.__version__,
-        "numba": numba.__version__,
-        "pyarrow": pyarrow.__version__,
-    }
-
-
 def measure(quick: bool, data: Path | None = None, settings: Settings | None = None) -> dict:
     """Return the four comparisons (``settings`` overrides the preset sizes)."""
     s = settings if settings is not None else (QUICK if quick else FULL)
     root = ensure_data(quick, data)
-    omp, restore = _passive_omp()
+    omp, restore = passive_omp()
     try:
-        with _quiet():
+        with quiet_fbgemm():
             import torchrec  # noqa: F401 - loads fbgemm, which logs a line per library
         result = _measure_all(root, s)
     finally:
@@ -759,6 +740,6 @@ def _measure_all(root: Path, s: Settings) -> dict:
             "torch_threads": torch.get_num_threads(),
             "peer_input": "our reader (same batches), keys folded by torch.remainder per batch, timed",
         },
-        "versions": _versions(),
+        "versions": versions(),
         "seconds_per_part": seconds,
     }
