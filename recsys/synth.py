@@ -221,11 +221,11 @@ _BAGS: tuple[_Bag, ...] = (
 
 # Low-rank interactions only between low-cardinality features, whose ids are all frequent.
 _PAIRS: tuple[tuple[str, str, float], ...] = (
-    ("c5", "c6", 0.15),
-    ("c9", "c14", 0.12),
-    ("c17", "c23", 0.12),
-    ("c20", "c22", 0.12),
-    ("c2", "c25", 0.12),
+    ("c5", "c6", 0.12),
+    ("c9", "c14", 0.10),
+    ("c17", "c23", 0.10),
+    ("c20", "c22", 0.10),
+    ("c2", "c25", 0.10),
 )
 
 _DENSE: tuple[_Dense, ...] = (
