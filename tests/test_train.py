@@ -252,6 +252,11 @@ def test_sigterm_writes_a_checkpoint(tiny_data, tmp_path):
 
 
 def test_golden_tiny_losses(tiny_data, tmp_path):
+    """Pins the whole path (generator, reader, hashing, store, model, optimizers) on tiny.
+
+    A deliberate change of any of them changes these losses: review the change, then
+    rewrite the file with ``RECSYS_WRITE_GOLDEN=1 pytest tests/test_train.py -k golden``.
+    """
     run(tiny_data, tmp_path / "g", "train.max_steps=10")
     got = losses(tmp_path / "g")
     if os.environ.get("RECSYS_WRITE_GOLDEN"):
