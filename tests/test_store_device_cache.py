@@ -11,14 +11,14 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.schema import TableSpec
 from recsys.store import optim
 from recsys.store.config import StoreConfig
 from recsys.store.device_cache import DeviceCache, apply_update_torch
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.table import EmbeddingTable
+from store_data import random_kjts, three_feature_schema, train_pooled
 
 D = 6
 OPTIMIZERS = ["rowwise_adagrad", "adagrad", "adam", "sgd"]
@@ -151,48 +151,15 @@ def test_calls_larger_than_the_cache_are_refused_without_changes():
 # --------------------------------------------------------------------------- in the sharded store
 
 
-def _schema() -> Schema:
-    return Schema(
-        dense=["d"],
-        tables={"user": TableSpec(dim=D, capacity=10_000), "item": TableSpec(dim=D, capacity=10_000)},
-        sparse=[FeatureSpec(name="user"), FeatureSpec(name="item"),
-                FeatureSpec(name="history", table="item", multi_hot=True, pooling="mean")],
-    )
-
-
-def _kjts(steps: int, B: int = 8, vocab: int = 60) -> list[KeyedJaggedTensor]:
-    rng = np.random.default_rng(4)
-    out = []
-    for _ in range(steps):
-        lengths = np.concatenate([np.ones(B), np.ones(B), rng.integers(0, 4, B)]).astype(np.int32)
-        values = rng.integers(0, vocab, int(lengths.sum()))
-        out.append(KeyedJaggedTensor(keys=["user", "item", "history"], values=torch.from_numpy(values),
-                                     lengths=torch.from_numpy(lengths)))
-    return out
-
-
-def _train(store: ShardedEmbeddingStore, kjts) -> list[torch.Tensor]:
-    V = torch.linspace(-1, 1, 3 * D).view(1, 3, D)
-    pooled_all = []
-    for step, kjt in enumerate(kjts):
-        lookup = store.lookup(kjt, step)
-        pooled = lookup.pooled(3)
-        ((pooled * V).sum() / kjt.stride() + (pooled**2).sum()).backward()
-        store.push(lookup)
-        pooled_all.append(pooled.detach())
-    store.flush()
-    return pooled_all
-
-
 @pytest.mark.parametrize("optimizer,staleness", [("rowwise_adagrad", 0), ("adam", 1)])
 def test_sharded_store_with_device_cache_matches_without(optimizer, staleness):
-    kjts = _kjts(15)
-    with_cache = ShardedEmbeddingStore(_schema(), cfg_for(optimizer, staleness=staleness, device_cache_rows=36),
+    kjts = random_kjts(15, vocab=60, seed=4)
+    with_cache = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(optimizer, staleness=staleness, device_cache_rows=36),
                                        device="cpu")
-    without = ShardedEmbeddingStore(_schema(), cfg_for(optimizer, staleness=staleness))
+    without = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(optimizer, staleness=staleness))
     assert isinstance(with_cache.tables["item"], DeviceCache)
     assert isinstance(without.tables["item"], EmbeddingTable)
-    for step, (a, b) in enumerate(zip(_train(with_cache, kjts), _train(without, kjts))):
+    for step, (a, b) in enumerate(zip(train_pooled(with_cache, kjts, D), train_pooled(without, kjts, D))):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
     sa, sb = with_cache.state_dict(), without.state_dict()
     for name in sa:

@@ -16,15 +16,15 @@ import pyarrow as pa
 import pytest
 import redis
 import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from conftest import RedisServer, wait_until
 from recsys import hashing
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.schema import TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.spill import FORMAT_VERSION, SpillError, SpillTier, spill_key, value_dtype
 from recsys.store.table import EmbeddingTable
+from store_data import random_kjts, three_feature_schema, train_pooled
 
 pytestmark = pytest.mark.redis
 
@@ -310,46 +310,13 @@ def test_clear_removes_only_this_tables_rows(redis_server, closing):
 # --------------------------------------------------------------------------- sharded store
 
 
-def _schema(capacity: int) -> Schema:
-    return Schema(
-        dense=["d"],
-        tables={"user": TableSpec(dim=D, capacity=capacity), "item": TableSpec(dim=D, capacity=capacity)},
-        sparse=[FeatureSpec(name="user"), FeatureSpec(name="item"),
-                FeatureSpec(name="history", table="item", multi_hot=True, pooling="mean")],
-    )
-
-
-def _kjts(steps: int, B: int = 8, vocab: int = 80) -> list[KeyedJaggedTensor]:
-    rng = np.random.default_rng(11)
-    out = []
-    for _ in range(steps):
-        lengths = np.concatenate([np.ones(B), np.ones(B), rng.integers(0, 4, B)]).astype(np.int32)
-        values = rng.integers(0, vocab, int(lengths.sum()))
-        out.append(KeyedJaggedTensor(keys=["user", "item", "history"], values=torch.from_numpy(values),
-                                     lengths=torch.from_numpy(lengths)))
-    return out
-
-
-def train(store: ShardedEmbeddingStore, kjts) -> list[torch.Tensor]:
-    V = torch.linspace(-1, 1, 3 * D).view(1, 3, D)
-    pooled_all = []
-    for step, kjt in enumerate(kjts):
-        lookup = store.lookup(kjt, step)
-        pooled = lookup.pooled(3)
-        ((pooled * V).sum() / kjt.stride() + (pooled**2).sum()).backward()
-        store.push(lookup)
-        pooled_all.append(pooled.detach())
-    store.flush()
-    return pooled_all
-
-
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_sharded_store_with_spill_trains_like_an_unbounded_store(redis_server, closing, staleness):
-    spilled = ShardedEmbeddingStore(_schema(capacity=36), cfg_for(redis_server.url, staleness=staleness))
+    spilled = ShardedEmbeddingStore(three_feature_schema(D, 36), cfg_for(redis_server.url, staleness=staleness))
     closing(spilled)
-    plain = ShardedEmbeddingStore(_schema(capacity=10_000), cfg_for(staleness=staleness))
-    kjts = _kjts(12)
-    for a, b in zip(train(spilled, kjts), train(plain, kjts)):
+    plain = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(staleness=staleness))
+    kjts = random_kjts(12, vocab=80, seed=11)
+    for a, b in zip(train_pooled(spilled, kjts, D), train_pooled(plain, kjts, D)):
         assert torch.equal(a, b)
     sa, sb = spilled.state_dict(), plain.state_dict()
     for name in sa:
