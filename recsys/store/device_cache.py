@@ -43,7 +43,7 @@ import torch
 
 from recsys.store import optim
 from recsys.store.keymap import KeyMap, as_keys
-from recsys.store.table import EmbeddingTable, RowBlock
+from recsys.store.table import EmbeddingTable, RowBlock, check_push
 
 __all__ = ["DeviceCache", "CACHE_COUNTERS", "apply_update_torch"]
 
@@ -164,15 +164,7 @@ class DeviceCache:
         ``EmbeddingTable``): on the device for cached rows, on the host for the others."""
         keys = as_keys(keys_U)
         grads = torch.as_tensor(grads_UD, dtype=torch.float32)
-        if tuple(grads.shape) != (keys.shape[0], self.dim):
-            raise ValueError(
-                f"table {self.name!r}: grads must have shape ({keys.shape[0]}, {self.dim}), found {tuple(grads.shape)}"
-            )
-        clock = self._map.clock
-        if clock is None or int(step) > clock:
-            raise ValueError(
-                f"table {self.name!r}: gradients of step {step} arrive before its lookup (latest lookup step: {clock})"
-            )
+        check_push(self.name, self.dim, keys, tuple(grads.shape), step, self._map.clock)
         slots = self._map.find(keys)
         cached = slots >= 0
         if cached.any():

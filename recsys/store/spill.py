@@ -303,8 +303,8 @@ class SpillTier:
             if self._own_client:
                 self._client.close()
 
-    def rows(self) -> RowBlock:
-        """Return every row spilled by this table (``owns``' keys only), after a flush."""
+    def _spilled_keys(self) -> np.ndarray:
+        """Return the keys of this table's spilled rows (``owns``' keys only), after a flush."""
         self.flush()
         match = _glob_escape(self.prefix) + "*"
         names = self._retry("SCAN of spilled keys",
@@ -312,6 +312,11 @@ class SpillTier:
         keys = self._parse_names(names)
         if self._owns is not None and keys.shape[0]:
             keys = keys[np.asarray(self._owns(keys), dtype=bool)]
+        return keys
+
+    def rows(self) -> RowBlock:
+        """Return every row spilled by this table (``owns``' keys only), after a flush."""
+        keys = self._spilled_keys()
         values = self._mget(self._names(keys), "read (MGET) of spilled rows")
         have = np.array([v is not None for v in values], dtype=bool)
         return self._decode([v for v in values if v is not None], keys[have])
@@ -319,13 +324,7 @@ class SpillTier:
     def clear(self) -> int:
         """Delete this table's spilled rows (``owns``' keys only) and the buffer; return how
         many Redis keys were unlinked (SCAN + UNLINK)."""
-        self.flush()
-        match = _glob_escape(self.prefix) + "*"
-        names = self._retry("SCAN of spilled keys",
-                            lambda: list(self._client.scan_iter(match=match, count=self.cfg.spill_batch_rows)))
-        keys = self._parse_names(names)
-        if self._owns is not None and keys.shape[0]:
-            keys = keys[np.asarray(self._owns(keys), dtype=bool)]
+        keys = self._spilled_keys()
         names = self._names(keys)
         B = self.cfg.spill_batch_rows
 

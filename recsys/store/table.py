@@ -271,6 +271,16 @@ def init_vectors(keys_M: np.ndarray, dim: int, table: str, seed: int, bound: flo
     return out
 
 
+def check_push(name: str, dim: int, keys: np.ndarray, grads_shape: tuple, step: int, clock: int | None) -> None:
+    """Raise ``ValueError`` unless the gradients fit the keys and their step was looked up."""
+    if grads_shape != (keys.shape[0], dim):
+        raise ValueError(f"table {name!r}: grads must have shape ({keys.shape[0]}, {dim}), found {grads_shape}")
+    if clock is None or int(step) > clock:
+        raise ValueError(
+            f"table {name!r}: gradients of step {step} arrive before its lookup (latest lookup step: {clock})"
+        )
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -457,16 +467,7 @@ class EmbeddingTable:
         """
         keys = as_keys(keys_U)
         grads = np.ascontiguousarray(grads_UD, dtype=np.float32)
-        if grads.shape != (keys.shape[0], self.dim):
-            raise ValueError(
-                f"table {self.name!r}: grads must have shape ({keys.shape[0]}, {self.dim}), found {grads.shape}"
-            )
-        clock = self._map.clock
-        if clock is None or int(step) > clock:
-            raise ValueError(
-                f"table {self.name!r}: gradients of step {step} arrive before its lookup "
-                f"(latest lookup step: {clock})"
-            )
+        check_push(self.name, self.dim, keys, tuple(grads.shape), step, self._map.clock)
         if self.spill is not None:
             self.spill.check()
         slots = self._map.find(keys)
