@@ -94,6 +94,17 @@ def initial_state_value(cfg: StoreConfig, column: StateColumn) -> float:
 # Scalars are cast to float32 first: numba would promote float32 * float64 to float64.
 
 
+@njit(nogil=True, cache=True, fastmath={"reassoc", "nsz"})
+def _row_sum_sq(g, i, w, r, wd32):
+    """Return Σ_d (g[i, d] + wd · w[r, d])², summed in any order (SIMD lanes): the only
+    reassociated sum of the optimizers; ~4x faster than a strict left-to-right loop here."""
+    acc = np.float32(0.0)
+    for d in range(g.shape[1]):
+        gd = g[i, d] + wd32 * w[r, d]
+        acc += gd * gd
+    return acc
+
+
 @njit(nogil=True, cache=True)
 def _rowwise_adagrad_kernel(w, w_idx, state, s_idx, g, lr, eps, wd):
     D = g.shape[1]
@@ -103,11 +114,7 @@ def _rowwise_adagrad_kernel(w, w_idx, state, s_idx, g, lr, eps, wd):
         s = s_idx[i]
         if r < 0 or s < 0:
             continue
-        acc = np.float32(0.0)
-        for d in range(D):
-            gd = g[i, d] + wd32 * w[r, d]
-            acc += gd * gd
-        st = state[s] + acc * inv_d
+        st = state[s] + _row_sum_sq(g, i, w, r, wd32) * inv_d
         state[s] = st
         mult = lr32 / (np.sqrt(st) + eps32)
         for d in range(D):
