@@ -263,3 +263,20 @@ def test_sketch_counts_without_undercounting_and_ages():
     assert (other.estimate_next(keys) == sk.estimate_next(keys)).all()
     with pytest.raises(ValueError, match="shape"):
         FrequencySketch(width=64, cap=5).load_state(state)
+
+
+def test_find_with_hints_equals_find_whatever_the_hints():
+    km = KeyMap(64)
+    rng = np.random.default_rng(3)
+    first = rng.integers(-50, 50, 40)
+    hints = km.lookup(first, 0).slots_N  # right hints, then the map moves on
+    for step in range(1, 6):
+        km.lookup(rng.integers(-50, 50, 40), step)  # evicts and reuses slots
+    km.remove(first[:5])
+    keys = np.concatenate([first, [999, -999]])  # two keys never seen
+    for h in (np.concatenate([hints, [-1, 3]]),  # stale hints, one pointing at another key
+              rng.integers(-1, 64, keys.shape[0]),  # random slots
+              km.find(keys)):  # exact hints
+        np.testing.assert_array_equal(km.find(keys, h), km.find(keys))
+    with pytest.raises(ValueError, match="hints of shape"):
+        km.find(keys, hints)

@@ -241,3 +241,77 @@ def test_empty_batch_pools_to_zero_rows_of_every_feature():
     pooled.sum().backward()
     store.push(lookup)
     store.flush()
+
+
+def _pipelined_rows(store, batches, staleness: int):
+    """Train like the trainer (next lookup submitted before this step's push; a store
+    without a thread at staleness 0 cannot take that, so it looks up after each push);
+    return the losses and every row after a flush."""
+    if staleness == 0 and not store._threaded:
+        losses = []
+        for step, kjt in enumerate(batches):
+            lookup = store.lookup(kjt, step)
+            loss = lookup.pooled(3).pow(2).sum()
+            loss.backward()
+            store.push(lookup)
+            losses.append(loss.item())
+        store.flush()
+    else:
+        losses = train_steps_pipelined(store, batches)
+    rows = all_rows(store.state_dict())
+    store.close()
+    return losses, rows
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_early_key_work_under_eviction_equals_the_serial_schedule(staleness):
+    # capacity 36 for a 60-id vocabulary: every lookup evicts, often rows whose push is
+    # still pending. The threaded store does a lookup's key work (insert, evict) before
+    # those pushes are applied; the result must equal the serial order, where each push
+    # lands first.
+    batches = global_batches(10)
+    cfg = StoreConfig(lr=0.1, staleness=staleness)
+    serial = ShardedEmbeddingStore(make_schema(capacity=36), cfg, threaded=False)
+    threaded = ShardedEmbeddingStore(make_schema(capacity=36), cfg, threaded=True)
+    l_serial, r_serial = _pipelined_rows(serial, batches, staleness)
+    evictions = sum(c["evictions"] for c in serial.counters().values())
+    l_threaded, r_threaded = _pipelined_rows(threaded, batches, staleness)
+    assert evictions > 50
+    assert l_threaded == l_serial
+    for name in r_serial:
+        assert r_threaded[name].keys() == r_serial[name].keys()
+        for k in r_serial[name]:
+            np.testing.assert_array_equal(r_threaded[name][k], r_serial[name][k])
+
+
+def test_rows_gradient_and_pooled_gradient_are_pushed_together():
+    # a loss on the rows themselves (an L2 term on the batch's rows) plus one on pooled
+    store = ShardedEmbeddingStore(make_schema(), StoreConfig(optimizer="sgd", lr=1.0))
+    kjt = global_batches(1)[0]
+    lookup = store.lookup(kjt, 0)
+    before = {name: rows.detach().clone() for name, rows in lookup.rows.items()}
+    pooled = lookup.pooled(3)
+    (pooled.sum() + sum((r**2).sum() for r in lookup.rows.values())).backward()
+    store.push(lookup)
+    store.flush()
+    # d sum(pooled) / d row: 1 per single-hot occurrence, 1/len per history occurrence
+    user = kjt["user"].values().numpy()
+    item = kjt["item"].values().numpy()
+    hist = kjt["history"]
+    counts = {"user": {}, "item": {}}
+    for k in user:
+        counts["user"][int(k)] = counts["user"].get(int(k), 0.0) + 1.0
+    for k in item:
+        counts["item"][int(k)] = counts["item"].get(int(k), 0.0) + 1.0
+    lengths, values = hist.lengths().numpy(), hist.values().numpy()
+    at = 0
+    for n in lengths:
+        for k in values[at : at + n]:
+            counts["item"][int(k)] = counts["item"].get(int(k), 0.0) + 1.0 / n
+        at += n
+    for part in lookup.parts:
+        got = store.peek_rows(part.name, part.keys_U)
+        for i, key in enumerate(part.keys_U):
+            row = before[part.name][i]
+            want = row - (2 * row + counts[part.name][int(key)])
+            np.testing.assert_allclose(got[i], want.numpy(), rtol=1e-5, atol=1e-6)

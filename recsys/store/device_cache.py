@@ -102,9 +102,13 @@ class DeviceCache:
 
     # ------------------------------------------------------------------ reads
 
-    def lookup(self, keys_U: np.ndarray, step: int) -> np.ndarray:
+    def lookup(self, keys_U: np.ndarray, step: int, out: np.ndarray | None = None) -> np.ndarray:
         """Return float32 [U, D] host rows of the unique keys ``keys_U`` (as ``EmbeddingTable``)."""
-        return self.lookup_tensor(keys_U, step).cpu().numpy()
+        rows = self.lookup_tensor(keys_U, step).cpu().numpy()
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
 
     def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
         """Return float32 [U, D] rows on the device; misses come from the host (see module doc)."""

@@ -95,22 +95,38 @@ def _home(key, mask_u):
     return np.int64(_fmix(np.uint64(key) ^ _MAP_TAG) & mask_u)
 
 
+@njit(inline="always")
+def _slot_of(buckets, key, mask, mask_u):
+    """Return the slot of ``key`` (-1: absent)."""
+    h = _home(key, mask_u)
+    while True:
+        code = buckets[h, 1]
+        if code == _EMPTY:
+            return np.int64(-1)
+        if buckets[h, 0] == key:
+            return code
+        h = (h + 1) & mask
+
+
 @njit(nogil=True, cache=True)
 def _find_kernel(buckets, keys, out):
     mask = np.int64(buckets.shape[0] - 1)
     mask_u = np.uint64(mask)
     for i in range(keys.shape[0]):
-        key = keys[i]
-        h = _home(key, mask_u)
-        out[i] = -1
-        while True:
-            code = buckets[h, 1]
-            if code == _EMPTY:
-                break
-            if buckets[h, 0] == key:
-                out[i] = code
-                break
-            h = (h + 1) & mask
+        out[i] = _slot_of(buckets, keys[i], mask, mask_u)
+
+
+@njit(nogil=True, cache=True)
+def _find_hinted_kernel(buckets, slot_key, slot_used, keys, hints, out):
+    """``_find_kernel`` that first tries each key's hinted slot (one read instead of a probe)."""
+    mask = np.int64(buckets.shape[0] - 1)
+    mask_u = np.uint64(mask)
+    for i in range(keys.shape[0]):
+        s = hints[i]
+        if s >= 0 and slot_used[s] and slot_key[s] == keys[i]:
+            out[i] = s
+        else:
+            out[i] = _slot_of(buckets, keys[i], mask, mask_u)
 
 
 @njit(nogil=True, cache=True)
@@ -236,21 +252,13 @@ def _remove_kernel(buckets, keys, slot_used, free, n_free, out):
     mask = np.int64(buckets.shape[0] - 1)
     mask_u = np.uint64(mask)
     for i in range(keys.shape[0]):
-        key = keys[i]
-        h = _home(key, mask_u)
-        out[i] = -1
-        while True:
-            code = buckets[h, 1]
-            if code == _EMPTY:
-                break
-            if buckets[h, 0] == key:
-                out[i] = code
-                _delete(buckets, key)
-                slot_used[code] = False
-                free[n_free] = code
-                n_free += 1
-                break
-            h = (h + 1) & mask
+        code = _slot_of(buckets, keys[i], mask, mask_u)
+        out[i] = code
+        if code >= 0:
+            _delete(buckets, keys[i])
+            slot_used[code] = False
+            free[n_free] = code
+            n_free += 1
     return n_free
 
 
@@ -325,11 +333,20 @@ class KeyMap:
         """Return the step of the latest ``lookup`` (None before the first)."""
         return self._clock if self._has_clock else None
 
-    def find(self, keys_N: np.ndarray) -> np.ndarray:
-        """Return the slot of each key, -1 where absent; touches nothing."""
+    def find(self, keys_N: np.ndarray, hints_N: np.ndarray | None = None) -> np.ndarray:
+        """Return the slot of each key, -1 where absent; touches nothing.
+
+        ``hints_N``: a slot each key probably still holds (say, from its lookup; -1: none),
+        checked first: a right hint saves the hash probe, a wrong one costs one read."""
         keys = as_keys(keys_N)
         out = np.empty(keys.shape[0], dtype=np.int64)
-        _find_kernel(self._buckets, keys, out)
+        if hints_N is None:
+            _find_kernel(self._buckets, keys, out)
+        else:
+            hints = np.ascontiguousarray(hints_N, dtype=np.int64)
+            if hints.shape != keys.shape:
+                raise ValueError(f"find: {keys.shape[0]} keys but hints of shape {hints.shape}")
+            _find_hinted_kernel(self._buckets, self.slot_key, self._slot_used, keys, hints, out)
         return out
 
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,13 +1,15 @@
-"""Pooling of batch-local rows with autograd: gathers for single-hot, bag sums for multi-hot.
+"""Pooling of batch-local rows: single-hot gathers and multi-hot (weighted) bag sums.
 
 Legend: ``R`` rows of the batch-local table (unique keys + 1 zero row), ``D`` dim, ``B``
-batch, ``F`` features, ``N`` ids of multi-hot bags, ``NB`` bags.
+batch, ``F`` features, ``N`` ids of multi-hot bags.
 
-On CPU the backward passes are a plain scatter-add into a fresh ``[R, D]`` gradient, in
-numba: measured here (106k ids, D = 64, 26k rows) ~3 ms, against ~36 ms for torch's
-``embedding`` backward and ~100 ms for ``index_add_``. On other devices torch's own
-``embedding`` / ``embedding_bag`` kernels are used. No input checks: hot path; the store
-builds the indices.
+On CPU, ``pool_forward`` / ``pool_backward`` are numba kernels over numpy arrays that
+write the ``[B, F, D]`` result (and its row gradients) in one pass, in schema order; the
+store runs them on its worker thread, so the trainer's thread only sees a leaf tensor.
+Measured here: a scatter-add in numba took ~3 ms for 106k ids (D = 64, 26k rows),
+against ~36 ms for torch's ``embedding`` backward and ~100 ms for ``index_add_``. On other
+devices ``pool_torch`` uses torch's ``embedding`` / ``embedding_bag`` with autograd. No
+input checks: hot path; the store builds the indices.
 """
 
 from __future__ import annotations
@@ -18,91 +20,92 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def _gather_kernel(rows_RD, idx_N, out_ND):
-    for i in range(idx_N.shape[0]):
-        out_ND[i, :] = rows_RD[idx_N[i], :]
+def _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, weights, has_weights, multi_cols, out_BFD):
+    """out[b, single_cols[j]] = rows[single_idx[b, j]]; out[b, multi_cols[m]] = the weighted
+    sum of bag m·B + b. Sample-major, so each sample's [F, D] block is written once."""
+    B = out_BFD.shape[0]
+    D = rows_RD.shape[1]
+    for b in range(B):
+        for j in range(single_cols.shape[0]):
+            r = single_idx[b, j]
+            c = single_cols[j]
+            for d in range(D):
+                out_BFD[b, c, d] = rows_RD[r, d]
+        for m in range(multi_cols.shape[0]):
+            c = multi_cols[m]
+            bag = m * B + b
+            for d in range(D):
+                out_BFD[b, c, d] = 0.0
+            for i in range(offsets[bag], offsets[bag + 1]):
+                w = weights[i] if has_weights else np.float32(1.0)
+                r = values[i]
+                for d in range(D):
+                    out_BFD[b, c, d] += w * rows_RD[r, d]
 
 
 @njit(nogil=True, cache=True)
-def _scatter_add_kernel(idx_N, grad_ND, out_RD):
-    for i in range(idx_N.shape[0]):
-        r = idx_N[i]
-        for d in range(grad_ND.shape[1]):
-            out_RD[r, d] += grad_ND[i, d]
+def _pool_grad_kernel(grad_BFD, single_idx, single_cols, values, offsets, weights, has_weights, multi_cols,
+                      out_RD):
+    B = grad_BFD.shape[0]
+    D = out_RD.shape[1]
+    for b in range(B):
+        for j in range(single_cols.shape[0]):
+            r = single_idx[b, j]
+            c = single_cols[j]
+            for d in range(D):
+                out_RD[r, d] += grad_BFD[b, c, d]
+        for m in range(multi_cols.shape[0]):
+            c = multi_cols[m]
+            bag = m * B + b
+            for i in range(offsets[bag], offsets[bag + 1]):
+                w = weights[i] if has_weights else np.float32(1.0)
+                r = values[i]
+                for d in range(D):
+                    out_RD[r, d] += w * grad_BFD[b, c, d]
 
 
-@njit(nogil=True, cache=True)
-def _bag_sum_kernel(rows_RD, values_N, offsets, weights_N, has_weights, out_BD):
-    for b in range(offsets.shape[0] - 1):
-        for j in range(offsets[b], offsets[b + 1]):
-            w = weights_N[j] if has_weights else np.float32(1.0)
-            r = values_N[j]
-            for d in range(rows_RD.shape[1]):
-                out_BD[b, d] += w * rows_RD[r, d]
+def pool_forward(rows_RD: np.ndarray, single_idx: np.ndarray, single_cols: np.ndarray, values: np.ndarray,
+                 offsets: np.ndarray, weights: np.ndarray | None, multi_cols: np.ndarray,
+                 out_BFD: np.ndarray) -> np.ndarray:
+    """Fill ``out_BFD`` with pooled rows in one pass and return it: feature ``single_cols[j]``
+    is ``rows_RD[single_idx[:, j]]``; feature ``multi_cols[m]`` sums (times ``weights``) the
+    bags ``m·B .. m·B + B - 1`` of ``values`` / ``offsets``. Every column appears once.
+    Measured here (B 4096, 26 single-hot + 2 multi-hot features, D 16): ~2x faster than a
+    gather, two bag sums and a concatenation."""
+    w = weights if weights is not None else np.empty(0, dtype=np.float32)
+    _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, w, weights is not None, multi_cols, out_BFD)
+    return out_BFD
 
 
-@njit(nogil=True, cache=True)
-def _bag_grad_kernel(values_N, offsets, weights_N, has_weights, grad_BD, out_RD):
-    for b in range(offsets.shape[0] - 1):
-        for j in range(offsets[b], offsets[b + 1]):
-            w = weights_N[j] if has_weights else np.float32(1.0)
-            r = values_N[j]
-            for d in range(grad_BD.shape[1]):
-                out_RD[r, d] += w * grad_BD[b, d]
+def pool_backward(grad_BFD: np.ndarray, single_idx: np.ndarray, single_cols: np.ndarray, values: np.ndarray,
+                  offsets: np.ndarray, weights: np.ndarray | None, multi_cols: np.ndarray,
+                  out_RD: np.ndarray) -> np.ndarray:
+    """Add the row gradients of ``pool_forward`` (upstream ``grad_BFD``) into ``out_RD``."""
+    w = weights if weights is not None else np.empty(0, dtype=np.float32)
+    _pool_grad_kernel(np.ascontiguousarray(grad_BFD), single_idx, single_cols, values, offsets, w,
+                      weights is not None, multi_cols, out_RD)
+    return out_RD
 
 
-class _Gather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows_RD: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        flat = idx.reshape(-1)
-        out = torch.empty((flat.shape[0], rows_RD.shape[1]), dtype=rows_RD.dtype)
-        _gather_kernel(rows_RD.detach().numpy(), flat.numpy(), out.numpy())
-        ctx.save_for_backward(flat)
-        ctx.num_rows = rows_RD.shape[0]
-        return out.view(*idx.shape, rows_RD.shape[1])
-
-    @staticmethod
-    def backward(ctx, grad):
-        (flat,) = ctx.saved_tensors
-        g = grad.reshape(flat.shape[0], grad.shape[-1]).contiguous()
-        out = torch.zeros((ctx.num_rows, g.shape[1]), dtype=g.dtype)
-        _scatter_add_kernel(flat.numpy(), g.numpy(), out.numpy())
-        return out, None
-
-
-class _BagSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rows_RD, values, offsets, weights):
-        nb = offsets.shape[0] - 1
-        out = torch.zeros((nb, rows_RD.shape[1]), dtype=rows_RD.dtype)
-        w = weights if weights is not None else torch.empty(0, dtype=rows_RD.dtype)
-        _bag_sum_kernel(rows_RD.detach().numpy(), values.numpy(), offsets.numpy(), w.numpy(),
-                        weights is not None, out.numpy())
-        ctx.save_for_backward(values, offsets, w)
-        ctx.has_weights = weights is not None
-        ctx.num_rows = rows_RD.shape[0]
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        values, offsets, w = ctx.saved_tensors
-        g = grad.contiguous()
-        out = torch.zeros((ctx.num_rows, g.shape[1]), dtype=g.dtype)
-        _bag_grad_kernel(values.numpy(), offsets.numpy(), w.numpy(), ctx.has_weights, g.numpy(), out.numpy())
-        return out, None, None, None
-
-
-def gather_rows(rows_RD: torch.Tensor, idx: torch.Tensor, pad: int) -> torch.Tensor:
-    """Return ``rows_RD[idx]`` (shape ``idx.shape + (D,)``); row ``pad`` gets no gradient."""
-    if rows_RD.device.type != "cpu" or rows_RD.dtype != torch.float32:
-        return torch.nn.functional.embedding(idx, rows_RD, padding_idx=pad)
-    return _Gather.apply(rows_RD, idx)
-
-
-def bag_sum(rows_RD: torch.Tensor, values: torch.Tensor, offsets: torch.Tensor,
-            weights: torch.Tensor | None, pad: int) -> torch.Tensor:
-    """Return [NB, D]: bag b = Σ weights[j] · rows_RD[values[j]] over ``offsets[b]..offsets[b+1]``."""
-    if rows_RD.device.type != "cpu" or rows_RD.dtype != torch.float32:
-        return torch.nn.functional.embedding_bag(values, rows_RD, offsets, mode="sum", per_sample_weights=weights,
+def pool_torch(rows_RD: torch.Tensor, single_idx: torch.Tensor, single_cols: torch.Tensor, values: torch.Tensor,
+               offsets: torch.Tensor, weights: torch.Tensor | None, multi_cols: torch.Tensor) -> torch.Tensor:
+    """``pool_forward`` with torch kernels and autograd, on any device (row ``R - 1``, the
+    zero row, gets no gradient)."""
+    B, D = single_idx.shape[0], rows_RD.shape[1]
+    pad = rows_RD.shape[0] - 1
+    pieces, cols = [], []
+    if single_cols.shape[0]:
+        pieces.append(torch.nn.functional.embedding(single_idx, rows_RD, padding_idx=pad))  # [B, F_single, D]
+        cols.append(single_cols)
+    if multi_cols.shape[0]:
+        bags = torch.nn.functional.embedding_bag(values, rows_RD, offsets, mode="sum", per_sample_weights=weights,
                                                  include_last_offset=True, padding_idx=pad)
-    return _BagSum.apply(rows_RD, values, offsets, weights)
+        pieces.append(bags.view(multi_cols.shape[0], B, D).transpose(0, 1))
+        cols.append(multi_cols)
+    if not pieces:
+        return rows_RD.new_zeros((B, 0, D))
+    out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+    order = torch.cat(cols)
+    if not torch.equal(order, torch.arange(order.shape[0], device=order.device)):
+        out = out.index_select(1, torch.argsort(order))
+    return out

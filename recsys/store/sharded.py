@@ -21,7 +21,10 @@ Staleness (deterministic, not racy): with ``staleness = s`` the lookup of step t
 pushes of steps ``<= t - s - 1`` and *none* of steps ``t - s .. t - 1``, whatever the
 timing. All store mutations run in one sequence (on a worker thread when ``threaded``,
 else in the caller), identical on every rank, on the store's own process group, so
-collectives never interleave with DDP's. ``s = 0`` is synchronous training.
+collectives never interleave with DDP's. ``s = 0`` is synchronous training. The part of
+a lookup that needs only its batch (dedup of every table's keys in one pass, pooling
+indices, owners) runs when the lookup arrives at the worker; only the table reads wait
+for the pushes the lookup must see.
 
 Costs: one all_to_all for keys, one for rows and one for gradients per step (all tables
 in one message each), plus one for the per-table counts.
@@ -46,8 +49,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys import hashing
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.dedup import unique_inverse
-from recsys.store.pooling import bag_sum, gather_rows
+from recsys.store.dedup import index_batch, unique_inverse
+from recsys.store.pooling import pool_backward, pool_forward, pool_torch
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,6 +65,31 @@ class _TablePart:
     # owner side (W > 1): keys received for this table, deduplicated
     served_U: np.ndarray | None = None
     served_inverse: np.ndarray | None = None
+    # this rank's slots of the keys it serves (keys_U, or served_U when W > 1), when its
+    # table reserved them early (``EmbeddingTable.reserve``); also the push's slot hints
+    slots: np.ndarray | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class _Prepared:
+    """What a lookup knows from the batch alone (``ShardedEmbeddingStore._prepare``)."""
+
+    batch_size: int
+    parts: list[_TablePart]  # keys_U and base of every table (W > 1: owners too)
+    num_rows: int  # sum of U over tables: the zero row's index
+    single_idx: torch.Tensor
+    multi_values: torch.Tensor
+    multi_offsets: torch.Tensor
+    multi_weights: torch.Tensor | None
+    reserved: bool = False  # ``_reserve`` ran: keys exchanged (W > 1), slots taken
+    comm: dict = dataclasses.field(default_factory=dict)  # the exchange plan (W > 1)
+
+
+@dataclasses.dataclass(slots=True)
+class _Failed:
+    """A lookup whose early preparation raised (re-raised when the lookup runs)."""
+
+    exc: Exception
 
 
 @dataclasses.dataclass(slots=True)
@@ -70,7 +98,7 @@ class Lookup:
 
     ``rows_all`` is one leaf tensor [sum of U over tables + 1, D]: table t's unique keys
     occupy rows ``parts[t].base ..`` and the last row is a constant zero row that empty
-    bags point at (``padding_idx``: it never gets a gradient).
+    bags point at (it never gets a gradient).
     """
 
     step: int | None
@@ -78,11 +106,12 @@ class Lookup:
     parts: list[_TablePart]
     rows_all: torch.Tensor
     single_idx: torch.Tensor  # [B, F_single] row of each single-hot feature's id (pad if none)
+    single_cols: torch.Tensor  # [F_single] schema position of each single-hot feature
     multi_values: torch.Tensor  # rows of multi-hot ids, bags feature-major
     multi_offsets: torch.Tensor  # [F_multi * B + 1]
     multi_weights: torch.Tensor | None  # per-id weights for mean pooling
-    perm: torch.Tensor | None  # reorders [single..., multi...] to schema order (None: already)
-    num_multi: int  # multi-hot features (bags in multi_offsets: num_multi * batch_size)
+    multi_cols: torch.Tensor  # [F_multi] schema position of each multi-hot feature
+    pooled_leaf: torch.Tensor | None = None  # [B, F, D] pooled by the store (CPU), a leaf
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
     recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
@@ -93,21 +122,27 @@ class Lookup:
         return {p.name: self.rows_all[p.base : p.base + len(p.keys_U)] for p in self.parts}
 
     def pooled(self, num_features: int | None = None) -> torch.Tensor:
-        """Return pooled embeddings [B, F, D] in schema feature order."""
-        pad = self.rows_all.shape[0] - 1
-        pieces = []
-        if self.single_idx.shape[1]:
-            pieces.append(gather_rows(self.rows_all, self.single_idx, pad))  # [B, F_single, D]
-        n_multi = self.num_multi
-        if n_multi:
-            bags = bag_sum(self.rows_all, self.multi_values, self.multi_offsets, self.multi_weights, pad)
-            pieces.append(bags.view(n_multi, self.batch_size, self.rows_all.shape[1]).transpose(0, 1))
-        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
-        if self.perm is not None:
-            out = out.index_select(1, self.perm)
+        """Return pooled embeddings [B, F, D] in schema feature order.
+
+        On CPU the store pooled them on its worker already: a leaf tensor, whose gradient
+        ``push`` turns into row gradients (off the caller's thread). On other devices:
+        torch kernels on ``rows_all``, with autograd. Either way ``push`` takes the
+        gradients of ``pooled()`` and of ``rows_all`` (if any) together.
+        """
+        out = self.pooled_leaf
+        if out is None:
+            out = pool_torch(self.rows_all, self.single_idx, self.single_cols, self.multi_values,
+                             self.multi_offsets, self.multi_weights, self.multi_cols)
         if num_features is not None and out.shape[1] != num_features:
             raise ValueError(f"pooled: {out.shape[1]} features, caller expected {num_features}")
         return out
+
+    def pool_backward(self, grad_BFD: np.ndarray, out_RD: np.ndarray) -> None:
+        """Add the row gradients of ``pooled_leaf``'s upstream gradient into ``out_RD``."""
+        w = self.multi_weights
+        pool_backward(grad_BFD, self.single_idx.numpy(), self.single_cols.numpy(), self.multi_values.numpy(),
+                      self.multi_offsets.numpy(), None if w is None else w.numpy(), self.multi_cols.numpy(),
+                      out_RD)
 
 
 class ShardedEmbeddingStore:
@@ -149,14 +184,18 @@ class ShardedEmbeddingStore:
         if len(dims) > 1:
             raise ValueError(f"the store keeps one embedding dim across tables, found {sorted(dims)}")
         self.dim = dims.pop() if dims else 0
-        # pooled() emits single-hot features then multi-hot ones; perm restores schema order
         self._single_features = [i for i, f in enumerate(schema.sparse) if not f.multi_hot]
         self._multi_features = [i for i, f in enumerate(schema.sparse) if f.multi_hot]
-        emitted = self._single_features + self._multi_features
-        self._perm = None if emitted == sorted(emitted) else torch.tensor(np.argsort(emitted), device=self.device)
+        # the batch indexing kernel's view of the schema: features per table (CSR), columns
+        self._tf_idx = np.array([f for t in self.table_names for f in self._features_of[t]], dtype=np.int64)
+        self._tf_ptr = np.cumsum([0] + [len(self._features_of[t]) for t in self.table_names]).astype(np.int64)
+        self._single_col = np.full(len(schema.sparse), -1, dtype=np.int64)
+        self._single_col[self._single_features] = np.arange(len(self._single_features))
+        self._single_cols_t = torch.tensor(self._single_features, dtype=torch.int64, device=self.device)
+        self._multi_cols_t = torch.tensor(self._multi_features, dtype=torch.int64, device=self.device)
         # the schedule
         self.staleness = cfg.staleness
-        self._pending_pushes: dict[int, tuple[Lookup, torch.Tensor]] = {}
+        self._pending_pushes: dict[int, tuple] = {}  # step -> _do_push's arguments
         self._unpushed: set[int] = set()  # training lookups whose push the caller still owes
         self.visibility: list[tuple[int, int]] = []  # (push step, first lookup step that saw it)
         self._threaded = threaded
@@ -234,8 +273,10 @@ class ShardedEmbeddingStore:
         """Queue the row gradients of ``lookup`` (after backward) for their owners."""
         self._fulfil(lookup)
         g = lookup.rows_all.grad
-        grads = torch.zeros(lookup.rows_all.shape) if g is None else g.detach().to("cpu", torch.float32)
-        self._submit(("push", lookup.step, (lookup, grads)))
+        g_rows = None if g is None else g.detach().to("cpu", torch.float32)
+        leaf = lookup.pooled_leaf
+        g_pooled = None if leaf is None or leaf.grad is None else leaf.grad.detach()
+        self._submit(("push", lookup.step, (lookup, g_rows, g_pooled)))
 
     def cancel(self, lookup: Lookup) -> None:
         """Withdraw the push a training lookup promised (e.g. a look-ahead never trained on)."""
@@ -376,11 +417,24 @@ class ShardedEmbeddingStore:
                 unpushed.discard(op[1])
                 self._run(*item)
             else:
-                if op[0] == "lookup" and op[3]:
-                    unpushed.add(op[2])
+                if op[0] == "lookup":
+                    # the batch's own work now, while the pushes it must see are awaited
+                    item = ((op[0], self._prepare_early(op[1]), *op[2:]), item[1])
+                    if op[3]:
+                        unpushed.add(op[2])
                 waiting.append(item)
             while waiting:
                 op, fut = waiting[0]
+                if (op[0] == "lookup" and op[3] and self._failure is None and isinstance(op[1], _Prepared)
+                        and not op[1].reserved):
+                    # first in line: take its slots now (key work only), read rows later
+                    try:
+                        self._reserve(op[1], op[2], True)
+                    except BaseException as exc:  # noqa: BLE001 - surfaced through the future
+                        self._failure = exc
+                        waiting.popleft()
+                        fut.set_exception(exc)
+                        continue
                 if op[0] == "lookup" and op[3]:
                     limit = self._visible_through(op[2])
                 elif op[0] == "flush":
@@ -395,60 +449,50 @@ class ShardedEmbeddingStore:
                 else:
                     self._run(op, fut)
 
+    def _prepare_early(self, kjt: KeyedJaggedTensor) -> _Prepared | _Failed:
+        try:
+            return self._prepare(kjt)
+        except Exception as exc:  # noqa: BLE001 - raised in order, when the lookup runs
+            return _Failed(exc)
+
     def _apply_pushes_through(self, last_step: float, for_lookup: int | None = None) -> None:
         for s in sorted(self._pending_pushes):
             if s > last_step:
                 break
-            lookup, grads = self._pending_pushes.pop(s)
-            self._do_push(lookup, grads)
+            self._do_push(*self._pending_pushes.pop(s))
             self.visibility.append((s, -1 if for_lookup is None else for_lookup))
 
     # ------------------------------------------------------------------ the work
 
-    def _do_lookup(self, kjt: KeyedJaggedTensor, step: int | None, train: bool) -> Lookup:
+    def _prepare(self, kjt: KeyedJaggedTensor) -> _Prepared:
+        """Return the batch's own part of a lookup: each table's unique keys, the pooling
+        indices and (W > 1) the owner of each key. Reads no table: it may run before the
+        pushes the lookup must see are applied."""
         B = kjt.stride()
         F = len(self.schema.sparse)
         lengths_FB = kjt.lengths().numpy().astype(np.int64, copy=False).reshape(F, B)
         values = kjt.values().numpy()
-        offs = kjt.offset_per_key()
-        # 1. per table: unique keys (first appearance) and each id's row in rows_all
-        parts, row_of_id, base = [], {}, 0
-        for t in self.table_names:
-            fidx = self._features_of[t]
-            keys_all = values[offs[fidx[0]] : offs[fidx[0] + 1]] if len(fidx) == 1 else np.concatenate(
-                [values[offs[f] : offs[f + 1]] for f in fidx])
-            keys_U, inverse = unique_inverse(keys_all)
-            at = 0
-            for f in fidx:
-                n = offs[f + 1] - offs[f]
-                row_of_id[f] = inverse[at : at + n] + base
-                at += n
-            parts.append(_TablePart(t, keys_U, base))
-            base += len(keys_U)
-        pad = base
-        # 2. gather rows: from this process's tables, or from the owners
-        rows_np = np.zeros((base + 1, self.dim), dtype=np.float32)
-        if self.world_size == 1:
-            for p in parts:
-                if len(p.keys_U):
-                    rows_np[p.base : p.base + len(p.keys_U)] = self._serve(p.name, p.keys_U, step, train)
-            lookup_comm = {}
-        else:
-            lookup_comm = self._gather_remote(parts, rows_np, step, train)
-        rows_all = torch.from_numpy(rows_np).to(self.device).requires_grad_(train)
-        # 3. index tensors for pooling
-        single = self._single_features
-        single_idx = np.full((B, len(single)), pad, dtype=np.int64)
-        for j, f in enumerate(single):
-            has = lengths_FB[f] > 0
-            single_idx[has, j] = row_of_id[f]
+        offs = np.asarray(kjt.offset_per_key(), dtype=np.int64)
         multi = self._multi_features
+        multi_dst = np.full(F, -1, dtype=np.int64)
+        n_multi_values = 0
+        for f in multi:
+            multi_dst[f] = n_multi_values
+            n_multi_values += int(offs[f + 1] - offs[f])
+        uniq, base, single_idx, multi_values = index_batch(
+            values, offs, lengths_FB, self._tf_ptr, self._tf_idx, self._single_col, multi_dst, n_multi_values,
+            self.schema.feature_names)
+        parts = [_TablePart(t, uniq[base[i] : base[i + 1]], int(base[i])) for i, t in enumerate(self.table_names)]
+        if self.world_size > 1:
+            for p in parts:
+                owner = hashing.owner_of(p.keys_U, self.world_size)
+                p.order_U = np.argsort(owner, kind="stable")
+                p.owner_counts = np.bincount(owner, minlength=self.world_size)
+        weights = None
         if multi:
             lens = lengths_FB[multi].reshape(-1)
-            multi_values = np.concatenate([row_of_id[f] for f in multi])
             multi_offsets = np.zeros(lens.shape[0] + 1, dtype=np.int64)
             np.cumsum(lens, out=multi_offsets[1:])
-            weights = None
             if self._mean[multi].any():
                 per_bag = np.ones((len(multi), B), dtype=np.float32)
                 for j, f in enumerate(multi):
@@ -456,30 +500,85 @@ class ShardedEmbeddingStore:
                         per_bag[j] = 1.0 / np.maximum(lengths_FB[f], 1)
                 weights = torch.from_numpy(np.repeat(per_bag.reshape(-1), lens)).to(self.device)
         else:
-            multi_values = np.empty(0, dtype=np.int64)
             multi_offsets = np.zeros(1, dtype=np.int64)
-            weights = None
         dev = self.device
-        return Lookup(
-            step, B, parts, rows_all,
-            torch.from_numpy(single_idx).to(dev), torch.from_numpy(multi_values).to(dev),
-            torch.from_numpy(multi_offsets).to(dev), weights, self._perm, len(multi), **lookup_comm,
+        return _Prepared(
+            B, parts, int(base[-1]), torch.from_numpy(single_idx).to(dev), torch.from_numpy(multi_values).to(dev),
+            torch.from_numpy(multi_offsets).to(dev), weights,
         )
 
-    def _serve(self, table: str, keys_U: np.ndarray, step: int | None, train: bool) -> np.ndarray:
-        """Return this shard's float32 rows of the unique ``keys_U`` (owner side)."""
-        t = self.tables[table]
-        if train:
-            return t.lookup(keys_U, step)
-        return t.peek(keys_U, init_missing=self.cfg.min_count == 1)
+    def _do_lookup(self, batch: KeyedJaggedTensor | _Prepared | _Failed, step: int | None, train: bool) -> Lookup:
+        if isinstance(batch, _Failed):
+            raise batch.exc
+        prep = batch if isinstance(batch, _Prepared) else self._prepare(batch)
+        if not prep.reserved:
+            self._reserve(prep, step, train)
+        return self._read(prep, step, train)
 
-    def _gather_remote(self, parts: list[_TablePart], rows_np: np.ndarray, step, train: bool) -> dict:
-        """Fill ``rows_np`` with rows fetched from their owners; return the exchange plan."""
+    def _reserve(self, prep: _Prepared, step: int | None, train: bool) -> None:
+        """The key work of a lookup: send keys to their owners (W > 1) and, for tables that
+        allow it (``EmbeddingTable.reserves_early``), touch / insert / evict now.
+
+        The worker runs this for the lookup first in line, possibly before the pushes it
+        must see are applied: only row values depend on pushes (``_read``). Exact for
+        such tables: their rows with a pending push can only leave (evicted: dropped in
+        either order), never appear (every key gets its row at its own lookup).
+        """
+        if self.world_size > 1:
+            prep.comm = self._exchange_keys(prep.parts)
+        if train:
+            for p in prep.parts:
+                served = p.keys_U if self.world_size == 1 else p.served_U
+                table = self.tables[p.name]
+                if len(served) and getattr(table, "reserves_early", False):
+                    p.slots = table.reserve(served, step)
+        prep.reserved = True
+
+    def _read(self, prep: _Prepared, step: int | None, train: bool) -> Lookup:
+        """Return the lookup's rows as they are now (after the pushes it must see)."""
+        parts, n = prep.parts, prep.num_rows
+        # every row is written: by its table, or (W > 1) by the exchange; the last is the zero row
+        rows_np = np.empty((n + 1, self.dim), dtype=np.float32)
+        rows_np[n] = 0.0
+        if self.world_size == 1:
+            for p in parts:
+                if len(p.keys_U):
+                    self._serve(p, p.keys_U, step, train, rows_np[p.base : p.base + len(p.keys_U)])
+        else:
+            self._gather_remote(parts, prep.comm, rows_np, step, train)
+        rows_all = torch.from_numpy(rows_np).to(self.device).requires_grad_(train)
+        lookup = Lookup(
+            step, prep.batch_size, parts, rows_all, prep.single_idx, self._single_cols_t, prep.multi_values,
+            prep.multi_offsets, prep.multi_weights, self._multi_cols_t, **prep.comm,
+        )
+        if self.device.type == "cpu":  # pool here, off the trainer's thread
+            w = prep.multi_weights
+            out = torch.empty((prep.batch_size, len(self.schema.sparse), self.dim), dtype=torch.float32)
+            pool_forward(rows_np, prep.single_idx.numpy(), self._single_cols_t.numpy(), prep.multi_values.numpy(),
+                         prep.multi_offsets.numpy(), None if w is None else w.numpy(), self._multi_cols_t.numpy(),
+                         out.numpy())
+            lookup.pooled_leaf = out.requires_grad_(train)
+        return lookup
+
+    def _serve(self, part: _TablePart, keys_U: np.ndarray, step: int | None, train: bool,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """Return this shard's float32 rows of the unique ``keys_U`` of ``part``'s table
+        (owner side), written into ``out`` when given."""
+        t = self.tables[part.name]
+        if part.slots is not None:
+            return t.read(part.slots, out)
+        if train:
+            return t.lookup(keys_U, step, out=out)
+        rows = t.peek(keys_U, init_missing=self.cfg.min_count == 1)
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    def _exchange_keys(self, parts: list[_TablePart]) -> dict:
+        """Send every table's keys to their owners; set each part's ``served_U`` (the keys
+        this rank owns that some rank asked for) and return the exchange plan."""
         W = self.world_size
-        for p in parts:
-            owner = hashing.owner_of(p.keys_U, W)
-            p.order_U = np.argsort(owner, kind="stable")
-            p.owner_counts = np.bincount(owner, minlength=W)
         send_counts = np.stack([p.owner_counts for p in parts], axis=1)  # [W, T]
         recv_counts = self._exchange_counts(send_counts)
         # keys leave rank-major, table-minor; ``dest`` is each one's row in rows_all
@@ -490,25 +589,36 @@ class ShardedEmbeddingStore:
         recv_keys = self._exchange(send_keys, send_counts.sum(1), recv_counts.sum(1), torch.int64)
         # owner side: each table's requested keys, deduplicated across requesters
         recv_split = _split_rank_table(recv_keys, recv_counts)
-        served = []
         for i, p in enumerate(parts):
-            asked = np.concatenate([recv_split[r][i] for r in range(W)])
-            p.served_U, p.served_inverse = unique_inverse(asked)
-            rows = self._serve(p.name, p.served_U, step, train) if len(p.served_U) else np.empty((0, self.dim), np.float32)
+            p.served_U, p.served_inverse = unique_inverse(np.concatenate([recv_split[r][i] for r in range(W)]))
+        return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest}
+
+    def _gather_remote(self, parts: list[_TablePart], comm: dict, rows_np: np.ndarray, step, train: bool) -> None:
+        """Fill ``rows_np`` with rows fetched from their owners (keys sent by ``_exchange_keys``)."""
+        W, D = self.world_size, self.dim
+        send_counts, recv_counts = comm["send_counts"], comm["recv_counts"]
+        served = []
+        for p in parts:
+            rows = self._serve(p, p.served_U, step, train) if len(p.served_U) else np.empty((0, D), np.float32)
             served.append(rows[p.served_inverse])
         served_split = [np.split(rows, np.cumsum(recv_counts[:, i])[:-1]) for i, rows in enumerate(served)]
         send_rows = np.concatenate([served_split[i][r] for r in range(W) for i in range(len(parts))])
-        D = self.dim
         recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32)
-        rows_np[dest] = recv_rows.reshape(-1, D)
-        return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest}
+        rows_np[comm["dest"]] = recv_rows.reshape(-1, D)
 
-    def _do_push(self, lookup: Lookup, grads_all: torch.Tensor) -> None:
-        grads = grads_all.numpy()
+    def _do_push(self, lookup: Lookup, g_rows: torch.Tensor | None, g_pooled: torch.Tensor | None) -> None:
+        """Turn the gradients of ``rows_all`` and of ``pooled_leaf`` into row gradients and
+        apply them at the owners."""
+        if g_rows is None:
+            grads = np.zeros(tuple(lookup.rows_all.shape), dtype=np.float32)
+        else:
+            grads = np.array(g_rows.numpy(), dtype=np.float32)  # ours to add into
+        if g_pooled is not None:
+            lookup.pool_backward(g_pooled.numpy(), grads)
         if self.world_size == 1:
             for p in lookup.parts:
                 if len(p.keys_U):
-                    self.tables[p.name].apply_gradients(p.keys_U, grads[p.base : p.base + len(p.keys_U)], lookup.step)
+                    self._apply(p, p.keys_U, grads[p.base : p.base + len(p.keys_U)], lookup.step)
             return
         W, D = self.world_size, self.dim
         send = np.ascontiguousarray(grads[lookup.dest]).reshape(-1)
@@ -521,7 +631,14 @@ class ShardedEmbeddingStore:
             summed = torch.zeros((len(p.served_U), D), dtype=torch.float32)
             summed.index_add_(0, torch.from_numpy(p.served_inverse), torch.from_numpy(g))
             summed /= W  # each rank's loss is a mean over its own rows
-            self.tables[p.name].apply_gradients(p.served_U, summed.numpy(), lookup.step)
+            self._apply(p, p.served_U, summed.numpy(), lookup.step)
+
+    def _apply(self, part: _TablePart, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
+        table = self.tables[part.name]
+        if part.slots is not None:
+            table.apply_gradients(keys_U, grads_UD, step, slots_hint=part.slots)
+        else:
+            table.apply_gradients(keys_U, grads_UD, step)
 
     # ------------------------------------------------------------------ communication
 

@@ -370,8 +370,9 @@ class EmbeddingTable:
             rows[absent] = init_vectors(keys[absent], self.dim, self.name, self.cfg.seed, self._bound)
         return rows
 
-    def lookup(self, keys_U: np.ndarray, step: int) -> np.ndarray:
-        """Return float32 [U, D] rows of the unique keys ``keys_U`` at training ``step``.
+    def lookup(self, keys_U: np.ndarray, step: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Return float32 [U, D] rows of the unique keys ``keys_U`` at training ``step``
+        (written into ``out``, a C-contiguous float32 [U, D] array, when given).
 
         Absent keys are admitted (see module doc) and initialized, evicting least-recently
         used rows if the table is full; keys not admitted read zeros. ``step`` must not be
@@ -379,7 +380,25 @@ class EmbeddingTable:
         keys cannot all fit. Uniqueness is the caller's promise (not checked: hot path).
         """
         slots = self._touch(as_keys(keys_U), int(step))
-        return self._gather(slots)
+        return self._gather(slots, out)
+
+    @property
+    def reserves_early(self) -> bool:
+        """Whether ``reserve`` may run before pushes of earlier steps are applied: true
+        without a spill tier and ``on_evict``. Then a row evicted before its pending push
+        is dropped exactly as if evicted after it (the push only counts it ``ignored``,
+        not ``updated``); with them, the evicted row's copy would miss the push."""
+        return self.spill is None and self.on_evict is None
+
+    def reserve(self, keys_U: np.ndarray, step: int) -> np.ndarray:
+        """Do ``lookup``'s key work (touch, admit, evict, initialize new rows) and return the
+        slots (-1: not admitted) for ``read``; the rows are not read yet."""
+        return self._touch(as_keys(keys_U), int(step))
+
+    def read(self, slots_U: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Return the float32 rows of ``reserve``'s slots as they are now (zeros for -1).
+        Valid until the next call that inserts or evicts (``reserve``, ``lookup``...)."""
+        return self._gather(slots_U, out)
 
     def lookup_rows(self, keys_U: np.ndarray, step: int, want_U: np.ndarray) -> tuple[np.ndarray, RowBlock]:
         """``lookup`` that returns, instead of float32 rows, which keys have a row (bool [U])
@@ -458,19 +477,21 @@ class EmbeddingTable:
 
     # ------------------------------------------------------------------ updates
 
-    def apply_gradients(self, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
+    def apply_gradients(self, keys_U: np.ndarray, grads_UD: np.ndarray, step: int,
+                        slots_hint: np.ndarray | None = None) -> None:
         """Apply the sparse optimizer to the rows of ``keys_U`` with gradients ``grads_UD``.
 
         Keys without a row (not admitted, evicted, popped) are ignored and counted.
         ``step`` is the step whose lookup produced the rows: it may not be later than the
-        latest lookup (pushes may lag lookups, never lead them).
+        latest lookup (pushes may lag lookups, never lead them). ``slots_hint``: the slots
+        ``reserve`` gave these keys (checked, so a stale hint is harmless; saves probes).
         """
         keys = as_keys(keys_U)
         grads = np.ascontiguousarray(grads_UD, dtype=np.float32)
         check_push(self.name, self.dim, keys, tuple(grads.shape), step, self._map.clock)
         if self.spill is not None:
             self.spill.check()
-        slots = self._map.find(keys)
+        slots = self._map.find(keys, slots_hint)
         if self.spill is not None and (slots < 0).any():
             slots = self._restore_for_update(keys, slots)
         n_ignored = int((slots < 0).sum())
@@ -591,16 +612,17 @@ class EmbeddingTable:
         for name, arr in self._state.items():
             _fill_rows_kernel(arr, slots_M, arr.dtype.type(self._state_init[name]))
 
-    def _gather(self, slots_U: np.ndarray) -> np.ndarray:
-        """Return float32 rows of ``slots_U``, zeros where a slot is -1."""
-        if self._w16 is not None:
+    def _gather(self, slots_U: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Return float32 rows of ``slots_U`` (in ``out`` if given), zeros where a slot is -1."""
+        if out is None:
             out = np.empty((slots_U.shape[0], self.dim), dtype=np.float32)
+        if self._w16 is not None:
             _gather_f16_kernel(self._w16, slots_U, _f16_lut(), out.view(np.uint32))
             return out
         absent = slots_U < 0
         if not absent.any():
-            return self.weights_CD.take(slots_U, axis=0)
-        out = self.weights_CD.take(np.where(absent, 0, slots_U), axis=0)
+            return np.take(self.weights_CD, slots_U, axis=0, out=out)
+        np.take(self.weights_CD, np.where(absent, 0, slots_U), axis=0, out=out)
         out[absent] = 0.0
         return out
 
