@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import sys
 import threading
 
 import numpy as np
@@ -379,3 +380,29 @@ def test_batches_larger_than_a_ring_slot_take_torchs_path(data, monkeypatch):
     with ParquetReader(data.config(num_workers=1), make_schema(), rank=0, world_size=2) as r:
         worker = list(r)
     assert_batches_equal(thread, worker)
+
+
+def _thread_nice(native_id: int) -> int:
+    """Return a thread's nice value (field 19 of /proc/self/task/TID/stat)."""
+    with open(f"/proc/self/task/{native_id}/stat") as fh:
+        stat = fh.read()
+    return int(stat[stat.rindex(")") + 2 :].split()[16])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("nice", [0, 7])
+def test_reader_threads_run_at_the_configured_lower_priority(data, nice):
+    mine = _thread_nice(threading.get_native_id())
+    r = ParquetReader(data.config(prefetch=1, batch_size=4, nice=nice), make_schema())
+    it = iter(r)
+    next(it)
+    readers = [t for t in threading.enumerate() if t.name.startswith("recsys-reader")]
+    assert {t.name.split("-")[2].rstrip("_0123456789") for t in readers} >= {"slot", "decode", "convert"}
+    assert {_thread_nice(t.native_id) for t in readers} == {min(19, mine + nice)}
+    assert _thread_nice(threading.get_native_id()) == mine  # the caller's priority is untouched
+    r.close()
+
+
+def test_nice_out_of_range_is_a_clear_config_error():
+    with pytest.raises(ValueError, match=r"nice must be in 0..19, found 20"):
+        ReaderConfig(paths=["x"], nice=20)

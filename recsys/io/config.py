@@ -33,6 +33,9 @@ class ReaderConfig:
     """On a corrupt, truncated, empty or ill-typed file: stop with an error, or skip it (counted and logged)."""
     arrow_threads: bool = True
     """Let Arrow decode columns with its thread pool (worker processes split the cores)."""
+    nice: int = 10
+    """Raise the reader's threads' (and worker processes') nice value by this much (Linux;
+    0..19), so reading ahead only takes CPU the training step leaves idle."""
     start_method: Literal["fork", "forkserver", "spawn"] = "fork"
     """How worker processes start (``num_workers > 0``). fork starts in ~0.1 s; forkserver and
     spawn re-import torch (seconds) but are safer if other threads of the process may hold
@@ -45,5 +48,7 @@ class ReaderConfig:
             raise ValueError(f"shuffle_buffer must be >= 1, found {self.shuffle_buffer}")
         if self.num_workers < 0:
             raise ValueError(f"num_workers must be >= 0, found {self.num_workers}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"nice must be in 0..19, found {self.nice}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, found {self.prefetch}")

@@ -17,6 +17,8 @@ counts; the open set is thus itself a function of the consumed counts.
 from __future__ import annotations
 
 import heapq
+import os
+import sys
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -83,6 +85,7 @@ class ReadContext:
     drop_last: bool
     seed: int
     arrow_threads: bool
+    nice: int  # the reader threads' nice value (priority_target of ReaderConfig.nice; 0: unchanged)
     on_bad_file: str
     unit_row0: np.ndarray
     """int64 [U] row number of each unit's first row within its file."""
@@ -104,6 +107,27 @@ class SlotPlan:
 # --------------------------------------------------------------------------- loading
 
 
+def priority_target(nice: int) -> int:
+    """Return the nice value ``nice`` steps below the calling thread's priority (0: none)."""
+    if nice <= 0 or sys.platform != "linux":
+        return 0
+    return min(19, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) + nice)
+
+
+def background_priority(target: int) -> None:
+    """Lower the calling thread's CPU priority to nice value ``target`` (``priority_target``)
+    unless it is already that low. Linux only: a thread is a task with its own nice value,
+    inherited by the threads it starts; elsewhere, or if refused, nothing happens."""
+    if target <= 0 or sys.platform != "linux":
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
+    except OSError:
+        pass
+
+
 class UnitLoader:
     """Reads units ahead in two background stages: Arrow decode, then conversion.
 
@@ -113,8 +137,10 @@ class UnitLoader:
 
     def __init__(self, ctx: ReadContext, max_open_files: int = 8) -> None:
         self.ctx = ctx
-        self._decode = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recsys-reader-decode")
-        self._convert = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recsys-reader-convert")
+        self._decode = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recsys-reader-decode",
+                                          initializer=background_priority, initargs=(ctx.nice,))
+        self._convert = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recsys-reader-convert",
+                                           initializer=background_priority, initargs=(ctx.nice,))
         self._pending: dict[int, Future] = {}
         self._files: OrderedDict[int, pq.ParquetFile] = OrderedDict()
         self._max_open = max_open_files

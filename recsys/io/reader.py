@@ -45,7 +45,7 @@ from recsys.io.config import ReaderConfig
 from recsys.io.convert import BatchArrays, UnitConverter
 from recsys.io.errors import ReadError
 from recsys.io.inspect import describe
-from recsys.io.plan import ReadContext, SlotPlan, SlotRunner
+from recsys.io.plan import ReadContext, SlotPlan, SlotRunner, background_priority, priority_target
 from recsys.io.state import STATE_VERSION, Progress, check_shape, merge_states, unit_index
 from recsys.io.units import build_units, expand_paths
 from recsys.schema import Schema
@@ -90,6 +90,7 @@ class ParquetReader:
             drop_last=cfg.drop_last,
             seed=cfg.seed,
             arrow_threads=cfg.arrow_threads,
+            nice=priority_target(cfg.nice),
             on_bad_file=cfg.on_bad_file,
             unit_row0=_row0(table),
         )
@@ -387,6 +388,7 @@ class _ThreadSource:
         self._thread.start()
 
     def _run(self, ctx: ReadContext, plan: SlotPlan) -> None:
+        background_priority(ctx.nice)
         items = iter(SlotRunner(ctx, plan, self._stop))
         try:
             for item in items:
@@ -506,6 +508,8 @@ class _SlotDataset(IterableDataset):
         plan = self.plans.get(slot)
         if plan is None:
             return
+        if info is not None:
+            background_priority(self.ctx.nice)  # threads started from here on inherit it
         if info is not None:  # the workers share the cores: one full Arrow pool each would oversubscribe
             share = len(os.sched_getaffinity(0)) // info.num_workers
             if share > 1:
