@@ -30,7 +30,9 @@ steps, runs one segment of (b) and one of (c) (their order swapped each time) be
 passing the batch on. (a) is paused only inside its batch fetch, when its store and
 reader threads are idle (the lookup of that batch is not yet submitted). Samples/s =
 rows of the timed steps / their seconds, after ``warmup_chunks × chunk`` untimed steps;
-(a)'s steps are timed fetch to fetch (one step each), pauses excluded.
+(a)'s steps are timed fetch to fetch (one step each), pauses excluded. The headline ratio
+is total rows / total seconds per side; the JSON adds, for a vs c, the ratio of each pair
+of segments run back to back (their median and spread show how noisy the machine was).
 
 2 processes vs 1: ``recsys train --nproc 2`` (torchrun, gloo, 1 torch thread each,
 per-rank batch B/2, so the same global batches and total samples) against (a) (1 process,
@@ -222,6 +224,13 @@ class PausingSource:
 
     def close(self) -> None:
         self.reader.close()
+
+
+def _segment_ratios(ours_s: list[float], other_s: list[float]) -> dict:
+    """Return the per-segment ratios ours / other (same steps each, run back to back) and
+    their median and spread: a noisy neighbour slows both sides of a pair alike."""
+    ratios = [o / u for u, o in zip(ours_s, other_s)]
+    return {"per_segment": ratios, "median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)}
 
 
 def _window_phases(metrics_path: Path, first_step: int, pauses_s: dict[int, float], chunk: int) -> dict:
@@ -668,6 +677,8 @@ def _measure_all(root: Path, s: Settings) -> dict:
         peer.close()
 
         ours_rows, ours_s = source.timed(s.warmup_steps, s.steps - 1)
+        ours_segments = [source.timed(s.warmup_steps + i * s.chunk, s.warmup_steps + (i + 1) * s.chunk)[1]
+                         for i in range(s.timed_chunks)]
         rate = {
             "ours": ours_rows / ours_s,
             "torchrec": peer.timed_rows / sum(peer.timed_s),
@@ -683,7 +694,8 @@ def _measure_all(root: Path, s: Settings) -> dict:
     auc_ours, auc_peer = ours_result.get("auc", float("nan")), peer_eval.get("auc", float("nan"))
     comparisons = [
         comparison("ours vs torchrec DMP fused", rate["ours"], rate["torchrec"], "samples/s", target_ratio=1.0),
-        comparison("ours vs dense-only limit", rate["ours"], rate["dense_only"], "samples/s", target_ratio=0.7),
+        comparison("ours vs dense-only limit", rate["ours"], rate["dense_only"], "samples/s", target_ratio=0.7,
+                   segment_ratios=_segment_ratios(ours_segments, limit.timed_s)),
     ]
     if two is not None:
         comparisons.append(comparison("2 processes vs 1 (ours)", two["samples_per_s"], rate["ours"], "samples/s",
@@ -700,6 +712,7 @@ def _measure_all(root: Path, s: Settings) -> dict:
                 "samples_per_s": rate["ours"],
                 "timed_rows": ours_rows,
                 "timed_seconds": ours_s,
+                "seconds_per_segment": ours_segments,
                 "phase_ms_per_step": phases,
                 "eval": ours_result,
             },
