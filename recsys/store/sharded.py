@@ -23,8 +23,9 @@ timing. All store mutations run in one sequence (on a worker thread when ``threa
 else in the caller), identical on every rank, on the store's own process group, so
 collectives never interleave with DDP's. ``s = 0`` is synchronous training. The part of
 a lookup that needs only its batch (dedup of every table's keys in one pass, pooling
-indices, owners) runs when the lookup arrives at the worker; only the table reads wait
-for the pushes the lookup must see.
+indices, owners) runs when the lookup arrives at the worker; its key work (touch,
+insert, evict) once it is first in line; only the row reads wait for the pushes the
+lookup must see. Pooling runs in ``Lookup.pooled``, its backward on the worker in the push.
 
 Costs: one all_to_all for keys, one for rows and one for gradients per step (all tables
 in one message each), plus one for the per-table counts.
@@ -111,7 +112,7 @@ class Lookup:
     multi_offsets: torch.Tensor  # [F_multi * B + 1]
     multi_weights: torch.Tensor | None  # per-id weights for mean pooling
     multi_cols: torch.Tensor  # [F_multi] schema position of each multi-hot feature
-    pooled_leaf: torch.Tensor | None = None  # [B, F, D] pooled by the store (CPU), a leaf
+    pooled_leaf: torch.Tensor | None = None  # [B, F, D] pooled on CPU by pool_now(), a leaf
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
     recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
@@ -124,11 +125,15 @@ class Lookup:
     def pooled(self, num_features: int | None = None) -> torch.Tensor:
         """Return pooled embeddings [B, F, D] in schema feature order.
 
-        On CPU the store pooled them on its worker already: a leaf tensor, whose gradient
-        ``push`` turns into row gradients (off the caller's thread). On other devices:
-        torch kernels on ``rows_all``, with autograd. Either way ``push`` takes the
-        gradients of ``pooled()`` and of ``rows_all`` (if any) together.
+        On CPU: one numba pass (``pool_now``), returned as a leaf tensor whose gradient
+        ``push`` turns into row gradients on the store's worker, off the caller's thread.
+        (Pooling on the worker instead was measured slower at staleness 0: it lengthens
+        the wait for the next lookup.) On other devices: torch kernels on ``rows_all``,
+        with autograd. Either way ``push`` takes the gradients of ``pooled()`` and of
+        ``rows_all`` (if any) together.
         """
+        if self.pooled_leaf is None and self.rows_all.device.type == "cpu":
+            self.pool_now()
         out = self.pooled_leaf
         if out is None:
             out = pool_torch(self.rows_all, self.single_idx, self.single_cols, self.multi_values,
@@ -136,6 +141,16 @@ class Lookup:
         if num_features is not None and out.shape[1] != num_features:
             raise ValueError(f"pooled: {out.shape[1]} features, caller expected {num_features}")
         return out
+
+    def pool_now(self) -> None:
+        """Compute ``pooled_leaf`` from ``rows_all`` (CPU float32) with the numba kernel."""
+        w = self.multi_weights
+        F = self.single_cols.shape[0] + self.multi_cols.shape[0]
+        out = torch.empty((self.batch_size, F, self.rows_all.shape[1]), dtype=torch.float32)
+        pool_forward(self.rows_all.detach().numpy(), self.single_idx.numpy(), self.single_cols.numpy(),
+                     self.multi_values.numpy(), self.multi_offsets.numpy(), None if w is None else w.numpy(),
+                     self.multi_cols.numpy(), out.numpy())
+        self.pooled_leaf = out.requires_grad_(self.rows_all.requires_grad)
 
     def pool_backward(self, grad_BFD: np.ndarray, out_RD: np.ndarray) -> None:
         """Add the row gradients of ``pooled_leaf``'s upstream gradient into ``out_RD``."""
@@ -551,13 +566,6 @@ class ShardedEmbeddingStore:
             step, prep.batch_size, parts, rows_all, prep.single_idx, self._single_cols_t, prep.multi_values,
             prep.multi_offsets, prep.multi_weights, self._multi_cols_t, **prep.comm,
         )
-        if self.device.type == "cpu":  # pool here, off the trainer's thread
-            w = prep.multi_weights
-            out = torch.empty((prep.batch_size, len(self.schema.sparse), self.dim), dtype=torch.float32)
-            pool_forward(rows_np, prep.single_idx.numpy(), self._single_cols_t.numpy(), prep.multi_values.numpy(),
-                         prep.multi_offsets.numpy(), None if w is None else w.numpy(), self._multi_cols_t.numpy(),
-                         out.numpy())
-            lookup.pooled_leaf = out.requires_grad_(train)
         return lookup
 
     def _serve(self, part: _TablePart, keys_U: np.ndarray, step: int | None, train: bool,
