@@ -5,15 +5,18 @@ table in the batch, ``D`` table dim, ``W`` world size, ``R`` keys a rank receive
 
 One training step, seen from rank r (W = 2)::
 
-    batch KJT ──► per table: keys_U = unique(keys of its features), inverse
-                     │ owner = owner_of(key, W)  (recsys.hashing)
+    batch KJT ──► _prepare: index_batch → every table's keys_U (first appearance), the
+                     │      pooling indices (single_idx, bags); owner = owner_of(key, W)
                      ▼
-        all_to_all(keys)   ──►  owner: table.lookup(unique received keys)
-        all_to_all(rows)   ◄──  rows of the requested keys
+    _reserve:  all_to_all(keys) ──► owner: table.reserve(unique received keys) → slots
+                     │              (touch, insert, evict, init: no row values read)
+                     ▼   ...the pushes this lookup must see are applied here...
+    _read:     all_to_all(rows) ◄── owner: table.read(slots)
                      │
-    rows_UD (leaf tensor, requires_grad) ──► embedding_bag(inverse, offsets) ──► pooled [B, F, D]
+    rows_all [ΣU + 1, D] ──► Lookup.pooled(): one kernel ──► pooled [B, F, D] (a leaf)
                                                    ...model, loss, backward...
-    rows_UD.grad ──► all_to_all(grads) ──► owner: sum over requesters / W ──► sparse optimizer
+    push: pooled.grad ──► pool_backward ──► row grads ──► all_to_all(grads)
+                     ──► owner: sum over requesters / W ──► sparse optimizer (slot hints)
 
 No ``[num_rows, D]`` gradient ever exists: only the batch's unique rows move.
 
