@@ -65,6 +65,20 @@ def _pool_grad_kernel(grad_BFD, single_idx, single_cols, values, offsets, weight
                     out_RD[r, d] += w * grad_BFD[b, c, d]
 
 
+@njit(nogil=True, cache=True)
+def _scatter_add_kernel(idx_N, values_ND, scale, out_RD):
+    for i in range(idx_N.shape[0]):
+        r = idx_N[i]
+        for d in range(out_RD.shape[1]):
+            out_RD[r, d] += scale * values_ND[i, d]
+
+
+def scatter_add(idx_N: np.ndarray, values_ND: np.ndarray, out_RD: np.ndarray, scale: float = 1.0) -> np.ndarray:
+    """Add ``scale · values_ND[i]`` into ``out_RD[idx_N[i]]`` for every i (in order); return ``out_RD``."""
+    _scatter_add_kernel(idx_N, np.ascontiguousarray(values_ND, dtype=np.float32), np.float32(scale), out_RD)
+    return out_RD
+
+
 def pool_forward(rows_RD: np.ndarray, single_idx: np.ndarray, single_cols: np.ndarray, values: np.ndarray,
                  offsets: np.ndarray, weights: np.ndarray | None, multi_cols: np.ndarray,
                  out_BFD: np.ndarray) -> np.ndarray:

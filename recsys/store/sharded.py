@@ -54,7 +54,7 @@ from recsys import hashing
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch, unique_inverse
-from recsys.store.pooling import pool_backward, pool_forward, pool_torch
+from recsys.store.pooling import pool_backward, pool_forward, pool_torch, scatter_add
 
 
 @dataclasses.dataclass(slots=True)
@@ -639,10 +639,9 @@ class ShardedEmbeddingStore:
             if not len(p.served_U):
                 continue
             g = np.concatenate([got[r][i] for r in range(W)])
-            summed = torch.zeros((len(p.served_U), D), dtype=torch.float32)
-            summed.index_add_(0, torch.from_numpy(p.served_inverse), torch.from_numpy(g))
-            summed /= W  # each rank's loss is a mean over its own rows
-            self._apply(p, p.served_U, summed.numpy(), lookup.step)
+            # each rank's loss is a mean over its own rows: the gradients sum over ranks / W
+            summed = scatter_add(p.served_inverse, g, np.zeros((len(p.served_U), D), dtype=np.float32), 1.0 / W)
+            self._apply(p, p.served_U, summed, lookup.step)
 
     def _apply(self, part: _TablePart, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
         table = self.tables[part.name]
