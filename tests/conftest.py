@@ -11,12 +11,7 @@ from pathlib import Path
 
 import pytest
 
-
-def free_port() -> int:
-    """Return a TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from recsys.spawn import free_port  # noqa: F401 - the tests import it from here
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):

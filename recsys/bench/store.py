@@ -51,12 +51,7 @@ import dataclasses
 import gc
 import math
 import os
-import pickle
-import socket
-import tempfile
 import time
-import traceback
-from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -525,12 +520,6 @@ def _measure_lru(s: Settings) -> dict:
 # --------------------------------------------------------------------------- 4. two ranks vs one
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _dist_rank(rank: int, world: int, s: Settings) -> dict:
     """One rank of comparison 4; returns timings (rank 0), losses and idle CPU (rank 1)."""
     import torch
@@ -586,43 +575,11 @@ def _dist_rank(rank: int, world: int, s: Settings) -> dict:
     return {"times": times, "losses": losses, "idle_cpu_s": idle_cpu, "distinct": distinct}
 
 
-def _dist_entry(rank: int, world: int, port: int, s: Settings, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    try:
-        import torch.distributed as dist
-
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        try:
-            payload = ("ok", _dist_rank(rank, world, s))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported to the parent
-        payload = ("error", traceback.format_exc())
-    with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
-        pickle.dump(payload, fh)
-
-
 def _measure_dist(s: Settings) -> dict:
-    import torch.multiprocessing as mp
+    from recsys.spawn import run_gloo
 
     world = 2
-    with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(_dist_entry, args=(world, _free_port(), s, out_dir), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + s.dist_timeout_s
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"the 2-process store benchmark did not finish in {s.dist_timeout_s}s")
-        results = []
-        for r in range(world):
-            with open(Path(out_dir) / f"rank{r}.pkl", "rb") as fh:
-                status, value = pickle.load(fh)
-            if status != "ok":
-                raise RuntimeError(f"store benchmark rank {r} failed:\n{value}")
-            results.append(value)
+    results = run_gloo(_dist_rank, world, s, timeout=s.dist_timeout_s)
     r0, r1 = results
     samples = s.dist_steps * s.batch
     best = {k: min(v) for k, v in r0["times"].items()}

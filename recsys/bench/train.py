@@ -55,7 +55,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +65,7 @@ import numpy as np
 
 from recsys.bench import comparison, passive_omp, quiet_fbgemm, versions
 from recsys.bench.reader import ensure_data as ensure_small_data
+from recsys.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "synthetic_small.toml"
@@ -344,7 +344,7 @@ class Peer:
                 loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
                 return loss, logits.detach()
 
-        self._port = _free_port()
+        self._port = free_port()
         with _silent():
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{self._port}", rank=0, world_size=1)
             sharder = EmbeddingBagCollectionSharder(fused_params={
@@ -530,12 +530,6 @@ class Alternation:
 
 
 # --------------------------------------------------------------------------- 2 processes
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _train_rows(root: Path) -> int:
