@@ -134,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "store) and the checkpoint's model; print the metrics.",
     )
     p.add_argument("--checkpoint", required=True, type=Path,
-                   help="a checkpoint directory, a run's checkpoints/ directory or a run directory")
+                   help="a checkpoint directory, a run directory, a checkpoints/ directory or its latest file")
     p.add_argument("--data", nargs="*", default=[], help="files, directories or globs (default: the job's eval split)")
     p.add_argument("--json", type=Path, help="also write the metrics here")
     p.add_argument("--oracle", type=Path, help="a synthetic data set's oracle.json: print the AUC next to it")

@@ -25,11 +25,7 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
     from recsys.store.sharded import ShardedEmbeddingStore
     from recsys.train import checkpoint as ckpt
 
-    path = Path(checkpoint)
-    if (path / "latest").exists():  # a checkpoints/ directory: take its newest
-        path = ckpt.latest(path)
-    elif (path / "checkpoints" / "latest").exists():  # a run directory
-        path = ckpt.latest(path / "checkpoints")
+    path = ckpt.resolve(checkpoint)
     meta = ckpt.load_meta(path)
     job = config_mod.from_dict(config_mod.JobConfig, tomllib.loads(meta["config"]), f"{path}/meta.json:config")
     sparse = ckpt.load_sparse(path, list(job.schema.tables))

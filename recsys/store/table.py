@@ -21,10 +21,8 @@ Layout (every array preallocated at construction, indexed by slot)::
               │ new key: init row            (absent / rejected keys: ignored, counted)
               └ full: evict LRU rows ─► on_evict(rows as Arrow)
 
-A new key's initial vector depends only on (seed, table name, key): element ``d`` is
-``a · ((2·(h_d >> 40) + 1) / 2^24 - 1)`` with ``h_d = fmix64(base + (d+1)·φ)``,
-``base = fmix64(key ^ table_salt(name) ^ fmix64(seed ^ tag))`` and φ the golden-ratio
-constant, so every shard, insertion order, capacity and world size starts a key identically.
+A new key's initial vector depends only on (seed, table name, key) (``recsys.store.init``),
+so every shard, insertion order, capacity and world size starts a key identically.
 
 Admission (``min_count > 1``): sightings of keys that have no row are counted in a
 count-min sketch (``keymap.FrequencySketch``), chosen over an exact bounded counting map
@@ -65,18 +63,15 @@ import numpy as np
 import pyarrow as pa
 from numba import njit
 
-from recsys import hashing
-from recsys.hashing import _fmix
 from recsys.schema import TableSpec
 from recsys.store import optim
 from recsys.store.config import StoreConfig
+from recsys.store.init import init_kernel as _init_kernel
+from recsys.store.init import init_salt, init_vectors
 from recsys.store.keymap import FrequencySketch, KeyMap, as_keys
 
 __all__ = ["EmbeddingTable", "RowBlock", "init_vectors", "COUNTERS", "to_float16", "to_float32"]
 
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_INIT_TAG = 0xD6E8FEB86659FD93
-_MASK = (1 << 64) - 1
 
 COUNTERS = (
     "hits",  # looked-up keys that had a row
@@ -129,19 +124,6 @@ class RowBlock:
 
 
 # --------------------------------------------------------------------------- initial rows
-
-
-@njit(nogil=True, cache=True)
-def _init_kernel(keys, rows, salt, bound, out):
-    """Write the initial vector of ``keys[i]`` into ``out[rows[i]]`` (float32)."""
-    D = out.shape[1]
-    for i in range(keys.shape[0]):
-        base = _fmix(np.uint64(keys[i]) ^ salt)
-        r = rows[i]
-        for d in range(D):
-            h = _fmix(base + np.uint64(d + 1) * _GOLDEN)
-            k = np.float64(h >> np.uint64(40))  # 24 uniform bits
-            out[r, d] = np.float32(bound * ((2.0 * k + 1.0) * (1.0 / 16777216.0) - 1.0))
 
 
 @njit(nogil=True, cache=True)
@@ -255,19 +237,6 @@ def to_float32(values: np.ndarray) -> np.ndarray:
     src = np.ascontiguousarray(values, dtype=np.float16)
     out = np.empty(src.shape, dtype=np.float32)
     _gather_f16_kernel(src.view(np.uint16), np.arange(src.shape[0]), _f16_lut(), out.view(np.uint32))
-    return out
-
-
-def init_salt(table: str, seed: int) -> int:
-    """Return the 64-bit salt of initial vectors for ``table`` under ``seed``."""
-    return hashing.table_salt(table) ^ hashing.fmix64((seed & _MASK) ^ _INIT_TAG)
-
-
-def init_vectors(keys_M: np.ndarray, dim: int, table: str, seed: int, bound: float) -> np.ndarray:
-    """Return the initial float32 [M, dim] rows of ``keys_M``, each ~ U(-bound, bound)."""
-    keys = as_keys(keys_M)
-    out = np.empty((keys.shape[0], dim), dtype=np.float32)
-    _init_kernel(keys, np.arange(keys.shape[0]), np.uint64(init_salt(table, seed)), float(bound), out)
     return out
 
 

@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-FORMAT_VERSION = 1
+# the read side needs no torch (the lookup service and `recsys export` use it)
+from recsys.checkpoint_files import FORMAT_VERSION, latest, load_meta, load_sparse, resolve  # noqa: F401
 
 
 def _fsync_dir(path: Path) -> None:
@@ -59,18 +60,6 @@ def _barrier() -> None:
 def checkpoint_name(step: int) -> str:
     """Return the directory name of the checkpoint taken after ``step`` steps."""
     return f"step-{step:08d}"
-
-
-def latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """Return the newest complete checkpoint under ``ckpt_root``, or None."""
-    root = Path(ckpt_root)
-    pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "meta.json").exists():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-    return path
 
 
 def save(
@@ -131,31 +120,6 @@ def _prune(root: Path, keep_last: int, keep: str) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-def load_meta(path: str | os.PathLike) -> dict[str, Any]:
-    """Return the checkpoint's meta.json, checking the format version."""
-    path = Path(path)
-    meta_path = path / "meta.json"
-    if not meta_path.exists():
-        raise FileNotFoundError(f"{path}: not a checkpoint (no meta.json)")
-    meta = json.loads(meta_path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{meta_path}: format_version {meta.get('format_version')}, expected {FORMAT_VERSION}")
-    return meta
-
-
 def load_dense(path: str | os.PathLike) -> dict[str, Any]:
     """Return the dense state (tensors and plain data only; no code is unpickled)."""
     return torch.load(Path(path) / "dense.pt", map_location="cpu", weights_only=True)
-
-
-def load_sparse(path: str | os.PathLike, tables: list[str] | None = None) -> dict[str, pa.Table]:
-    """Return every saved row per table (all ranks' shards concatenated)."""
-    root = Path(path) / "sparse"
-    names = tables if tables is not None else sorted(p.name for p in root.iterdir() if p.is_dir())
-    out = {}
-    for name in names:
-        files = sorted((root / name).glob("rank-*.parquet"))
-        if not files:
-            raise FileNotFoundError(f"{root / name}: no shards of table {name!r}")
-        out[name] = pa.concat_tables(pq.read_table(f) for f in files)
-    return out

@@ -15,7 +15,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override a job setting, e.g. --set train.max_steps=100")
     parser.add_argument("--run-dir", type=Path, help="run directory (default: a new one under runs/)")
-    parser.add_argument("--resume", type=Path, help="checkpoint to start from (default: the run's latest)")
+    parser.add_argument("--resume", type=Path, help="checkpoint to start from: a step directory, run directory, checkpoints/ directory or its latest file (default: the run's latest)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="shortcut for --set train.device=...")
 
 

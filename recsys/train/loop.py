@@ -150,7 +150,7 @@ class Trainer:
         self._state_before_fetch: dict | None = None
         source = resume or ckpt.latest(self.ckpt_root)
         if source is not None:
-            self.restore(Path(source))
+            self.restore(ckpt.resolve(source))
 
     # ------------------------------------------------------------------ checkpoints
 
