@@ -15,7 +15,7 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError
 
-BENCH_TARGETS = ("reader", "hashing", "store", "train")
+BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
@@ -72,6 +72,62 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     if args.oracle:
         print(f"AUC {result['auc']:.4f}  (oracle {result['oracle_auc']:.4f}, gap {result['auc_gap_to_oracle']:.4f})  "
               f"log loss {result['log_loss']:.4f}  (oracle {result['oracle_log_loss']:.4f})")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import redis
+
+    from embedding_server import publish
+    from recsys.redis_util import redact
+
+    if args.list or args.gc:
+        if args.gc:
+            result = publish.gc(args.redis, args.namespace, keep=args.keep, grace_s=args.grace_s)
+            print(f"removed {len(result['removed'])} version(s) from {redact(args.redis)}: "
+                  + (", ".join(f"{v} ({n} rows)" for v, n in result["removed"].items()) or "none"))
+        print(json.dumps(publish.versions(args.redis, args.namespace), indent=2))
+        return 0
+    if args.checkpoint is None:
+        raise UserError("export: give --checkpoint (or --gc / --list)")
+    try:
+        settings = publish.ExportSettings(namespace=args.namespace, version=args.version or "", dtype=args.dtype,
+                                          keep=args.keep, buckets=args.buckets,
+                                          tables=[t for t in args.tables.split(",") if t] if args.tables else None)
+    except ValueError as exc:
+        raise UserError(f"export: {exc}") from None
+    try:
+        result = publish.export(args.checkpoint, args.redis, settings, progress=not args.no_progress)
+    except (publish.ExportError, ValueError) as exc:
+        raise UserError(f"{exc}; `current` is unchanged") from None
+    except redis.RedisError as exc:
+        raise UserError(f"Redis at {redact(args.redis)} failed: {type(exc).__name__}: {exc}; "
+                        "`current` is unchanged (`recsys export --gc` removes the partial version)") from None
+    print(f"exported {result['rows']:,} rows of {len(result['tables'])} table(s) in {result['seconds']:.1f} s "
+          f"({result['rows_per_s']:,.0f} rows/s) as version {result['version']}; "
+          f"{args.namespace}:current -> {result['version']} at {redact(args.redis)}")
+    if result["removed_versions"]:
+        print(f"removed old versions: {', '.join(result['removed_versions'])}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from embedding_server.app import serve
+    from embedding_server.settings import ServeSettings
+
+    try:
+        settings = ServeSettings(checkpoint=str(args.checkpoint or ""), redis=args.redis or "",
+                                 namespace=args.namespace, host=args.host, port=args.port, workers=args.workers,
+                                 token_file=str(args.token_file or ""), max_ids=args.max_ids,
+                                 max_body_bytes=args.max_body_bytes, cache_bytes=int(args.cache_mb * (1 << 20)),
+                                 refresh_s=args.refresh_s)
+        settings.token()  # a bad token file fails here, before the server starts
+    except (ValueError, OSError) as exc:
+        raise UserError(f"serve: {exc}") from None
+    serve(settings)
     return 0
 
 
@@ -140,6 +196,52 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--oracle", type=Path, help="a synthetic data set's oracle.json: print the AUC next to it")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser(
+        "export",
+        help="publish a checkpoint's embeddings to Redis as a new version (then flip `current`)",
+        description="Write every table's rows (spilled ones included) under a new version, verify them, "
+        "flip the namespace's `current` alias atomically and keep the newest --keep versions. "
+        "--gc removes failed or abandoned exports and old versions; --list shows the versions.",
+    )
+    p.add_argument("--checkpoint", type=Path,
+                   help="a checkpoint directory, a run directory, a checkpoints/ directory or its latest file")
+    p.add_argument("--redis", required=True, help="redis://[:password@]host:port/db, rediss:// for TLS; "
+                   "any node of a Redis Cluster")
+    p.add_argument("--version", help="version name (default: s<step>-<UTC time>)")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                   help="storage type in Redis (float16: half the memory, rows rounded)")
+    p.add_argument("--keep", type=int, default=3, help="ready versions kept, the new one included (default 3)")
+    p.add_argument("--tables", help="comma-separated tables to publish (default: all)")
+    p.add_argument("--namespace", default="recsys", help="key prefix of this serving deployment (default recsys)")
+    p.add_argument("--buckets", type=int, default=64, help="hash-tag buckets per table (Redis Cluster slots; default 64)")
+    p.add_argument("--gc", action="store_true", help="only remove failed/abandoned exports and versions beyond --keep")
+    p.add_argument("--grace-s", type=float, default=60.0,
+                   help="--gc leaves an export alone while its heartbeat is younger than this (default 60)")
+    p.add_argument("--list", action="store_true", help="only print the versions and which one is current")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--json", type=Path, help="also write the summary here")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser(
+        "serve",
+        help="serve embeddings of raw ids over HTTP, from Redis or straight from a checkpoint",
+        description="Run the embedding lookup service (FastAPI on uvicorn; OpenAPI docs at /docs). "
+        "--checkpoint serves from memory with no Redis; --redis serves the version `recsys export` published.",
+    )
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", type=Path, help="serve this checkpoint from memory (the embedded default)")
+    src.add_argument("--redis", help="serve the published versions in this Redis (or Redis Cluster)")
+    p.add_argument("--namespace", default="recsys", help="namespace the versions were published under")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
+    p.add_argument("--token-file", type=Path, help="require `Authorization: Bearer <token in this file>`")
+    p.add_argument("--max-ids", type=int, default=10_000, help="ids per request at most (default 10000)")
+    p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body size limit (default 4 MiB)")
+    p.add_argument("--cache-mb", type=float, default=256, help="row cache per worker, MiB (default 256; 0: none)")
+    p.add_argument("--refresh-s", type=float, default=1.0, help="how often the `current` alias is read (default 1)")
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
         "bench",

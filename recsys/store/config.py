@@ -6,10 +6,11 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from recsys.redis_util import URL_SCHEMES as SPILL_SCHEMES  # one list of Redis URL forms
+
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam", "sgd")
 DTYPES = ("float32", "float16")
 MAX_MIN_COUNT = 255  # admission counters are saturating uint8
-SPILL_SCHEMES = ("redis://", "rediss://", "unix://")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -58,11 +58,9 @@ attempts, retried ones included), ``spill_pending`` (rows and tombstones not yet
 from __future__ import annotations
 
 import itertools
-import re
 import threading
 import time
 from typing import Callable
-from urllib.parse import urlsplit, urlunsplit
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +68,8 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from recsys.redis_util import glob_escape as _glob_escape
+from recsys.redis_util import redact as _redact
 from recsys.store import optim
 from recsys.store.config import StoreConfig
 from recsys.store.keymap import as_keys
@@ -113,25 +113,6 @@ def value_dtype(dim: int, cfg: StoreConfig) -> np.dtype:
         t = "<f4" if c.dtype == np.float32 else "<i8"
         fields.append((c.name, t, (dim,)) if c.per_dim else (c.name, t))
     return np.dtype(fields)
-
-
-def _redact(url: str) -> str:
-    """Return ``url`` without its password."""
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparsable url>"
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 # --------------------------------------------------------------------------- the tier

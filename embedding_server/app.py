@@ -1,0 +1,329 @@
+"""The lookup service: an ASGI app (FastAPI) built by ``create_app(settings, backend)``.
+
+Routes (OpenAPI at /docs and /openapi.json):
+
+    POST /v1/lookup        {"feature", "ids", "pooling"} -> {"embeddings", "found", "version"}
+    POST /v1/lookup/batch  {"lookups": [...]}            -> {"results": [...], "version"}
+    GET  /v1/tables        served tables, their dims, features and rows, and the version
+    GET  /healthz          the process is up
+    GET  /readyz           the backend answers and a version is loaded (503 otherwise)
+    GET  /metrics          Prometheus text format
+
+``Accept: application/octet-stream`` on the lookups returns float32 rows in the binary
+layout of ``embedding_server.wire``. Ids are raw ids, hashed exactly as training hashed
+them (``Catalog.keys``); an id never trained gets the vector ``recsys eval`` uses for an
+unseen key, with ``found: false``. Every response is read from one version (one snapshot
+per request). Errors: 4xx naming the request field (never 5xx for bad input), 401 without
+the bearer token when one is configured, 413 past the id or body limits, 503 when the
+backend cannot answer (the body says why; the service recovers by itself).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import os
+from typing import Literal
+
+import numpy as np
+import orjson
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from embedding_server import wire
+from embedding_server.backends import BackendUnavailable, Snapshot, backend_from_settings
+from embedding_server.catalog import IdError
+from embedding_server.metrics import Metrics
+from embedding_server.settings import ServeSettings
+
+log = logging.getLogger(__name__)
+
+Pooling = Literal["none", "sum", "mean"]
+
+
+# --------------------------------------------------------------------------- request / response models
+
+
+class LookupRequest(BaseModel):
+    """Embeddings of raw ids of one feature."""
+
+    model_config = ConfigDict(extra="forbid")
+    feature: StrictStr = Field(description="a served sparse feature (GET /v1/tables lists them)")
+    ids: list[StrictInt | StrictStr] = Field(description="raw ids: ints for int64 features, strings for string ones")
+    pooling: Pooling = Field("none", description="none: one vector per id; sum or mean: one vector for all ids")
+
+
+class BatchRequest(BaseModel):
+    """Several lookups answered from one version in one round trip."""
+
+    model_config = ConfigDict(extra="forbid")
+    lookups: list[LookupRequest] = Field(description="lookups, answered in order")
+
+
+class LookupResponse(BaseModel):
+    embeddings: list[list[float]] = Field(description="one vector per id, or one pooled vector")
+    found: list[bool] = Field(description="per id: it has a trained row (false: the unseen-key vector)")
+    version: str = Field(description="the published version every vector comes from")
+
+
+class BatchResult(BaseModel):
+    feature: str
+    embeddings: list[list[float]]
+    found: list[bool]
+
+
+class BatchResponse(BaseModel):
+    results: list[BatchResult]
+    version: str
+
+
+class TableInfoOut(BaseModel):
+    name: str
+    dim: int
+    features: list[str]
+    rows: int
+
+
+class TablesResponse(BaseModel):
+    tables: list[TableInfoOut]
+    version: str
+
+
+class ErrorItem(BaseModel):
+    loc: list[str | int]
+    msg: str
+    type: str
+
+
+class ErrorResponse(BaseModel):
+    detail: list[ErrorItem] | str
+
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (401, 413, 422, 503)}
+_BINARY = {"content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
+           "description": "JSON, or with Accept: application/octet-stream the binary layout of embedding_server.wire"}
+
+
+def _field_error(status: int, loc: list, msg: str, kind: str) -> HTTPException:
+    return HTTPException(status, detail=[{"loc": loc, "msg": msg, "type": kind}])
+
+
+# --------------------------------------------------------------------------- body limit
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimit:
+    """Answer 413 to a request whose body passes ``max_bytes`` (declared or streamed)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    too_big = int(value) > self.max_bytes
+                except ValueError:
+                    too_big = False
+                if too_big:
+                    await self._reject(send)
+                    return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+        body = orjson.dumps({"detail": [{"loc": ["body"], "msg": f"request body larger than {self.max_bytes} bytes",
+                                         "type": "body_too_large"}]})
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# --------------------------------------------------------------------------- the app
+
+
+def create_app(settings: ServeSettings, backend=None) -> FastAPI:
+    """Return the lookup service for ``settings`` (``backend``: built from them when None)."""
+    backend = backend if backend is not None else backend_from_settings(settings)
+    token = settings.token()
+    metrics = Metrics()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await backend.start()
+        try:
+            yield
+        finally:
+            await backend.close()
+
+    app = FastAPI(title="recsys embedding lookup", version="1", lifespan=lifespan,
+                  description=__doc__.split("\n\n")[0])
+    app.state.backend = backend
+    app.state.metrics = metrics
+
+    async def authorized(request: Request) -> None:
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, value = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+            raise HTTPException(401, detail=[{"loc": ["header", "authorization"],
+                                              "msg": "a valid bearer token is required", "type": "unauthorized"}],
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    @app.exception_handler(BackendUnavailable)
+    async def unavailable(request: Request, exc: BackendUnavailable):
+        metrics.backend_errors.inc()
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
+
+    async def snapshot() -> Snapshot:
+        snap = await backend.snapshot()
+        metrics.serving(snap.version)
+        return snap
+
+    async def answer(snap: Snapshot, lookups: list[LookupRequest], batched: bool) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Return (vectors, found) per lookup, all read by ``snap`` in one backend call."""
+        total = sum(len(lk.ids) for lk in lookups)
+        metrics.ids.observe(total)
+        if total > settings.max_ids:
+            raise _field_error(413, ["body", "lookups"] if batched else ["body", "ids"],
+                               f"{total} ids in one request, at most {settings.max_ids} allowed", "too_many_ids")
+        cat = snap.catalog
+        prepared = []
+        for j, lk in enumerate(lookups):
+            loc = ["body", "lookups", j] if batched else ["body"]
+            try:
+                feat = cat.feature(lk.feature)
+            except KeyError as exc:
+                raise _field_error(422, [*loc, "feature"], exc.args[0], "unknown_feature") from None
+            try:
+                keys = cat.keys(feat, lk.ids)
+            except IdError as exc:
+                raise _field_error(422, [*loc, "ids", exc.index], str(exc), "id_type") from None
+            uniq, inverse = np.unique(keys, return_inverse=True)
+            prepared.append((feat, uniq, inverse))
+        fetched = await backend.rows(snap, [(feat.table, uniq) for feat, uniq, _ in prepared])
+        out = []
+        for lk, (feat, uniq, inverse), (vec, found) in zip(lookups, prepared, fetched):
+            if not found.all():
+                vec[~found] = cat.tables[feat.table].defaults(uniq[~found])
+            vec, found = vec[inverse], found[inverse]
+            if lk.pooling != "none":
+                pooled = vec.sum(axis=0, keepdims=True, dtype=np.float32)
+                if lk.pooling == "mean" and vec.shape[0]:
+                    pooled /= np.float32(vec.shape[0])
+                vec = pooled
+            out.append((vec, found))
+        return out
+
+    def wants_binary(request: Request) -> bool:
+        return wire.MEDIA_TYPE in request.headers.get("accept", "")
+
+    @app.post("/v1/lookup", response_model=LookupResponse, dependencies=[Depends(authorized)],
+              responses={200: _BINARY, **_ERRORS})
+    async def lookup(body: LookupRequest, request: Request) -> Response:
+        """Return the embeddings of raw ids of one feature."""
+        snap = await snapshot()
+        ((vec, found),) = await answer(snap, [body], batched=False)
+        if wants_binary(request):
+            return Response(wire.encode(snap.version, [(vec, found)]), media_type=wire.MEDIA_TYPE)
+        return Response(orjson.dumps({"embeddings": vec, "found": found, "version": snap.version},
+                                     option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+    @app.post("/v1/lookup/batch", response_model=BatchResponse, dependencies=[Depends(authorized)],
+              responses={200: _BINARY, **_ERRORS})
+    async def lookup_batch(body: BatchRequest, request: Request) -> Response:
+        """Return the embeddings of several lookups, all from one version."""
+        snap = await snapshot()
+        results = await answer(snap, body.lookups, batched=True)
+        if wants_binary(request):
+            return Response(wire.encode(snap.version, results), media_type=wire.MEDIA_TYPE)
+        payload = {"results": [{"feature": lk.feature, "embeddings": vec, "found": found}
+                               for lk, (vec, found) in zip(body.lookups, results)], "version": snap.version}
+        return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+    @app.get("/v1/tables", response_model=TablesResponse, dependencies=[Depends(authorized)], responses=_ERRORS)
+    async def tables() -> dict:
+        """Return the served tables (dim, features reading them, rows) and the version."""
+        snap = await snapshot()
+        cat = snap.catalog
+        return {"version": snap.version, "tables": [
+            {"name": t.name, "dim": t.dim, "rows": t.rows,
+             "features": [f.name for f in cat.features.values() if f.table == t.name]}
+            for t in cat.tables.values()]}
+
+    @app.get("/healthz")
+    async def healthz() -> dict:
+        """Return ok while the process serves HTTP."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", responses={503: {"model": ErrorResponse}})
+    async def readyz() -> JSONResponse:
+        """Return 200 when the backend answers and a version is loaded, else 503 with the reason."""
+        ready, why = backend.status()
+        return JSONResponse({"ready": ready, "detail": why, "backend": backend.name}, status_code=200 if ready else 503)
+
+    @app.get("/metrics", dependencies=[Depends(authorized)], responses=_ERRORS)
+    async def metrics_route() -> Response:
+        """Return the Prometheus metrics of this process (of all workers with --workers > 1)."""
+        metrics.observe_backend(backend)
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(metrics.middleware)
+    return app
+
+
+def create_app_from_env() -> FastAPI:
+    """Return the app for the ``RECSYS_SERVE_*`` settings (what uvicorn workers call)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return create_app(ServeSettings.from_env())
+
+
+def serve(settings: ServeSettings) -> None:
+    """Run the service until interrupted (uvicorn; ``settings.workers`` processes)."""
+    import uvicorn
+
+    os.environ.update(settings.to_env())
+    if settings.workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
+        import tempfile
+
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="recsys-serve-metrics-")
+    if settings.workers > 1:
+        uvicorn.run("embedding_server.app:create_app_from_env", factory=True, host=settings.host, port=settings.port,
+                    workers=settings.workers, log_level="info", access_log=False)
+    else:
+        uvicorn.run(create_app_from_env(), host=settings.host, port=settings.port, log_level="info",
+                    access_log=False)

@@ -1,0 +1,293 @@
+"""Where served rows come from: a checkpoint in memory (embedded) or published versions in Redis.
+
+Legend: ``U`` unique keys of a request part, ``D`` dim.
+
+Both backends answer the same two questions, asynchronously:
+
+- ``snapshot()``: the version to serve now, with its ``Catalog``. A request takes one
+  snapshot and reads every row by that version, so a response never mixes versions.
+- ``rows(snap, parts)``: for each ``(table, keys_U)`` part, float32 ``[U, D]`` rows and a
+  ``found`` mask (rows of keys not found are zeros; the app fills in the unseen-key vector).
+  The Redis backend reads all parts with one round trip (one MGET; per hash slot in a
+  cluster), through the LRU cache.
+
+``BackendUnavailable`` (Redis unreachable, timed out, nothing published) becomes a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from embedding_server import layout
+from embedding_server.cache import MISSING, ByteLRU
+from embedding_server.catalog import Catalog
+from recsys import checkpoint_files
+from recsys.redis_util import is_cluster_info, redact
+
+log = logging.getLogger(__name__)
+
+MGET_KEYS = 1000  # keys per MGET: large enough to amortize, small enough not to stall Redis
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot answer now (the message says why); the service answers 503."""
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """One served version."""
+
+    version: str
+    catalog: Catalog
+    dtype: str = "float32"
+    buckets: int = 1
+
+
+# --------------------------------------------------------------------------- embedded
+
+
+class EmbeddedBackend:
+    """Serve a checkpoint's rows from memory, no Redis (``recsys serve --checkpoint``).
+
+    Rows are loaded once (sorted by key, in the checkpoint's storage dtype) and found by
+    binary search. They are loaded rather than memory-mapped: checkpoint shards are zstd
+    Parquet, which cannot be mapped without first writing an uncompressed copy.
+    """
+
+    name = "embedded"
+
+    def __init__(self, checkpoint: str | Path, tables: list[str] | None = None) -> None:
+        path = checkpoint_files.resolve(checkpoint)
+        meta = checkpoint_files.load_meta(path)
+        self._keys: dict[str, np.ndarray] = {}
+        self._rows: dict[str, np.ndarray] = {}
+        counts = {}
+        for name in tables or meta["tables"]:
+            data = pa.concat_tables(pq.read_table(f, columns=["key", "embedding"])
+                                    for f in checkpoint_files.sparse_files(path, name))
+            keys = data.column("key").to_numpy()
+            flat = data.column("embedding").combine_chunks().flatten().to_numpy(zero_copy_only=False)
+            order = np.argsort(keys, kind="stable")
+            self._keys[name] = np.ascontiguousarray(keys[order])
+            self._rows[name] = np.ascontiguousarray(flat.reshape(keys.shape[0], -1)[order])
+            counts[name] = int(keys.shape[0])
+        catalog = Catalog.from_checkpoint(path, meta, counts, tables)
+        self._snap = Snapshot(version=f"checkpoint:{path.name}", catalog=catalog,
+                              dtype=str(next(iter(self._rows.values())).dtype) if self._rows else "float32")
+        self.path = path
+
+    async def start(self) -> None:
+        """Nothing to open: the rows are loaded."""
+
+    async def close(self) -> None:
+        """Nothing to close."""
+
+    def status(self) -> tuple[bool, str]:
+        """Return (ready, why)."""
+        return True, f"serving {self.path}"
+
+    async def snapshot(self) -> Snapshot:
+        """Return the one version this backend serves."""
+        return self._snap
+
+    async def rows(self, snap: Snapshot, parts: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Return (float32 [U, D] rows, found [U]) per ``(table, keys_U)`` part."""
+        out = []
+        for table, keys in parts:
+            sorted_keys = self._keys[table]
+            rows = self._rows[table]
+            pos = np.searchsorted(sorted_keys, keys)
+            np.minimum(pos, max(sorted_keys.shape[0] - 1, 0), out=pos)
+            found = sorted_keys[pos] == keys if sorted_keys.shape[0] else np.zeros(keys.shape[0], dtype=bool)
+            vec = rows[pos].astype(np.float32) if sorted_keys.shape[0] else np.zeros((keys.shape[0], rows.shape[1]), np.float32)
+            vec[~found] = 0.0
+            out.append((vec, found))
+        return out
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+class RedisBackend:
+    """Serve the version the Redis alias names, through a byte-bounded LRU cache.
+
+    A background task reads the alias every ``refresh_s`` seconds; a new version's manifest
+    is loaded before it is served. Until Redis answers (at start, or after an outage) the
+    backend is not ready and requests get 503; the client reconnects by itself.
+    """
+
+    name = "redis"
+
+    def __init__(self, url: str, namespace: str = "recsys", cache_bytes: int = 256 << 20,
+                 refresh_s: float = 1.0, timeout_s: float = 2.0) -> None:
+        self.url = url
+        self.ns = namespace
+        self.refresh_s = refresh_s
+        self.timeout_s = timeout_s
+        self.cache = ByteLRU(cache_bytes)
+        self.errors = 0
+        self._client = None
+        self._cluster = False
+        self._snap: Snapshot | None = None
+        self._manifests: dict[str, Snapshot] = {}
+        self._last_error = "not connected yet"
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Connect (if Redis answers) and start following the alias."""
+        try:
+            await self.refresh()
+        except BackendUnavailable as exc:
+            log.warning("lookup service starting without Redis: %s", exc)
+        self._task = asyncio.create_task(self._follow())
+
+    async def close(self) -> None:
+        """Stop following the alias and close the connection pool."""
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        if self._client is not None:
+            await self._client.aclose()
+
+    def status(self) -> tuple[bool, str]:
+        """Return (ready, why): Redis answered the last refresh and a version is loaded."""
+        if self._last_error:
+            return False, self._last_error
+        if self._snap is None:
+            return False, f"no version published under namespace {self.ns!r} at {redact(self.url)}"
+        return True, f"serving version {self._snap.version} from {redact(self.url)}"
+
+    async def _follow(self) -> None:
+        while True:
+            await asyncio.sleep(self.refresh_s)
+            try:
+                await self.refresh()
+            except BackendUnavailable:
+                pass  # recorded in _last_error; the next tick tries again
+
+    async def _connect(self):
+        import redis.asyncio as aredis
+        from redis.asyncio.cluster import RedisCluster
+
+        opts = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+        probe = aredis.Redis.from_url(self.url, **opts)
+        try:
+            cluster = not self.url.startswith("unix://") and is_cluster_info(await probe.info("cluster"))
+        finally:
+            await probe.aclose()
+        self._cluster = cluster
+        return RedisCluster.from_url(self.url, **opts) if cluster else aredis.Redis.from_url(self.url, **opts)
+
+    async def _call(self, what: str, op):
+        """Run ``op(client)``; Redis errors become ``BackendUnavailable`` naming the URL."""
+        import redis
+
+        try:
+            if self._client is None:
+                self._client = await self._connect()
+            result = await op(self._client)
+        except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
+            self.errors += 1
+            self._last_error = f"Redis at {redact(self.url)} failed during {what}: {type(exc).__name__}: {exc}"
+            raise BackendUnavailable(self._last_error) from None
+        return result
+
+    # ------------------------------------------------------------------ versions
+
+    async def refresh(self) -> Snapshot | None:
+        """Read the alias now; load the manifest of a new version; return the served snapshot."""
+        raw = await self._call("read of the current version", lambda c: c.get(layout.current_key(self.ns)))
+        self._last_error = ""
+        if raw is None:
+            self._snap = None
+            return None
+        version = raw.decode()
+        if self._snap is None or self._snap.version != version:
+            snap = self._manifests.get(version)
+            if snap is None:
+                text = await self._call("read of a manifest", lambda c: c.get(layout.manifest_key(self.ns, version)))
+                if text is None:
+                    self._last_error = f"version {version!r} has no manifest under namespace {self.ns!r}"
+                    raise BackendUnavailable(self._last_error)
+                manifest = json.loads(text)
+                snap = Snapshot(version=version, dtype=manifest["dtype"], buckets=int(manifest["buckets"]),
+                                catalog=Catalog.from_manifest(manifest, f"manifest of version {version!r}"))
+                self._manifests = {version: snap}  # only the served one is needed again
+            self._snap = snap
+            log.info("serving version %s", version)
+        return self._snap
+
+    async def snapshot(self) -> Snapshot:
+        """Return the version to serve now (``BackendUnavailable`` if none can be)."""
+        snap = self._snap
+        if snap is None:
+            snap = await self.refresh()
+        if snap is None:
+            raise BackendUnavailable(f"no version published under namespace {self.ns!r} at {redact(self.url)} "
+                                     "(run `recsys export`)")
+        return snap
+
+    # ------------------------------------------------------------------ rows
+
+    async def rows(self, snap: Snapshot, parts: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Return (float32 [U, D] rows, found [U]) per ``(table, keys_U)`` part (one round trip)."""
+        names_per_part = [layout.row_keys(self.ns, snap.version, t, k, snap.buckets) for t, k in parts]
+        names = [n for ns in names_per_part for n in ns]
+        values = self.cache.get_many(names)
+        todo = [i for i, v in enumerate(values) if v is None]
+        if todo:
+            fetched = await self._mget([names[i] for i in todo])
+            self.cache.put_many([names[i] for i in todo], fetched)
+            for i, v in zip(todo, fetched):
+                values[i] = MISSING if v is None else v
+        out, start = [], 0
+        for (table, keys), part_names in zip(parts, names_per_part):
+            vals = values[start : start + len(part_names)]
+            start += len(part_names)
+            found = np.fromiter((v != MISSING for v in vals), dtype=bool, count=len(vals))
+            dim = snap.catalog.tables[table].dim
+            vec = np.zeros((len(vals), dim), dtype=np.float32)
+            if found.any():
+                vec[found] = layout.decode_rows([v for v in vals if v != MISSING], dim, snap.dtype,
+                                                f"version {snap.version!r} table {table!r}")
+            out.append((vec, found))
+        return out
+
+    async def _mget(self, names: list[bytes]) -> list[bytes | None]:
+        if self._cluster:
+            return await self._call("MGET of rows", lambda c: c.mget_nonatomic(names))
+        if len(names) <= MGET_KEYS:
+            return await self._call("MGET of rows", lambda c: c.mget(names))
+
+        async def chunks(c):
+            pipe = c.pipeline(transaction=False)
+            for s in range(0, len(names), MGET_KEYS):
+                pipe.mget(names[s : s + MGET_KEYS])
+            return [v for part in await pipe.execute() for v in part]
+
+        return await self._call("MGET of rows", chunks)
+
+
+def backend_from_settings(settings) -> EmbeddedBackend | RedisBackend:
+    """Return the backend ``settings`` ask for."""
+    if settings.checkpoint:
+        t0 = time.perf_counter()
+        backend = EmbeddedBackend(settings.checkpoint)
+        log.info("loaded %s in %.1f s", backend.path, time.perf_counter() - t0)
+        return backend
+    return RedisBackend(settings.redis, settings.namespace, settings.cache_bytes, settings.refresh_s,
+                        settings.redis_timeout_s)

@@ -1,0 +1,104 @@
+"""Prometheus metrics of the lookup service (``prometheus-client``), one registry per app.
+
+    recsys_serve_requests_total{route,status}    requests answered
+    recsys_serve_request_seconds{route}          latency histogram
+    recsys_serve_ids_per_request                 ids asked for per lookup request
+    recsys_serve_cache_hits_total / _misses_total  the row cache (hit rate = hits / both)
+    recsys_serve_cache_bytes                     bytes the cache holds now
+    recsys_serve_backend_errors_total            requests answered 503 (backend unavailable)
+    recsys_serve_version_info{version}           1 for the version served now
+
+With several workers (``PROMETHEUS_MULTIPROC_DIR`` set) every process writes its values
+to that directory and /metrics sums them over the workers.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram,
+                               generate_latest)
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+IDS_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 10_000, 100_000)
+
+
+class Metrics:
+    """The service's metrics and the ASGI middleware that counts requests."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("recsys_serve_requests", "Requests answered", ["route", "status"], registry=r)
+        self.latency = Histogram("recsys_serve_request_seconds", "Request latency", ["route"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ids = Histogram("recsys_serve_ids_per_request", "Ids asked for per lookup request",
+                             buckets=IDS_BUCKETS, registry=r)
+        self.cache_hits = Counter("recsys_serve_cache_hits", "Row cache hits", registry=r)
+        self.cache_misses = Counter("recsys_serve_cache_misses", "Row cache misses", registry=r)
+        self.cache_bytes = Gauge("recsys_serve_cache_bytes", "Bytes held by the row cache", registry=r,
+                                 multiprocess_mode="livesum")
+        self.backend_errors = Counter("recsys_serve_backend_errors", "Requests answered 503", registry=r)
+        self.version = Gauge("recsys_serve_version_info", "1 for the version served now", ["version"], registry=r,
+                             multiprocess_mode="livemax")
+        self._version = None
+        self._seen = (0, 0)
+        metrics = self
+
+        class Middleware:
+            def __init__(self, app: ASGIApp) -> None:
+                self.app = app
+
+            async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+                if scope["type"] != "http":
+                    await self.app(scope, receive, send)
+                    return
+                status = 500
+                t0 = time.perf_counter()
+
+                async def send_status(message: Message) -> None:
+                    nonlocal status
+                    if message["type"] == "http.response.start":
+                        status = message["status"]
+                    await send(message)
+
+                try:
+                    await self.app(scope, receive, send_status)
+                finally:
+                    route = scope.get("route")
+                    name = getattr(route, "path", None) or "unmatched"
+                    metrics.requests.labels(name, str(status)).inc()
+                    metrics.latency.labels(name).observe(time.perf_counter() - t0)
+
+        self.middleware = Middleware
+
+    def serving(self, version: str) -> None:
+        """Record the version being served (the gauge moves only when it changes)."""
+        if version != self._version:
+            if self._version is not None:
+                self.version.remove(self._version)
+            self.version.labels(version).set(1)
+            self._version = version
+
+    def observe_backend(self, backend) -> None:
+        """Bring the cache figures up to date from ``backend`` (before a scrape)."""
+        cache = getattr(backend, "cache", None)
+        if cache is None:
+            return
+        hits, misses = cache.hits, cache.misses
+        self.cache_hits.inc(hits - self._seen[0])
+        self.cache_misses.inc(misses - self._seen[1])
+        self._seen = (hits, misses)
+        self.cache_bytes.set(cache.bytes)
+
+    def render(self) -> tuple[bytes, str]:
+        """Return the exposition text (summed over workers in multiprocess mode) and its type."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            from prometheus_client import multiprocess
+
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
