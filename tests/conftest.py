@@ -34,6 +34,7 @@ class RedisServer:
     port: int
     proc: subprocess.Popen
     workdir: Path
+    cmd: list[str]
 
     @property
     def url(self) -> str:
@@ -47,6 +48,12 @@ class RedisServer:
         except OSError:
             return False
 
+    def restart(self) -> None:
+        """Start the server again on the same port (after ``stop``) and wait until it answers."""
+        self.stop()
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_until(self.ping, 10, f"redis-server to answer PING again on port {self.port}")
+
     def stop(self) -> None:
         """Stop the server (an outage, as far as clients can tell)."""
         if self.proc.poll() is None:
@@ -58,8 +65,27 @@ class RedisServer:
                 self.proc.wait(timeout=10)
 
 
-def start_redis(workdir: Path) -> RedisServer:
-    """Start a non-persistent redis-server on a free loopback port and wait until it answers."""
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _redis_port(cluster: bool) -> int:
+    """Return a free port (and, for a cluster node, a free cluster bus port at port + 10000)."""
+    while True:
+        port = free_port()
+        if not cluster or (port + 10000 < 65536 and _port_is_free(port + 10000)):
+            return port
+
+
+def start_redis(workdir: Path, *args: str) -> RedisServer:
+    """Start a non-persistent redis-server on a free loopback port and wait until it answers.
+
+    ``args``: more redis-server options (e.g. cluster mode)."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed: run `make test` (it installs it) or "
@@ -67,13 +93,11 @@ def start_redis(workdir: Path) -> RedisServer:
     workdir.mkdir(parents=True, exist_ok=True)
     last_error = ""
     for _ in range(5):  # a port can be taken between probing and binding
-        port = free_port()
-        proc = subprocess.Popen(
-            [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
-        server = RedisServer("127.0.0.1", port, proc, workdir)
+        port = _redis_port("--cluster-enabled" in args)
+        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+               "--dir", str(workdir), "--logfile", str(workdir / "redis.log"), *args]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        server = RedisServer("127.0.0.1", port, proc, workdir, cmd)
         try:
             wait_until(lambda: server.ping() or proc.poll() is not None, 10, "redis-server to answer PING")
         except TimeoutError as exc:
@@ -92,3 +116,11 @@ def redis_server(tmp_path):
     server = start_redis(tmp_path / "redis")
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """A run directory trained on the tiny synthetic set (1 process, staleness 0)."""
+    from serving_data import train_tiny
+
+    return train_tiny(tmp_path_factory.mktemp("tiny_run"))
