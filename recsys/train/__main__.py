@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
 
     overrides = list(args.set) + ([f"train.device={args.device!r}"] if args.device else [])
     job = load_job(args.config, overrides)
-    env = setup_env(job.train.device)
+    env = setup_env(job.train.device, job.train.collective_timeout_s)
     run_dir = run_dir_for(job, args.run_dir, env)
     if env.is_main:
         write_resolved(job, run_dir)

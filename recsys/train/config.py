@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -46,6 +47,10 @@ class TrainConfig:
     """Checkpoint every this many minutes (0: off)."""
     keep_last: int = 3
     """Complete checkpoints kept."""
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective and rendezvous store wait of every process group: a hung or
+    vanished peer is noticed after this long (gloo's default is 30 minutes), the process
+    exits and ``--max-restarts`` can restart the job from its latest checkpoint."""
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     """Progress display on rank 0: a bar on a TTY, plain periodic lines otherwise."""
 
@@ -64,5 +69,7 @@ class TrainConfig:
             raise ValueError(f"keep_last must be >= 1, found {self.keep_last}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio}")
+        if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
+            raise ValueError(f"collective_timeout_s must be a finite number > 0, found {self.collective_timeout_s}")
         if self.checkpoint_every_minutes < 0 or self.clip_grad_norm < 0:
             raise ValueError("checkpoint_every_minutes and clip_grad_norm must be >= 0")

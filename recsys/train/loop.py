@@ -36,6 +36,7 @@ from recsys.io.reader import ParquetReader
 from recsys.model.arch import RankingModel
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.train import checkpoint as ckpt
+from recsys.train.distributed import init_distributed, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
 
 
@@ -47,14 +48,19 @@ class Env:
     world_size: int
     local_world_size: int
     device: torch.device
+    collective_timeout_s: float = 300.0
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
 
-def setup_env(device: str) -> Env:
-    """Return the process's place in the job, initializing torch.distributed under torchrun."""
+def setup_env(device: str, collective_timeout_s: float = 300.0) -> Env:
+    """Return the process's place in the job, initializing torch.distributed under torchrun.
+
+    The default group's keys live in a namespace of this launch attempt and every
+    collective times out after ``collective_timeout_s`` (``recsys.train.distributed``).
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
@@ -67,8 +73,8 @@ def setup_env(device: str) -> Env:
     else:
         dev = torch.device("cpu")
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    return Env(rank, world, local_world, dev)
+        init_distributed("nccl" if device == "cuda" else "gloo", collective_timeout_s)
+    return Env(rank, world, local_world, dev, collective_timeout_s)
 
 
 def empty_batch(schema, extra: list[str]) -> Batch:
@@ -140,7 +146,9 @@ class Trainer:
         self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
         self.total_steps = tc.max_steps or None
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, self.total_steps))
-        self.store = ShardedEmbeddingStore(schema, job.store, device=env.device, threaded=True)
+        # the store's collectives run on its own thread: a group of their own, same timeout
+        group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
+        self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True)
         self.reader = source or ParquetReader(job.data.train, schema, rank=env.rank, world_size=env.world_size)
         self.step = 0
         self.ckpt_root = self.run_dir / "checkpoints"
