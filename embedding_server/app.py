@@ -114,12 +114,11 @@ def _field_error(status: int, loc: list, msg: str, kind: str) -> HTTPException:
 # --------------------------------------------------------------------------- body limit
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class BodyLimit:
-    """Answer 413 to a request whose body passes ``max_bytes`` (declared or streamed)."""
+    """Answer 413 to a request whose body passes ``max_bytes`` (declared or streamed).
+
+    The body is read here first (the app reads all of it anyway), so an oversized chunked
+    body is refused before any handler sees it."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -130,37 +129,31 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         for name, value in scope.get("headers", ()):
-            if name == b"content-length":
-                try:
-                    too_big = int(value) > self.max_bytes
-                except ValueError:
-                    too_big = False
-                if too_big:
-                    await self._reject(send)
-                    return
-        seen = 0
-        started = False
-
-        async def limited_receive() -> Message:
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
-        try:
-            await self.app(scope, limited_receive, tracking_send)
-        except _BodyTooLarge:
-            if not started:
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_bytes:
                 await self._reject(send)
+                return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(send)
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _reject(self, send: Send) -> None:
         body = orjson.dumps({"detail": [{"loc": ["body"], "msg": f"request body larger than {self.max_bytes} bytes",

@@ -1,0 +1,137 @@
+"""recsys export: versions, the atomic alias, keep K, failed exports and --gc, clear errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import redis
+
+from embedding_server import layout, publish
+from recsys import checkpoint_files
+from recsys.redis_util import connect
+from serving_data import start_cluster
+
+pytestmark = pytest.mark.redis
+
+
+def row_count(url: str, version: str, ns: str = "recsys") -> int:
+    client = connect(url)
+    try:
+        return sum(1 for _ in client.scan_iter(match=layout.version_pattern(ns, version), count=1000))
+    finally:
+        client.close()
+
+
+def test_export_writes_every_row_and_a_manifest(tiny_run, redis_server):
+    ckpt = checkpoint_files.resolve(tiny_run)
+    rows = checkpoint_files.load_sparse(ckpt)
+    summary = publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="a"), progress=False)
+    assert summary["rows"] == sum(t.num_rows for t in rows.values()) == row_count(redis_server.url, "a")
+    client = redis.Redis.from_url(redis_server.url)
+    assert client.get("recsys:current") == b"a"
+    manifest = json.loads(client.get("recsys:manifest:a"))
+    assert manifest["source_checkpoint"] == str(ckpt.resolve())
+    assert manifest["step"] == checkpoint_files.load_meta(ckpt)["step"]
+    assert {f["name"]: f["table"] for f in manifest["features"]}["m1"] == "m1"
+    assert manifest["tables"]["c3"]["rows"] == rows["c3"].num_rows
+    # every value is the checkpoint's row, raw little-endian float32
+    t = rows["c7"]
+    keys = t.column("key").to_numpy()
+    emb = t.column("embedding").combine_chunks().flatten().to_numpy().reshape(len(keys), -1)
+    values = client.mget(layout.row_keys("recsys", "a", "c7", keys, manifest["buckets"]))
+    np.testing.assert_array_equal(np.frombuffer(b"".join(values), "<f4").reshape(emb.shape), emb)
+    # the checksum covers exactly those rows
+    assert manifest["tables"]["c7"]["checksum"] == f"{layout.checksum(keys, values):016x}"
+
+
+def test_keep_k_and_gc(tiny_run, redis_server):
+    for v in ("v1", "v2", "v3"):
+        publish.export(tiny_run, redis_server.url, publish.ExportSettings(version=v, keep=2), progress=False)
+    info = publish.versions(redis_server.url)
+    assert info["current"] == "v3" and sorted(info["versions"]) == ["v2", "v3"]
+    assert row_count(redis_server.url, "v1") == 0 and row_count(redis_server.url, "v2") > 0
+    assert not redis.Redis.from_url(redis_server.url).exists("recsys:manifest:v1")
+    with pytest.raises(publish.ExportError, match="already exists"):
+        publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="v3"), progress=False)
+
+
+def test_failed_export_leaves_current_and_gc_removes_it(tiny_run, redis_server):
+    publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="good"), progress=False)
+    with pytest.raises(publish.ExportError, match="on purpose"):
+        publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="bad", chunk_rows=500),
+                       progress=False, fail_after_rows=1000)
+    info = publish.versions(redis_server.url)
+    assert info["current"] == "good" and info["versions"]["bad"]["state"] == "failed"
+    assert row_count(redis_server.url, "bad") >= 1000
+    out = subprocess.run([sys.executable, "-m", "recsys.cli", "export", "--redis", redis_server.url, "--gc"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "removed 1 version(s)" in out.stdout and "bad" in out.stdout
+    assert row_count(redis_server.url, "bad") == 0 and row_count(redis_server.url, "good") > 0
+    assert publish.versions(redis_server.url)["current"] == "good"
+
+
+def test_abandoned_export_is_removed_after_its_grace(tiny_run, redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    client.hset("recsys:versions", "dead", json.dumps({"state": "writing", "started": 0, "heartbeat": 0}))
+    client.set(b"recsys:{dead:c1:0000}:0000000000000001", b"x" * 64)
+    client.hset("recsys:versions", "busy", json.dumps({"state": "writing", "started": 0, "heartbeat": 1e12}))
+    removed = publish.gc(redis_server.url, grace_s=60)["removed"]
+    assert removed == {"dead": 1}
+    assert "busy" in publish.versions(redis_server.url)["versions"]
+
+
+def test_cli_errors_are_one_line(tiny_run, redis_server, tmp_path):
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "recsys.cli", "export", *args], capture_output=True,
+                              text=True, timeout=120)
+
+    out = run("--checkpoint", str(tmp_path), "--redis", redis_server.url)
+    assert out.returncode == 2 and "not a checkpoint" in out.stderr and "Traceback" not in out.stderr
+    out = run("--checkpoint", str(tiny_run), "--redis", "redis://:secret@127.0.0.1:1/0")
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "secret" not in out.stderr and ":***@" in out.stderr
+    out = run("--checkpoint", str(tiny_run), "--redis", redis_server.url, "--version", "bad name")
+    assert out.returncode == 2 and "version must match" in out.stderr
+    out = run("--checkpoint", str(tiny_run), "--redis", redis_server.url, "--tables", "c1,nope")
+    assert out.returncode == 2 and "'nope'" in out.stderr
+
+
+@pytest.mark.multiproc
+def test_cluster_export_and_serve_equal_single_redis(tiny_run, redis_server, tmp_path):
+    import httpx
+
+    from embedding_server.app import create_app
+    from embedding_server.settings import ServeSettings
+    from serving_data import LiveServer
+
+    cluster = start_cluster(tmp_path / "cluster")
+    try:
+        for url in (redis_server.url, cluster.url):
+            publish.export(tiny_run, url, publish.ExportSettings(version="v1"), progress=False)
+        # the rows spread over the nodes
+        per_node = [redis.Redis(port=n.port).dbsize() for n in cluster.nodes]
+        assert all(n > 1000 for n in per_node), per_node
+        data = tiny_run.parent / "data" / "train"
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(sorted(data.glob("*.parquet"))[0]).slice(0, 300)
+        body = {"lookups": [{"feature": f, "ids": [v for v in t.column(f).to_pylist() if v is not None]}
+                            for f in ("c1", "c3", "c12", "c16")]}
+        answers = []
+        for url in (redis_server.url, cluster.url):
+            with LiveServer(create_app(ServeSettings(redis=url))) as server:
+                r = httpx.post(server.url + "/v1/lookup/batch", json=body, timeout=30)
+                assert r.status_code == 200, r.text
+                answers.append(r.json())
+        assert answers[0] == answers[1]
+        assert sum(sum(x["found"]) for x in answers[0]["results"]) > 600
+        # keep K and gc work across the nodes too
+        publish.export(tiny_run, cluster.url, publish.ExportSettings(version="v2", keep=1), progress=False)
+        assert [list(redis.Redis(port=n.port).scan_iter("recsys:{v1:*")) for n in cluster.nodes] == [[], [], []]
+    finally:
+        cluster.stop()
