@@ -33,3 +33,25 @@ def test_package_import_is_light():
     code = "import sys, recsys, recsys.cli, recsys.config; print(sorted(m for m in ('torch', 'torchrec', 'pyarrow') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_embedding_server_runs_without_torch(tiny_run):
+    """Import every module of the service and serve a lookup from a checkpoint: no torch loads."""
+    modules = sorted(p.stem for p in (ROOT / "embedding_server").glob("*.py") if p.stem != "__init__")
+    code = f"""
+import asyncio, importlib, sys
+for name in {modules!r}:
+    importlib.import_module("embedding_server." + name)
+from embedding_server.backends import EmbeddedBackend
+backend = EmbeddedBackend({str(tiny_run)!r})
+snap = asyncio.run(backend.snapshot())
+keys = snap.catalog.keys(snap.catalog.feature("c3"), ["a", "b"])
+asyncio.run(backend.rows(snap, [("c3", keys)]))
+from embedding_server.app import create_app
+from embedding_server.settings import ServeSettings
+create_app(ServeSettings(checkpoint={str(tiny_run)!r}))
+import recsys.cli
+print(sorted(m for m in ("torch", "torchrec", "fbgemm_gpu") if m in sys.modules))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

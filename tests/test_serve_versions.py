@@ -1,0 +1,112 @@
+"""Version switches under concurrent requests never mix versions; a Redis outage is a 503
+with a clear body, and the service recovers by itself when Redis returns."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+
+import httpx
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import start_redis, wait_until
+from embedding_server import publish, wire
+from embedding_server.app import create_app
+from embedding_server.settings import ServeSettings
+from recsys import checkpoint_files
+from serving_data import LiveServer
+
+pytestmark = pytest.mark.redis
+
+
+def scaled_copy(ckpt, out, factor: float):
+    """Return a copy of checkpoint ``ckpt`` with every embedding multiplied by ``factor``."""
+    shutil.copytree(ckpt, out)
+    for f in out.glob("sparse/*/*.parquet"):
+        t = pq.read_table(f)
+        emb = t.column("embedding").combine_chunks()
+        scaled = pa.FixedSizeListArray.from_arrays(pc.multiply(emb.flatten(), pa.scalar(factor, pa.float32())),
+                                                   emb.type.list_size)
+        pq.write_table(t.set_column(t.schema.get_field_index("embedding"), "embedding", scaled), f)
+    return out
+
+
+def test_version_switches_never_mix(tiny_run, redis_server, tmp_path):
+    ckpt = checkpoint_files.resolve(tiny_run)
+    factors = {"a": 1.0, "b": -2.0}
+    sources = {name: scaled_copy(ckpt, tmp_path / name, f) for name, f in factors.items()}
+    data = pq.read_table(sorted((tiny_run.parent / "data" / "train").glob("*.parquet"))[0]).slice(0, 200)
+    body = {"lookups": [{"feature": f, "ids": [v for v in data.column(f).to_pylist() if v is not None][:50]}
+                        for f in ("c1", "c3", "c12", "c16")]}
+    publish.export(sources["a"], redis_server.url, publish.ExportSettings(version="a-0", keep=3), progress=False)
+    app = create_app(ServeSettings(redis=redis_server.url, refresh_s=0.02))
+    with LiveServer(app) as server:
+        # the reference answer of each source (found rows scale with the factor, unseen ones do not)
+        _, base = wire.decode(httpx.post(server.url + "/v1/lookup/batch", json=body,
+                                         headers={"accept": wire.MEDIA_TYPE}).content)
+        assert sum(int(found.sum()) for _, found in base) > 100
+        responses, errors, stop = [], [], threading.Event()
+
+        def client():
+            with httpx.Client(base_url=server.url, timeout=30) as c:
+                while not stop.is_set():
+                    r = c.post("/v1/lookup/batch", json=body, headers={"accept": wire.MEDIA_TYPE})
+                    if r.status_code != 200:
+                        errors.append(r.text)
+                    else:
+                        responses.append(wire.decode(r.content))
+
+        threads = [threading.Thread(target=client) for _ in range(3)]
+        for t in threads:
+            t.start()
+        try:
+            for i in range(1, 7):  # six switches, alternating sources
+                name = "b" if i % 2 else "a"
+                before = len(responses)
+                publish.export(sources[name], redis_server.url, publish.ExportSettings(version=f"{name}-{i}", keep=3),
+                               progress=False)
+                wait_until(lambda: any(v == f"{name}-{i}" for v, _ in responses[before:]), 30,
+                           f"a response from version {name}-{i}")
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+    assert not errors, errors[:3]
+    versions = {v for v, _ in responses}
+    assert len(responses) >= 100 and len(versions) >= 6, (len(responses), sorted(versions))
+    for version, blocks in responses:
+        factor = factors[version[0]]
+        for (vec, found), (ref, ref_found) in zip(blocks, base):
+            np.testing.assert_array_equal(found, ref_found)
+            np.testing.assert_array_equal(vec[found], ref[found] * np.float32(factor), err_msg=version)
+            np.testing.assert_array_equal(vec[~found], ref[~found])
+
+
+def test_redis_outage_is_a_503_and_recovers(tiny_run, tmp_path):
+    # persistence on, so the published version survives the restart as it would in production
+    server = start_redis(tmp_path / "redis", "--appendonly", "yes")
+    try:
+        publish.export(tiny_run, server.url, publish.ExportSettings(version="v1"), progress=False)
+        app = create_app(ServeSettings(redis=server.url, refresh_s=0.05, redis_timeout_s=0.5, cache_bytes=0))
+        with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as c:
+            body = {"feature": "c1", "ids": [1, 2, 3]}
+            ok = c.post("/v1/lookup", json=body)
+            assert ok.status_code == 200
+            server.stop()
+            r = c.post("/v1/lookup", json=body)
+            assert r.status_code == 503, r.text
+            assert f"127.0.0.1:{server.port}" in r.json()["detail"] and "Redis" in r.json()["detail"]
+            wait_until(lambda: c.get("/readyz").status_code == 503, 10, "/readyz to report the outage")
+            server.restart()
+            wait_until(lambda: c.post("/v1/lookup", json=body).status_code == 200, 30, "lookups to recover")
+            assert c.post("/v1/lookup", json=body).json() == ok.json()
+            assert c.get("/readyz").status_code == 200
+            metrics = dict(line.rsplit(" ", 1) for line in c.get("/metrics").text.splitlines()
+                           if line and not line.startswith("#"))
+            assert float(metrics["recsys_serve_backend_errors_total"]) >= 1
+    finally:
+        server.stop()
