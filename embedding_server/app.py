@@ -195,6 +195,8 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
                                               "msg": "a valid bearer token is required", "type": "unauthorized"}],
                                 headers={"WWW-Authenticate": "Bearer"})
 
+    guarded = [Depends(authorized)] if token is not None else []  # no per-request cost without a token
+
     @app.exception_handler(BackendUnavailable)
     async def unavailable(request: Request, exc: BackendUnavailable):
         metrics.backend_errors.inc()
@@ -243,7 +245,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
     def wants_binary(request: Request) -> bool:
         return wire.MEDIA_TYPE in request.headers.get("accept", "")
 
-    @app.post("/v1/lookup", response_model=LookupResponse, dependencies=[Depends(authorized)],
+    @app.post("/v1/lookup", response_model=LookupResponse, dependencies=guarded,
               responses={200: _BINARY, **_ERRORS})
     async def lookup(body: LookupRequest, request: Request) -> Response:
         """Return the embeddings of raw ids of one feature."""
@@ -254,7 +256,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         return Response(orjson.dumps({"embeddings": vec, "found": found, "version": snap.version},
                                      option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
-    @app.post("/v1/lookup/batch", response_model=BatchResponse, dependencies=[Depends(authorized)],
+    @app.post("/v1/lookup/batch", response_model=BatchResponse, dependencies=guarded,
               responses={200: _BINARY, **_ERRORS})
     async def lookup_batch(body: BatchRequest, request: Request) -> Response:
         """Return the embeddings of several lookups, all from one version."""
@@ -266,7 +268,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
                                for lk, (vec, found) in zip(body.lookups, results)], "version": snap.version}
         return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
-    @app.get("/v1/tables", response_model=TablesResponse, dependencies=[Depends(authorized)], responses=_ERRORS)
+    @app.get("/v1/tables", response_model=TablesResponse, dependencies=guarded, responses=_ERRORS)
     async def tables() -> dict:
         """Return the served tables (dim, features reading them, rows) and the version."""
         snap = await snapshot()
@@ -287,7 +289,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         ready, why = backend.status()
         return JSONResponse({"ready": ready, "detail": why, "backend": backend.name}, status_code=200 if ready else 503)
 
-    @app.get("/metrics", dependencies=[Depends(authorized)], responses=_ERRORS)
+    @app.get("/metrics", dependencies=guarded, responses=_ERRORS)
     async def metrics_route() -> Response:
         """Return the Prometheus metrics of this process (of all workers with --workers > 1)."""
         metrics.observe_backend(backend)

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from embedding_server import layout
-from embedding_server.cache import MISSING, ByteLRU
+from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
 from recsys import checkpoint_files
 from recsys.redis_util import is_cluster_info, redact
@@ -50,6 +50,8 @@ class Snapshot:
     catalog: Catalog
     dtype: str = "float32"
     buckets: int = 1
+    cache: CacheBudget | None = None
+    """The version's row caches (Redis backend)."""
 
 
 # --------------------------------------------------------------------------- embedded
@@ -133,7 +135,9 @@ class RedisBackend:
         self.ns = namespace
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
-        self.cache = ByteLRU(cache_bytes)
+        self.cache_bytes = cache_bytes
+        self.hits = 0  # keys answered by the cache, over all versions
+        self.misses = 0  # keys read from Redis
         self.errors = 0
         self._client = None
         self._cluster = False
@@ -224,8 +228,10 @@ class RedisBackend:
                     self._last_error = f"version {version!r} has no manifest under namespace {self.ns!r}"
                     raise BackendUnavailable(self._last_error)
                 manifest = json.loads(text)
+                catalog = Catalog.from_manifest(manifest, f"manifest of version {version!r}")
+                cache = CacheBudget(self.cache_bytes, {n: (t.rows, t.dim) for n, t in catalog.tables.items()})
                 snap = Snapshot(version=version, dtype=manifest["dtype"], buckets=int(manifest["buckets"]),
-                                catalog=Catalog.from_manifest(manifest, f"manifest of version {version!r}"))
+                                catalog=catalog, cache=cache)
                 self._manifests = {version: snap}  # only the served one is needed again
             self._snap = snap
             log.info("serving version %s", version)
@@ -243,27 +249,40 @@ class RedisBackend:
 
     # ------------------------------------------------------------------ rows
 
+    def cache_stats(self) -> tuple[int, int, int]:
+        """Return (hits, misses, bytes) of the served version's row cache."""
+        snap = self._snap
+        return self.hits, self.misses, snap.cache.bytes if snap is not None and snap.cache is not None else 0
+
     async def rows(self, snap: Snapshot, parts: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Return (float32 [U, D] rows, found [U]) per ``(table, keys_U)`` part (one round trip)."""
-        names_per_part = [layout.row_keys(self.ns, snap.version, t, k, snap.buckets) for t, k in parts]
-        names = [n for ns in names_per_part for n in ns]
-        values = self.cache.get_many(names)
-        todo = [i for i, v in enumerate(values) if v is None]
-        if todo:
-            fetched = await self._mget([names[i] for i in todo])
-            self.cache.put_many([names[i] for i in todo], fetched)
-            for i, v in zip(todo, fetched):
-                values[i] = MISSING if v is None else v
+        """Return (float32 [U, D] rows, found [U]) per ``(table, keys_U)`` part: cached rows,
+        and one MGET round trip for all the others."""
+        plan, names = [], []
+        for table, keys in parts:
+            cache = snap.cache.get(table) if snap.cache is not None else None
+            if cache is not None:
+                hit, vec, found = cache.get(keys)
+            else:
+                dim = snap.catalog.tables[table].dim
+                hit, vec, found = (np.zeros(keys.shape[0], dtype=bool), np.zeros((keys.shape[0], dim), np.float32),
+                                   np.zeros(keys.shape[0], dtype=bool))
+            miss = np.flatnonzero(~hit)
+            self.misses += miss.shape[0]
+            self.hits += keys.shape[0] - miss.shape[0]
+            names += layout.row_keys(self.ns, snap.version, table, keys[miss], snap.buckets)
+            plan.append((table, keys, vec, found, miss, cache))
+        values = await self._mget(names) if names else []
         out, start = [], 0
-        for (table, keys), part_names in zip(parts, names_per_part):
-            vals = values[start : start + len(part_names)]
-            start += len(part_names)
-            found = np.fromiter((v != MISSING for v in vals), dtype=bool, count=len(vals))
-            dim = snap.catalog.tables[table].dim
-            vec = np.zeros((len(vals), dim), dtype=np.float32)
-            if found.any():
-                vec[found] = layout.decode_rows([v for v in vals if v != MISSING], dim, snap.dtype,
-                                                f"version {snap.version!r} table {table!r}")
+        for table, keys, vec, found, miss, cache in plan:
+            vals = values[start : start + miss.shape[0]]
+            start += miss.shape[0]
+            got = np.fromiter((v is not None for v in vals), dtype=bool, count=len(vals))
+            if got.any():
+                vec[miss[got]] = layout.decode_rows([v for v in vals if v is not None], vec.shape[1], snap.dtype,
+                                                    f"version {snap.version!r} table {table!r}")
+            found[miss] = got
+            if cache is not None:
+                cache.put(keys, vec, found)  # no await since the get: see embedding_server.cache
             out.append((vec, found))
         return out
 

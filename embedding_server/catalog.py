@@ -159,12 +159,19 @@ class Catalog:
         """
         table = self.tables[feature.table]
         if feature.kind == "int64":
-            for i, v in enumerate(ids):
-                if type(v) is not int:
-                    raise IdError(i, f"feature {feature.name!r} takes int64 ids, found {type(v).__name__} {v!r:.40}")
-                if not INT64_MIN <= v <= INT64_MAX:
-                    raise IdError(i, f"feature {feature.name!r} takes int64 ids, {v} is out of range")
-            keys = hashing.hash_int64(np.array(ids, dtype=np.int64), table.name)
+            values = None
+            if all(type(v) is int for v in ids):  # the common case: one pass, one conversion
+                try:
+                    values = np.array(ids, dtype=np.int64)
+                except OverflowError:
+                    pass
+            if values is None:
+                for i, v in enumerate(ids):
+                    if type(v) is not int:
+                        raise IdError(i, f"feature {feature.name!r} takes int64 ids, found {type(v).__name__} {v!r:.40}")
+                    if not INT64_MIN <= v <= INT64_MAX:
+                        raise IdError(i, f"feature {feature.name!r} takes int64 ids, {v} is out of range")
+            keys = hashing.hash_int64(values, table.name)
         else:
             encoded = []
             for i, v in enumerate(ids):

@@ -29,6 +29,7 @@ nothing else: decoded with ``np.frombuffer``.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import numpy as np
@@ -79,13 +80,20 @@ def row_keys(ns: str, version: str, table: str, keys_N: np.ndarray, buckets: int
     n = keys.shape[0]
     if n == 0:
         return []
-    prefixes = np.array([f"{ns}:{{{version}:{table}:{b:04x}}}:".encode() for b in range(buckets)])
-    P = prefixes.dtype.itemsize  # every prefix has the same length (fixed-width bucket)
+    prefixes = _prefixes(ns, version, table, buckets)
+    P = prefixes.shape[1]
     buf = np.empty((n, P + 16), dtype=np.uint8)
-    buf[:, :P] = prefixes.view(np.uint8).reshape(buckets, P)[buckets_of(keys, buckets)]
+    buf[:, :P] = prefixes[buckets_of(keys, buckets)]
     big_endian = keys.astype(">i8").view(np.uint8).reshape(n, 8)
     buf[:, P:] = _HEX[big_endian].reshape(n, 16)
     return buf.view(f"S{P + 16}").reshape(n).tolist()
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefixes(ns: str, version: str, table: str, buckets: int) -> np.ndarray:
+    """Return uint8 [buckets, P]: every bucket's key prefix (all of one length: fixed-width bucket)."""
+    arr = np.array([f"{ns}:{{{version}:{table}:{b:04x}}}:".encode() for b in range(buckets)])
+    return arr.view(np.uint8).reshape(buckets, arr.dtype.itemsize)
 
 
 def parse_row_key(name: bytes) -> tuple[str, str, int]:

@@ -84,14 +84,14 @@ class Metrics:
 
     def observe_backend(self, backend) -> None:
         """Bring the cache figures up to date from ``backend`` (before a scrape)."""
-        cache = getattr(backend, "cache", None)
-        if cache is None:
+        stats = getattr(backend, "cache_stats", None)
+        if stats is None:
             return
-        hits, misses = cache.hits, cache.misses
+        hits, misses, size = stats()
         self.cache_hits.inc(hits - self._seen[0])
         self.cache_misses.inc(misses - self._seen[1])
         self._seen = (hits, misses)
-        self.cache_bytes.set(cache.bytes)
+        self.cache_bytes.set(size)
 
     def render(self) -> tuple[bytes, str]:
         """Return the exposition text (summed over workers in multiprocess mode) and its type."""

@@ -1,0 +1,227 @@
+"""``recsys bench serve``: the lookup service against raw Redis MGETs of the same rows.
+
+One run, side by side, on this machine:
+
+1. a real ``redis-server`` on a free loopback port (no persistence);
+2. a checkpoint of one table, ``rows`` x 64 float32 (1 M rows; quick: 100 k), written by the
+   store's own ``state_dict`` and ``recsys.train.checkpoint.save``;
+3. ``recsys export`` of it (rows/s, Redis bytes per row);
+4. the load generator (``recsys.bench.serve_load``, its own process) sends the same
+   request sequence — Zipf ids, 256 per request, ``concurrency`` connections — to
+   (a) ``recsys serve --redis`` (binary responses; JSON too, as a figure),
+   (b) ``recsys serve --checkpoint`` (the embedded default),
+   (c) raw redis-py MGETs of the same rows' keys (the limit);
+   closed loop for the maximum throughput, then open loop at half of it for p50/p99.
+
+Each target first gets one untimed warm-up pass (its figure is kept as the cold-cache
+one), as a running service would be warm. Every figure is a median over ``repeats``
+rounds (targets interleaved within each round, so drift on a shared machine hits all of
+them alike), with the spread (min, max).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+from recsys.bench import comparison
+from recsys.spawn import free_port
+
+DIM = 64
+TABLE = "item"
+IDS_PER_REQUEST = 256
+ZIPF = 1.05
+
+
+def _write_checkpoint(root: Path, rows: int) -> Path:
+    """Return a checkpoint of one ``rows`` x DIM table of trained-looking rows (the store's format)."""
+    from recsys import config as config_mod
+    from recsys import hashing
+    from recsys.schema import TableSpec
+    from recsys.store.config import StoreConfig
+    from recsys.store.table import EmbeddingTable
+    from recsys.train import checkpoint as ckpt
+
+    job = config_mod.from_dict(config_mod.JobConfig, {
+        "name": "bench_serve",
+        "schema": {"label": "label", "tables": {TABLE: {"dim": DIM, "capacity": rows}},
+                   "sparse": [{"name": TABLE, "kind": "int64"}]},
+    }, "bench serve job")
+    table = EmbeddingTable(TABLE, TableSpec(dim=DIM, capacity=rows), StoreConfig())
+    keys = hashing.hash_int64(np.arange(rows, dtype=np.int64), TABLE)
+    rng = np.random.default_rng(0)
+    for start in range(0, rows, 100_000):  # insert every row, then move each off its initial vector
+        part = keys[start : start + 100_000]
+        table.lookup(part, step=0)
+        table.apply_gradients(part, rng.standard_normal((part.shape[0], DIM), dtype=np.float32), step=0)
+    return ckpt.save(root / "checkpoints", 1, sparse={TABLE: table.state_dict()}, dense={},
+                     meta={"config": config_mod.dumps(job), "reader": {}}, keep_last=1)
+
+
+def _start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("bench serve needs redis-server: `make test` installs it, or "
+                           "`sudo apt-get install -y redis-server`")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    import redis
+
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            redis.Redis.from_url(url).ping()
+            return proc, url
+        except redis.ConnectionError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}") from None
+            time.sleep(0.05)
+
+
+def _start_service(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "recsys.cli", "serve", *args, "--port", str(port)]
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise RuntimeError(f"the lookup service did not become ready; see {log}")
+        time.sleep(0.1)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _load(spec: dict) -> dict:
+    out = subprocess.run([sys.executable, "-m", "recsys.bench.serve_load", json.dumps(spec)],
+                         capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"load generator failed ({spec['target']} {spec['url']}):\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _metrics(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {name: float(value) for name, value in
+            (line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))}
+
+
+def _summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def measure(quick: bool = False, data: Path | None = None) -> dict:
+    """Run the serving benchmark; return comparisons and figures (see the module doc)."""
+    from embedding_server import publish
+    from recsys.redis_util import connect
+
+    rows = 100_000 if quick else 1_000_000
+    requests = 400 if quick else 3000
+    repeats = 1 if quick else 3
+    concurrency = 8
+    work = Path(tempfile.mkdtemp(prefix="recsys-bench-serve-", dir=data))
+    procs = []
+    try:
+        redis_proc, redis_url = _start_redis(work)
+        procs.append(redis_proc)
+        t0 = time.perf_counter()
+        ckpt = _write_checkpoint(work, rows)
+        build_s = time.perf_counter() - t0
+        client = connect(redis_url)
+        used0 = int(client.info("memory")["used_memory"])
+        export = publish.export(ckpt, redis_url, publish.ExportSettings(version="bench"), progress=False)
+        bytes_per_row = (int(client.info("memory")["used_memory"]) - used0) / rows
+        client.close()
+        services = {}
+        for name, args in (("service", ["--redis", redis_url]), ("embedded", ["--checkpoint", str(ckpt)])):
+            proc, url = _start_service(args, work / f"{name}.log")
+            procs.append(proc)
+            services[name] = url
+        base = {"requests": requests, "ids_per_request": IDS_PER_REQUEST, "concurrency": concurrency,
+                "num_ids": rows, "zipf": ZIPF, "seed": 0, "feature": TABLE, "table": TABLE, "version": "bench",
+                "namespace": "recsys", "buckets": export_buckets(), "binary": True}
+        targets = {
+            "service": {**base, "target": "http", "url": services["service"]},
+            "service_json": {**base, "target": "http", "url": services["service"], "binary": False},
+            "embedded": {**base, "target": "http", "url": services["embedded"]},
+            "raw_redis": {**base, "target": "redis", "url": redis_url},
+        }
+        # warm-up: one untimed pass per target (other ids of the same law), as a running
+        # service would be; the cold pass's figure is kept too
+        cold = {name: _load({**spec, "seed": 999}) for name, spec in targets.items()}
+        before = _metrics(services["service"])
+        closed: dict[str, list[dict]] = {k: [] for k in targets}
+        for r in range(repeats):
+            for name, spec in targets.items():
+                closed[name].append(_load({**spec, "seed": r}))
+        kps = {k: _summary([x["keys_per_s"] for x in v]) for k, v in closed.items()}
+        # open loop at half the maximum each target sustained
+        open_loop = {}
+        for name in ("service", "embedded", "raw_redis"):
+            rate = 0.5 * kps[name]["median"] / IDS_PER_REQUEST
+            res = [_load({**targets[name], "rate": rate, "seed": 100 + r}) for r in range(repeats)]
+            open_loop[name] = {"rate_requests_per_s": rate, "p50_ms": _summary([x["p50_ms"] for x in res]),
+                               "p99_ms": _summary([x["p99_ms"] for x in res])}
+        m = _metrics(services["service"])
+        hits, misses = (m.get(f"recsys_serve_cache_{k}_total", 0.0) - before.get(f"recsys_serve_cache_{k}_total", 0.0)
+                        for k in ("hits", "misses"))
+    finally:
+        for proc in reversed(procs):
+            _stop(proc)
+        shutil.rmtree(work, ignore_errors=True)
+    ratio_runs = [s["keys_per_s"] / r["keys_per_s"] for s, r in zip(closed["service"], closed["raw_redis"])]
+    return {
+        "comparisons": [
+            comparison("service vs raw redis MGET", kps["service"]["median"], kps["raw_redis"]["median"], "keys/s",
+                       paired_ratios=ratio_runs),
+            comparison("embedded vs raw redis MGET", kps["embedded"]["median"], kps["raw_redis"]["median"], "keys/s"),
+            comparison("service JSON vs binary", kps["service_json"]["median"], kps["service"]["median"], "keys/s"),
+        ],
+        "keys_per_s": kps,
+        "keys_per_s_cold_cache": {k: v["keys_per_s"] for k, v in cold.items()},
+        "latency_at_half_max": open_loop,
+        "cache_hit_rate": hits / (hits + misses) if hits + misses else float("nan"),  # timed rounds only
+        "export": {"rows": export["rows"], "rows_per_s": export["rows_per_s"], "seconds": export["seconds"],
+                   "redis_bytes_per_row": bytes_per_row, "payload_bytes_per_row": DIM * 4},
+        "setup": {"rows": rows, "dim": DIM, "requests": requests, "ids_per_request": IDS_PER_REQUEST,
+                  "concurrency": concurrency, "zipf": ZIPF, "repeats": repeats, "workers": 1,
+                  "checkpoint_build_s": build_s, "cpus": os.cpu_count()},
+        "targets": {"service_vs_raw_min": 0.5, "service_vs_raw_goal": 0.8, "p99_ms_max": 10.0},
+    }
+
+
+def export_buckets() -> int:
+    """Return the buckets ``recsys export`` uses by default."""
+    from embedding_server.publish import ExportSettings
+
+    return ExportSettings().buckets

@@ -1,0 +1,55 @@
+"""The service's row cache: exact LRU over the store's key map, absent rows cached, budget split."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from embedding_server.cache import ENTRY_OVERHEAD, MIN_ROWS, CacheBudget, TableCache
+
+
+def row(key: int, dim: int) -> np.ndarray:
+    return np.full(dim, key, dtype=np.float32)
+
+
+@given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), min_size=1, max_size=60),
+       st.integers(12, 20))
+@settings(max_examples=150, deadline=None)
+def test_cache_matches_a_reference_lru(requests, capacity):
+    dim = 3
+    cache = TableCache(capacity, dim)
+    ref: dict[int, tuple[int, bool]] = {}  # key -> (last request, found); odd keys are absent in Redis
+    for step, req in enumerate(requests, start=1):
+        keys = np.array(req, dtype=np.int64)
+        hit, rows, found = cache.get(keys)
+        for k, h, r, f in zip(req, hit, rows, found):
+            assert h == (k in ref)
+            if h:
+                assert f == ref[k][1] and (not f or np.array_equal(r, row(k, dim)))
+        truth = np.array([k % 2 == 0 for k in req])
+        fetched = np.stack([row(k, dim) if t else np.zeros(dim, np.float32) for k, t in zip(req, truth)])
+        cache.put(keys, fetched, truth)
+        for k, t in zip(req, truth):
+            ref[k] = (step, bool(t))
+        # exact LRU: the least recently requested leave first, ties broken by the smaller key
+        for k in sorted(ref, key=lambda k: (ref[k][0], k))[: max(0, len(ref) - capacity)]:
+            del ref[k]
+        assert len(cache) == len(ref)
+
+
+def test_budget_splits_by_published_bytes():
+    budget = CacheBudget(10_000 * (64 * 4 + ENTRY_OVERHEAD), {"big": (3_000_000, 64), "small": (10, 64),
+                                                            "mid": (1_000_000, 64)})
+    big, small, mid = (budget.get(n).capacity for n in ("big", "small", "mid"))
+    assert small == MIN_ROWS  # a small table is always cached whole, with room for absent ids
+    assert big > mid > 0 and big + mid <= 10_000
+    assert CacheBudget(0, {"t": (10, 4)}).get("t") is None
+
+
+def test_more_keys_than_capacity_keep_the_first():
+    cache = TableCache(4, 2)
+    keys = np.arange(10, dtype=np.int64)
+    cache.put(keys, np.ones((10, 2), np.float32), np.ones(10, bool))
+    hit, _, _ = cache.get(keys)
+    assert hit.tolist() == [True] * 4 + [False] * 6
