@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
 NPROC ?= 2
 
-.PHONY: venv redis-server train test test-all data data-tiny bench-quick clean
+.PHONY: venv redis-server train serve test test-all data data-tiny bench-quick clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,17 @@ train: venv data
 	$(VENV)/bin/recsys train --config jobs/synthetic_small.toml --nproc $(NPROC) --run-dir $(RUN_DIR)
 	$(VENV)/bin/recsys eval --checkpoint $(RUN_DIR) --oracle $(DATA)/oracle.json --json $(RUN_DIR)/eval.json
 	@echo "run directory: $(RUN_DIR)"
+
+# The lookup service's embedded default: serve the newest run's latest checkpoint from memory
+# (no Redis). With no run yet, train the default job first. Stop it with Ctrl-C.
+PORT ?= 8000
+SERVE_RUN ?= $(shell ls -td runs/*/checkpoints/latest 2>/dev/null | head -1 | xargs -r dirname | xargs -r dirname)
+serve: venv data
+	@run="$(SERVE_RUN)"; \
+	if [ -z "$$run" ]; then run=runs/make-serve; \
+		$(VENV)/bin/recsys train --config jobs/synthetic_small.toml --nproc $(NPROC) --run-dir $$run || exit 1; fi; \
+	echo "serving $$run/checkpoints/latest on http://127.0.0.1:$(PORT) (docs: /docs)"; \
+	$(VENV)/bin/recsys serve --checkpoint $$run --port $(PORT)
 
 test: venv redis-server
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)

@@ -94,6 +94,35 @@ def peak_rss_mb() -> dict:
     return {"self": round(own, 1), "children": round(kids, 1)}
 
 
+SIMD_FLAGS = ("sse4_2", "avx", "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile",
+              "asimd", "sve")
+
+
+def cpu_info() -> dict:
+    """Return the CPU model, core count, the SIMD flags that matter and numba's target CPU."""
+    model, flags = platform.processor() or "?", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip().lower()
+            if key in ("model name", "hardware") and model in ("?", "", platform.machine()):
+                model = value.strip()
+            elif key in ("flags", "features") and not flags:
+                flags = set(value.split())
+    except OSError:
+        pass
+    info = {"model": model, "cores": os.cpu_count(), "simd": [f for f in SIMD_FLAGS if f in flags]}
+    try:
+        import llvmlite.binding as llvm
+
+        info["numba_target"] = os.environ.get("NUMBA_CPU_NAME") or llvm.get_host_cpu_name()
+        if os.environ.get("NUMBA_CPU_FEATURES"):
+            info["numba_features"] = os.environ["NUMBA_CPU_FEATURES"]
+    except Exception:  # noqa: BLE001 - informative only
+        pass
+    return info
+
+
 def environment() -> dict:
     """Return versions and machine facts that make a figure reproducible."""
     env = {
@@ -101,6 +130,7 @@ def environment() -> dict:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
+        "cpu": cpu_info(),
         "command": " ".join(["recsys", *sys.argv[1:]]) if sys.argv else "",
     }
     for mod in ("numpy", "pyarrow", "numba", "torch", "torchrec"):
@@ -127,7 +157,9 @@ def run(target: str, json_out: Path | None = None, quick: bool = False, data: Pa
     result = {"target": target, "quick": quick, **result}
     result["peak_rss_mb"] = peak_rss_mb()
     result["environment"] = environment()
-    print(f"recsys bench {target}{' --quick' if quick else ''}")
+    cpu = result["environment"]["cpu"]
+    print(f"recsys bench {target}{' --quick' if quick else ''}  on {cpu['model']}, {cpu['cores']} cores, "
+          f"SIMD {' '.join(cpu['simd']) or 'none'}, numba target {cpu.get('numba_target', '?')}")
     print(format_table(result))
     print(f"peak RSS: {result['peak_rss_mb']['self']} MiB (children {result['peak_rss_mb']['children']} MiB)")
     if json_out is not None:

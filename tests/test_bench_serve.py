@@ -1,0 +1,31 @@
+"""``recsys bench serve --quick`` runs end to end (real redis-server, services, load process);
+the JSON holds the comparisons, computed from the measured numbers. No timings asserted."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.redis, pytest.mark.multiproc]
+
+
+def test_bench_serve_quick(tmp_path):
+    out = tmp_path / "serve.json"
+    run = subprocess.run([sys.executable, "-m", "recsys.cli", "bench", "serve", "--quick", "--json", str(out)],
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(out.read_text())
+    names = [c["name"] for c in result["comparisons"]]
+    assert names == ["service vs raw redis MGET", "embedded vs raw redis MGET", "service JSON vs binary"]
+    for c in result["comparisons"]:
+        assert c["ours"] > 0 and c["baseline"] > 0 and c["ratio"] == pytest.approx(c["ours"] / c["baseline"])
+    assert result["export"]["rows"] == result["setup"]["rows"] == 100_000
+    assert 0 <= result["cache_hit_rate"] <= 1
+    for target in ("service", "embedded", "raw_redis"):
+        lat = result["latency_at_half_max"][target]
+        assert 0 < lat["p50_ms"]["median"] <= lat["p99_ms"]["median"]
+    assert result["environment"]["cpu"]["cores"] >= 1 and "simd" in result["environment"]["cpu"]
+    assert "service vs raw redis MGET" in run.stdout
