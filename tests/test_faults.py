@@ -1,0 +1,237 @@
+"""Faults under torchrun: a restarted attempt never sees the previous one's connection data,
+and a worker killed with SIGKILL mid-run is restarted from the last checkpoint to the same end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from test_train import JOB, ROOT, final_rows, overrides
+
+pytestmark = pytest.mark.multiproc
+
+DEADLINE = 240  # seconds any one launched job may take before the test calls it hung
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw.split(b"\0") if b"=" in kv)
+
+
+def _tagged(tag: str) -> list[int]:
+    """Return the pids of live processes started with RECSYS_TEST_TAG=tag (orphans included)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and _environ(int(entry.name)).get("RECSYS_TEST_TAG") == tag:
+            out.append(int(entry.name))
+    return out
+
+
+def _kill_tagged(tag: str) -> None:
+    for pid in _tagged(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _workers(tag: str, attempt: int) -> dict[int, int]:
+    """Return {rank: pid} of the ``python -m recsys.train`` workers of one torchrun attempt."""
+    out = {}
+    for pid in _tagged(tag):
+        env = _environ(pid)
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"recsys.train" in cmdline and env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt) and "RANK" in env:
+            out[int(env["RANK"])] = pid
+    return out
+
+
+def _records(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------- stale rendezvous data
+
+WORKER = """
+import os, torch, torch.distributed as dist
+from recsys.train.loop import setup_env
+from recsys.train.distributed import new_group
+env = setup_env("cpu", 60.0)
+store_group = new_group(env.collective_timeout_s)
+t = torch.ones(1)
+dist.all_reduce(t)
+dist.all_reduce(t, group=store_group)
+print("sum", t.item(), flush=True)
+os._exit(0)  # no destroy_process_group: like a worker torchrun stops
+"""
+
+
+def test_restarted_attempt_never_reads_the_previous_attempts_addresses(tmp_path):
+    """The agent's store outlives attempt 0; attempt 1's rank 0 starts alone and must wait for
+    its peer's new address instead of connecting to attempt 0's (a dead process)."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # the agent's store
+    tag = uuid.uuid4().hex
+
+    def start(rank: int, attempt: int) -> subprocess.Popen:
+        env = {**os.environ, "RECSYS_TEST_TAG": tag, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+               "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+               "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": str(attempt),
+               "TORCHELASTIC_RUN_ID": "faults", "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen([sys.executable, "-c", WORKER], cwd=ROOT, env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+    def finish(proc: subprocess.Popen) -> str:
+        out, _ = proc.communicate(timeout=DEADLINE)
+        assert proc.returncode == 0, out[-3000:]
+        assert "sum 4.0" in out, out[-3000:]
+        return out
+
+    try:
+        first = [start(r, 0) for r in range(2)]
+        for proc in first:
+            finish(proc)
+        keys_after_attempt0 = store.num_keys()
+        rank0 = start(0, 1)
+        # attempt 1's rank 0 is rendezvousing once it wrote a key of its own; a key of attempt
+        # 0's name would only be overwritten (no new key) and rank 0 would go on to dial attempt
+        # 0's dead rank 1 and fail: both end the wait
+        wait_until(lambda: store.num_keys() > keys_after_attempt0 or rank0.poll() is not None, DEADLINE,
+                   "attempt 1's rank 0 to rendezvous")
+        assert rank0.poll() is None, "attempt 1's rank 0 gave up alone:\n" + rank0.communicate()[0][-3000:]
+        rank1 = start(1, 1)
+        finish(rank0)
+        finish(rank1)
+    finally:
+        _kill_tagged(tag)
+
+
+# --------------------------------------------------------------------------- SIGKILL under torchrun
+
+EVERY = 10  # checkpoint interval (steps) of the killed runs
+STEPS_PER_EPOCH = 48  # tiny: 6,000 rows / (2 ranks x 64)
+
+
+def _launch(data: Path, run_dir: Path, tag: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--nproc", "2", "--max-restarts", "2",
+           "--run-dir", str(run_dir)]
+    for o in overrides(data, "data.train.batch_size=64", "train.epochs=2",
+                       f"train.checkpoint_every_steps={EVERY}", "train.collective_timeout_s=60"):
+        cmd += ["--set", o]
+    with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:  # the child keeps its own copy
+        return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "RECSYS_TEST_TAG": tag})
+
+
+def _wait(proc: subprocess.Popen, run_dir: Path, tag: str) -> None:
+    try:
+        proc.wait(timeout=DEADLINE)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the job did not finish in {DEADLINE}s (hung?):\n" + _log_tail(run_dir))
+    finally:
+        _kill_tagged(tag)
+    assert proc.returncode == 0, _log_tail(run_dir)
+
+
+def _log_tail(run_dir: Path) -> str:
+    return (run_dir.parent / f"{run_dir.name}.log").read_text()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: the same job as the killed runs, never interrupted."""
+    from recsys import synth
+
+    base = tmp_path_factory.mktemp("faults")
+    data = base / "tiny"
+    synth.generate("tiny", data, seed=0)
+    run_dir = base / "reference"
+    tag = uuid.uuid4().hex
+    _wait(_launch(data, run_dir, tag), run_dir, tag)
+    return data, run_dir
+
+
+def _last_step(recs: list[dict]) -> int:
+    return max((r["step"] for r in recs if "loss/train" in r), default=0)
+
+
+# each kill: (at a step >= this, after a checkpoint of the running attempt, SIGKILL this rank);
+# every restart is a new chance for the previous attempt's rendezvous data to be read
+KILLS = {
+    "step12-rank1_then_step45-rank0": [(12, 1), (45, 0)],
+    "step33-rank0_then_epoch2-step70-rank1": [(33, 0), (70, 1)],
+    "epoch2-step55-rank1_then_step78-rank0": [(55, 1), (78, 0)],
+}
+
+
+@pytest.mark.parametrize("kills", list(KILLS.values()), ids=list(KILLS))
+def test_sigkilled_workers_restart_from_checkpoint_to_the_same_result(uninterrupted, tmp_path, kills):
+    data, reference = uninterrupted
+    run_dir = tmp_path / "killed"
+    tag = uuid.uuid4().hex
+    proc = _launch(data, run_dir, tag)
+    killed_at = []
+    try:
+        for attempt, (after, victim) in enumerate(kills):
+            def reached():
+                recs = _records(run_dir)
+                starts = [i for i, r in enumerate(recs) if r.get("event") == "resumed"][attempt - 1:] if attempt else [0]
+                ckpt = any(r.get("event") == "checkpoint" for r in recs[starts[0]:]) if starts else False
+                return (ckpt and _last_step(recs) >= after) or proc.poll() is not None
+            wait_until(reached, DEADLINE, f"attempt {attempt}: a checkpoint and step {after}")
+            assert proc.poll() is None, "the job ended before the kill:\n" + _log_tail(run_dir)
+            workers = _workers(tag, attempt)
+            assert sorted(workers) == [0, 1], workers
+            os.kill(workers[victim], signal.SIGKILL)
+            killed_at.append(_last_step(_records(run_dir)))
+    except BaseException:
+        proc.kill()
+        _kill_tagged(tag)
+        raise
+    _wait(proc, run_dir, tag)
+
+    recs = _records(run_dir)
+    resumed = [r for r in recs if r.get("event") == "resumed"]
+    assert len(resumed) == len(kills), resumed
+    for r, at in zip(resumed, killed_at):
+        # from the last checkpoint before the kill (one may complete while the kill lands)
+        assert r["step"] % EVERY == 0 and at - EVERY <= r["step"] <= at + EVERY, (resumed, killed_at)
+    # the last attempt logged every step from its checkpoint to the end of the job
+    after = [r["step"] for r in recs[recs.index(resumed[-1]):] if "loss/train" in r]
+    assert after == list(range(resumed[-1]["step"] + 1, 2 * STEPS_PER_EPOCH + 1))
+
+    # exact resume at staleness 0: the same final evaluation and the same sparse rows
+    want = json.loads((reference / "result.json").read_text())
+    got = json.loads((run_dir / "result.json").read_text())
+    assert got == want
+    a, b = final_rows(reference), final_rows(run_dir)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].keys() == b[name].keys(), f"table {name}: different keys"
+        for key in a[name]:
+            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"table {name} key {key}")
