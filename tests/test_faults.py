@@ -51,18 +51,19 @@ def _kill_tagged(tag: str) -> None:
             pass
 
 
-def _workers(tag: str, attempt: int) -> dict[int, int]:
-    """Return {rank: pid} of the ``python -m recsys.train`` workers of one torchrun attempt."""
-    out = {}
+def _workers(tag: str) -> tuple[int, dict[int, int]]:
+    """Return the latest torchrun attempt and {rank: pid} of its ``python -m recsys.train`` workers."""
+    found: dict[int, dict[int, int]] = {}
     for pid in _tagged(tag):
         env = _environ(pid)
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"recsys.train" in cmdline and env.get("TORCHELASTIC_RESTART_COUNT") == str(attempt) and "RANK" in env:
-            out[int(env["RANK"])] = pid
-    return out
+        if b"recsys.train" in cmdline and "RANK" in env:
+            found.setdefault(int(env["TORCHELASTIC_RESTART_COUNT"]), {})[int(env["RANK"])] = pid
+    attempt = max(found, default=-1)
+    return attempt, found.get(attempt, {})
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -105,7 +106,12 @@ def test_restarted_attempt_never_reads_the_previous_attempts_addresses(tmp_path)
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
     def finish(proc: subprocess.Popen) -> str:
-        out, _ = proc.communicate(timeout=DEADLINE)
+        try:
+            out, _ = proc.communicate(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+            pytest.fail(f"a rank did not finish in {DEADLINE}s (hung?):\n{out[-3000:]}")
         assert proc.returncode == 0, out[-3000:]
         assert "sum 4.0" in out, out[-3000:]
         return out
@@ -205,12 +211,14 @@ def test_sigkilled_workers_restart_from_checkpoint_to_the_same_result(uninterrup
                 return (ckpt and _last_step(recs) >= after) or proc.poll() is not None
             wait_until(reached, DEADLINE, f"attempt {attempt}: a checkpoint and step {after}")
             assert proc.poll() is None, "the job ended before the kill:\n" + _log_tail(run_dir)
-            workers = _workers(tag, attempt)
-            assert sorted(workers) == [0, 1], workers
+            latest, workers = _workers(tag)
+            assert latest == attempt and sorted(workers) == [0, 1], (
+                f"expected the 2 workers of attempt {attempt}, found attempt {latest}: {workers}\n" + _log_tail(run_dir))
             os.kill(workers[victim], signal.SIGKILL)
             killed_at.append(_last_step(_records(run_dir)))
     except BaseException:
         proc.kill()
+        proc.wait()
         _kill_tagged(tag)
         raise
     _wait(proc, run_dir, tag)
