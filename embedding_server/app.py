@@ -30,7 +30,8 @@ import numpy as np
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from embedding_server import wire
@@ -105,6 +106,26 @@ class ErrorResponse(BaseModel):
 _ERRORS = {code: {"model": ErrorResponse} for code in (401, 413, 422, 503)}
 _BINARY = {"content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
            "description": "JSON, or with Accept: application/octet-stream the binary layout of embedding_server.wire"}
+
+
+def _json_body(model: type[BaseModel]) -> dict:
+    """Return the OpenAPI request body of a route that parses ``model`` itself."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """Return the request's JSON body validated as ``model``; 422 naming the field otherwise.
+
+    The lookups parse their body here (one ``model_validate_json``) instead of through
+    FastAPI's body dependency: measured ~25 % more requests/s on a bare route, and the
+    lookup is the hot path. The errors keep FastAPI's shape (``loc`` starts with "body")."""
+    try:
+        return model.model_validate_json(await request.body())
+    except ValidationError as exc:
+        detail = [{"loc": ["body", *err["loc"]], "msg": err["msg"], "type": err["type"]}
+                  for err in exc.errors(include_url=False, include_context=False, include_input=False)]
+        raise HTTPException(422, detail=detail) from None
 
 
 def _field_error(status: int, loc: list, msg: str, kind: str) -> HTTPException:
@@ -246,9 +267,10 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         return wire.MEDIA_TYPE in request.headers.get("accept", "")
 
     @app.post("/v1/lookup", response_model=LookupResponse, dependencies=guarded,
-              responses={200: _BINARY, **_ERRORS})
-    async def lookup(body: LookupRequest, request: Request) -> Response:
+              responses={200: _BINARY, **_ERRORS}, openapi_extra=_json_body(LookupRequest))
+    async def lookup(request: Request) -> Response:
         """Return the embeddings of raw ids of one feature."""
+        body = await _parse(request, LookupRequest)
         snap = await snapshot()
         ((vec, found),) = await answer(snap, [body], batched=False)
         if wants_binary(request):
@@ -257,9 +279,10 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
                                      option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
     @app.post("/v1/lookup/batch", response_model=BatchResponse, dependencies=guarded,
-              responses={200: _BINARY, **_ERRORS})
-    async def lookup_batch(body: BatchRequest, request: Request) -> Response:
+              responses={200: _BINARY, **_ERRORS}, openapi_extra=_json_body(BatchRequest))
+    async def lookup_batch(request: Request) -> Response:
         """Return the embeddings of several lookups, all from one version."""
+        body = await _parse(request, BatchRequest)
         snap = await snapshot()
         results = await answer(snap, body.lookups, batched=True)
         if wants_binary(request):
@@ -296,6 +319,19 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in (LookupRequest, BatchRequest):  # the bodies parsed by hand (see _parse)
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(metrics.middleware)
     return app

@@ -208,6 +208,7 @@ class RedisBackend:
             self.errors += 1
             self._last_error = f"Redis at {redact(self.url)} failed during {what}: {type(exc).__name__}: {exc}"
             raise BackendUnavailable(self._last_error) from None
+        self._last_error = ""  # Redis answered: ready again as soon as it does
         return result
 
     # ------------------------------------------------------------------ versions
@@ -215,7 +216,6 @@ class RedisBackend:
     async def refresh(self) -> Snapshot | None:
         """Read the alias now; load the manifest of a new version; return the served snapshot."""
         raw = await self._call("read of the current version", lambda c: c.get(layout.current_key(self.ns)))
-        self._last_error = ""
         if raw is None:
             self._snap = None
             return None

@@ -8,8 +8,8 @@ One run, side by side, on this machine:
 3. ``recsys export`` of it (rows/s, Redis bytes per row);
 4. the load generator (``recsys.bench.serve_load``, its own process) sends the same
    request sequence — Zipf ids, 256 per request, ``concurrency`` connections — to
-   (a) ``recsys serve --redis`` (binary responses; JSON too, as a figure),
-   (b) ``recsys serve --checkpoint`` (the embedded default),
+   (a) ``recsys serve --redis --workers 2`` (binary responses; JSON and 1 worker too, as figures),
+   (b) ``recsys serve --checkpoint --workers 2`` (the embedded default),
    (c) raw redis-py MGETs of the same rows' keys (the limit);
    closed loop for the maximum throughput, then open loop at half of it for p50/p99.
 
@@ -41,6 +41,7 @@ DIM = 64
 TABLE = "item"
 IDS_PER_REQUEST = 256
 ZIPF = 1.05
+WORKERS = 2  # one per core: the service and the embedded mode as deployed here (1 worker: a figure too)
 
 
 def _write_checkpoint(root: Path, rows: int) -> Path:
@@ -163,7 +164,9 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
         bytes_per_row = (int(client.info("memory")["used_memory"]) - used0) / rows
         client.close()
         services = {}
-        for name, args in (("service", ["--redis", redis_url]), ("embedded", ["--checkpoint", str(ckpt)])):
+        for name, args in (("service", ["--redis", redis_url, "--workers", str(WORKERS)]),
+                           ("service_1_worker", ["--redis", redis_url]),
+                           ("embedded", ["--checkpoint", str(ckpt), "--workers", str(WORKERS)])):
             proc, url = _start_service(args, work / f"{name}.log")
             procs.append(proc)
             services[name] = url
@@ -173,6 +176,7 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
         targets = {
             "service": {**base, "target": "http", "url": services["service"]},
             "service_json": {**base, "target": "http", "url": services["service"], "binary": False},
+            "service_1_worker": {**base, "target": "http", "url": services["service_1_worker"]},
             "embedded": {**base, "target": "http", "url": services["embedded"]},
             "raw_redis": {**base, "target": "redis", "url": redis_url},
         }
@@ -206,6 +210,8 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
                        paired_ratios=ratio_runs),
             comparison("embedded vs raw redis MGET", kps["embedded"]["median"], kps["raw_redis"]["median"], "keys/s"),
             comparison("service JSON vs binary", kps["service_json"]["median"], kps["service"]["median"], "keys/s"),
+            comparison("service 1 worker vs raw redis MGET", kps["service_1_worker"]["median"],
+                       kps["raw_redis"]["median"], "keys/s"),
         ],
         "keys_per_s": kps,
         "keys_per_s_cold_cache": {k: v["keys_per_s"] for k, v in cold.items()},
@@ -214,7 +220,7 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
         "export": {"rows": export["rows"], "rows_per_s": export["rows_per_s"], "seconds": export["seconds"],
                    "redis_bytes_per_row": bytes_per_row, "payload_bytes_per_row": DIM * 4},
         "setup": {"rows": rows, "dim": DIM, "requests": requests, "ids_per_request": IDS_PER_REQUEST,
-                  "concurrency": concurrency, "zipf": ZIPF, "repeats": repeats, "workers": 1,
+                  "concurrency": concurrency, "zipf": ZIPF, "repeats": repeats, "workers": WORKERS,
                   "checkpoint_build_s": build_s, "cpus": os.cpu_count()},
         "targets": {"service_vs_raw_min": 0.5, "service_vs_raw_goal": 0.8, "p99_ms_max": 10.0},
     }
