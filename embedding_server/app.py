@@ -348,13 +348,21 @@ def serve(settings: ServeSettings) -> None:
     import uvicorn
 
     os.environ.update(settings.to_env())
+    metrics_dir = None
     if settings.workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
         import tempfile
 
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = tempfile.mkdtemp(prefix="recsys-serve-metrics-")
-    if settings.workers > 1:
-        uvicorn.run("embedding_server.app:create_app_from_env", factory=True, host=settings.host, port=settings.port,
-                    workers=settings.workers, log_level="info", access_log=False)
-    else:
-        uvicorn.run(create_app_from_env(), host=settings.host, port=settings.port, log_level="info",
-                    access_log=False)
+        metrics_dir = tempfile.mkdtemp(prefix="recsys-serve-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        if settings.workers > 1:
+            uvicorn.run("embedding_server.app:create_app_from_env", factory=True, host=settings.host,
+                        port=settings.port, workers=settings.workers, log_level="info", access_log=False)
+        else:
+            uvicorn.run(create_app_from_env(), host=settings.host, port=settings.port, log_level="info",
+                        access_log=False)
+    finally:
+        if metrics_dir is not None:
+            import shutil
+
+            shutil.rmtree(metrics_dir, ignore_errors=True)

@@ -138,3 +138,32 @@ def test_eval_accepts_the_latest_file(tiny_run):
                           str(tiny_run / "checkpoints" / "latest")], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert '"auc"' in out.stdout
+
+
+@pytest.mark.multiproc
+def test_workers_share_one_port_and_sum_their_metrics(tiny_run):
+    from recsys.spawn import free_port
+
+    from conftest import wait_until
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "recsys.cli", "serve", "--checkpoint", str(tiny_run),
+                             "--workers", "2", "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def ready():
+            try:
+                return httpx.get(url + "/readyz").status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, 120, "two workers to serve")
+        for i in range(30):  # 30 new connections, spread by the kernel over the workers
+            assert httpx.post(url + "/v1/lookup", json={"feature": "c1", "ids": [i]}).status_code == 200
+        text = httpx.get(url + "/metrics").text
+        assert 'recsys_serve_requests_total{route="/v1/lookup",status="200"} 30.0' in text
+        assert "recsys_serve_ids_per_request_count 30.0" in text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
