@@ -1,4 +1,4 @@
-"""Offline metrics on predictions: AUC, log loss, normalized entropy, calibration (numpy only).
+"""Offline metrics on predictions: AUC, log loss, NE, calibration and its table, ECE, DeLong (numpy only).
 
 Used by the trainer's periodic evaluation, ``recsys eval`` and the synthetic data's oracle,
 so every AUC in the project is computed one way.
@@ -59,4 +59,178 @@ def evaluate_predictions(labels: np.ndarray, probs: np.ndarray) -> dict:
     if 0.0 < base < 1.0:
         out["auc"] = roc_auc(y, p)
         out["normalized_entropy"] = ll / log_loss(y, np.full_like(y, base))
+    return out
+
+
+# --------------------------------------------------------------------------- the full report
+
+MAX_EXACT_ROWS = 50_000_000
+"""Rows up to which ``recsys eval`` keeps every (label, score) in memory and computes the AUC
+exactly. The exact AUC sorts the scores: about 40 bytes per row at its peak (float64 scores,
+int64 order, float64 midranks, labels), so 50M rows need about 2 GB. Beyond it the AUC comes
+from a score histogram (``binned_auc``) and its error bound is reported with it."""
+
+HISTOGRAM_BINS = 1 << 20
+"""Uniform score bins in [0, 1] of the fallback histogram."""
+
+
+def calibration_table(labels: np.ndarray, probs: np.ndarray, bins: int = 10) -> list[dict]:
+    """Return predicted vs observed CTR per uniform score bin of [0, 1] (empty bins left out).
+
+    Bin ``b`` holds scores in ``(b/bins, (b+1)/bins]`` (the first also holds 0): the same
+    edges and assignment as scikit-learn's ``calibration_curve(strategy="uniform")``. Each
+    entry: ``lo``, ``hi``, ``rows``, ``positives``, ``predicted_ctr`` (mean score) and
+    ``observed_ctr`` (mean label).
+    """
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    p = np.asarray(probs, dtype=np.float64).ravel()
+    edges = np.linspace(0.0, 1.0, bins + 1)
+    ids = np.searchsorted(edges[1:-1], p)
+    return _table(edges, np.bincount(ids, minlength=bins), np.bincount(ids, weights=y, minlength=bins),
+                  np.bincount(ids, weights=p, minlength=bins))
+
+
+def _table(edges, rows, positives, score_sums) -> list[dict]:
+    out = []
+    for b in np.flatnonzero(rows):
+        n = int(rows[b])
+        out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "rows": n, "positives": int(round(positives[b])),
+                    "predicted_ctr": float(score_sums[b] / n), "observed_ctr": float(positives[b] / n)})
+    return out
+
+
+def expected_calibration_error(table: list[dict]) -> float:
+    """Return Σ_b (rows_b / rows) · |predicted_ctr_b − observed_ctr_b| over a calibration table."""
+    total = sum(b["rows"] for b in table)
+    return float(sum(b["rows"] / total * abs(b["predicted_ctr"] - b["observed_ctr"]) for b in table))
+
+
+def binned_auc(pos_counts: np.ndarray, neg_counts: np.ndarray) -> tuple[float, float]:
+    """Return (AUC, error bound) from positives and negatives per score bin (ascending bins).
+
+    Pairs in different bins are ordered exactly; a pair within one bin counts one half
+    (as a tie), whereas the exact AUC counts it 0, ½ or 1. So
+    ``|AUC − exact AUC| ≤ Σ_b pos_b · neg_b / (2 · P · N)``, the bound returned.
+    """
+    pos = np.asarray(pos_counts, dtype=np.float64)
+    neg = np.asarray(neg_counts, dtype=np.float64)
+    P, N = pos.sum(), neg.sum()
+    if P == 0 or N == 0:
+        raise ValueError(f"AUC needs both classes; found {int(P)} positives and {int(N)} negatives")
+    neg_below = np.cumsum(neg) - neg
+    auc = float((pos * (neg_below + 0.5 * neg)).sum() / (P * N))
+    return auc, float((pos * neg).sum() / (2 * P * N))
+
+
+def summarize(labels: np.ndarray, probs: np.ndarray, calibration_bins: int = 10) -> dict:
+    """Return every metric of ``recsys eval`` for one set of rows (exact AUC).
+
+    ``evaluate_predictions``'s keys (``rows``, ``log_loss``, ``base_ctr``, ``calibration``,
+    ``auc``, ``normalized_entropy``) plus ``positives``, ``ctr`` (= ``base_ctr``),
+    ``predicted_ctr``, ``auc_method`` (``exact``), ``ece`` and ``calibration_table``.
+    """
+    y = np.asarray(labels, dtype=np.float64).ravel()
+    p = np.asarray(probs, dtype=np.float64).ravel()
+    out = evaluate_predictions(y, p)
+    out["positives"] = int(y.sum())
+    if y.size == 0:
+        return out
+    out["ctr"] = out["base_ctr"]
+    out["predicted_ctr"] = float(p.mean())
+    if "auc" in out:
+        out["auc_method"] = "exact"
+    table = calibration_table(y, p, calibration_bins)
+    out["ece"] = expected_calibration_error(table)
+    out["calibration_table"] = table
+    return out
+
+
+class StreamingMetrics:
+    """Metrics of rows seen batch by batch, for more rows than fit in memory.
+
+    Log loss, CTR, calibration and its table are exact; the AUC comes from a histogram of
+    ``HISTOGRAM_BINS`` uniform score bins with the error bound of ``binned_auc``.
+    """
+
+    def __init__(self, bins: int = HISTOGRAM_BINS) -> None:
+        self.bins = bins
+        self.pos = np.zeros(bins, dtype=np.int64)
+        self.neg = np.zeros(bins, dtype=np.int64)
+        self.score_sum = np.zeros(bins, dtype=np.float64)
+        self.loss_sum = 0.0
+
+    def add(self, labels: np.ndarray, probs: np.ndarray) -> None:
+        y = np.asarray(labels, dtype=np.float64).ravel()
+        p = np.asarray(probs, dtype=np.float64).ravel()
+        ids = np.minimum((p * self.bins).astype(np.int64), self.bins - 1)
+        self.pos += np.bincount(ids, weights=y, minlength=self.bins).astype(np.int64)
+        self.neg += np.bincount(ids, weights=1.0 - y, minlength=self.bins).astype(np.int64)
+        self.score_sum += np.bincount(ids, weights=p, minlength=self.bins)
+        self.loss_sum += log_loss(y, p) * y.size if y.size else 0.0
+
+    def result(self, calibration_bins: int = 10) -> dict:
+        rows = self.pos + self.neg
+        n, P = int(rows.sum()), int(self.pos.sum())
+        out: dict = {"rows": n, "positives": P}
+        if n == 0:
+            return out
+        base = P / n
+        ll = self.loss_sum / n
+        out.update(log_loss=ll, base_ctr=base, ctr=base, predicted_ctr=float(self.score_sum.sum() / n),
+                   calibration=float(self.score_sum.sum() / n / base) if base > 0 else float("nan"))
+        if 0 < P < n:
+            out["auc"], out["auc_error_bound"] = binned_auc(self.pos, self.neg)
+            out["auc_method"] = f"binned ({self.bins} uniform score bins; more rows than {MAX_EXACT_ROWS:,})"
+            out["normalized_entropy"] = ll / float(-(base * np.log(base) + (1 - base) * np.log1p(-base)))
+        # the calibration bins are unions of histogram bins (histogram bin i lies in [i/bins, (i+1)/bins))
+        group = np.minimum(np.arange(self.bins) * calibration_bins // self.bins, calibration_bins - 1)
+        agg = lambda a: np.bincount(group, weights=a, minlength=calibration_bins)  # noqa: E731
+        table = _table(np.linspace(0.0, 1.0, calibration_bins + 1), agg(rows.astype(np.float64)),
+                       agg(self.pos.astype(np.float64)), agg(self.score_sum))
+        out["ece"] = expected_calibration_error(table)
+        out["calibration_table"] = table
+        return out
+
+
+def delong_auc_diff(labels: np.ndarray, scores_a: np.ndarray, scores_b: np.ndarray, alpha: float = 0.05) -> dict:
+    """Return the AUCs of two scorings of the same rows, their difference B − A and its DeLong CI.
+
+    DeLong, DeLong & Clarke-Pearson (1988): each positive's and each negative's placement
+    values give the covariance of the two (paired) AUC estimates; the difference is
+    asymptotically normal with variance ``var_a + var_b − 2 cov_ab``. Returns ``auc_a``,
+    ``auc_b``, ``delta``, ``se``, ``ci_low``, ``ci_high`` (level ``1 − alpha``), ``p_value``
+    (two-sided, of delta = 0).
+    """
+    from statistics import NormalDist
+
+    y = np.asarray(labels).ravel().astype(bool)
+    m, n = int(y.sum()), int((~y).sum())
+    if m < 2 or n < 2:
+        raise ValueError(f"DeLong needs at least 2 positives and 2 negatives; found {m} and {n}")
+    v10, v01, aucs = [], [], []
+    for s in (scores_a, scores_b):
+        s = np.asarray(s, dtype=np.float64).ravel()
+        r_all, r_pos, r_neg = _midranks(s), _midranks(s[y]), _midranks(s[~y])
+        # positive i: share of negatives below it (ties ½); negative j: share of positives above it
+        v10.append((r_all[y] - r_pos) / n)
+        v01.append(1.0 - (r_all[~y] - r_neg) / m)
+        aucs.append(float(v10[-1].mean()))
+    s10, s01 = np.cov(np.vstack(v10)), np.cov(np.vstack(v01))
+    var = (s10[0, 0] + s10[1, 1] - 2 * s10[0, 1]) / m + (s01[0, 0] + s01[1, 1] - 2 * s01[0, 1]) / n
+    se = float(np.sqrt(max(var, 0.0)))
+    delta = aucs[1] - aucs[0]
+    z = NormalDist().inv_cdf(1 - alpha / 2)
+    p_value = 2 * (1 - NormalDist().cdf(abs(delta) / se)) if se > 0 else (1.0 if delta == 0 else 0.0)
+    return {"auc_a": aucs[0], "auc_b": aucs[1], "delta": delta, "se": se, "ci_low": delta - z * se,
+            "ci_high": delta + z * se, "level": 1 - alpha, "p_value": float(p_value), "method": "DeLong"}
+
+
+def _midranks(s: np.ndarray) -> np.ndarray:
+    """Return 1-based ranks of ``s`` with ties given their mean rank, in the input order."""
+    order = np.argsort(s, kind="stable")
+    s_sorted = s[order]
+    starts = np.flatnonzero(np.r_[True, s_sorted[1:] != s_sorted[:-1]])
+    ends = np.r_[starts[1:], s.size]
+    out = np.empty(s.size, dtype=np.float64)
+    out[order] = np.repeat((starts + 1 + ends) / 2.0, ends - starts)
     return out
