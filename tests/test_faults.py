@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from test_train import JOB, ROOT, final_rows, overrides
+from dist_utils import run_distributed
+from test_train import JOB, ROOT, final_rows, losses, overrides
 
 pytestmark = pytest.mark.multiproc
 
@@ -169,14 +170,19 @@ def _log_tail(run_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """The reference: the same job as the killed runs, never interrupted."""
+def tiny(tmp_path_factory) -> Path:
     from recsys import synth
 
-    base = tmp_path_factory.mktemp("faults")
-    data = base / "tiny"
+    data = tmp_path_factory.mktemp("faults") / "tiny"
     synth.generate("tiny", data, seed=0)
-    run_dir = base / "reference"
+    return data
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny):
+    """The reference: the same job as the killed runs, never interrupted."""
+    data = tiny
+    run_dir = tiny.parent / "reference"
     tag = uuid.uuid4().hex
     _wait(_launch(data, run_dir, tag), run_dir, tag)
     return data, run_dir
@@ -243,3 +249,59 @@ def test_sigkilled_workers_restart_from_checkpoint_to_the_same_result(uninterrup
         assert a[name].keys() == b[name].keys(), f"table {name}: different keys"
         for key in a[name]:
             np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"table {name} key {key}")
+
+
+# --------------------------------------------------------------------------- end-of-epoch resume
+
+
+def _two_rank_run(rank, world, data, run_dir, extra, resume):
+    from test_train import run
+
+    return run(Path(data), Path(run_dir), *extra, resume=resume)
+
+
+def _batches_per_rank(data: Path, batch_size: int) -> list[int]:
+    from recsys.config import load_job
+    from recsys.io.reader import ParquetReader
+
+    job = load_job(JOB, overrides(data, f"data.train.batch_size={batch_size}"))
+    out = []
+    for rank in range(2):
+        with ParquetReader(job.data.train, job.schema, rank=rank, world_size=2) as reader:
+            out.append(sum(1 for _ in reader))
+    return out
+
+
+def _assert_same_run(full: Path, resumed: Path, from_step: int) -> None:
+    a, b = losses(full), losses(resumed)
+    assert sorted(b) == [s for s in sorted(a) if s > from_step]
+    assert {s: a[s] for s in b} == b
+    ra, rb = final_rows(full), final_rows(resumed)
+    assert ra.keys() == rb.keys()
+    for name in ra:
+        assert ra[name].keys() == rb[name].keys(), f"table {name}: different keys"
+        for key in ra[name]:
+            np.testing.assert_array_equal(ra[name][key], rb[name][key], err_msg=f"table {name} key {key}")
+
+
+@pytest.mark.parametrize("after_end", [0, 1], ids=["at-the-short-ranks-last-batch", "one-empty-batch-later"])
+def test_resume_where_one_rank_already_finished_the_epoch(tiny, tmp_path, after_end):
+    """Two ranks with uneven shares: the checkpoint is taken when the short rank's data ran out
+    (its look-ahead fetch came back empty) but the other's did not; the resumed run must go on
+    exactly like the uninterrupted one (the short rank feeds empty batches until the epoch ends)."""
+    data = tiny
+    batches = _batches_per_rank(data, 48)
+    short = min(batches)
+    at = short + after_end
+    assert at < max(batches), f"the scenario needs uneven ranks: {batches} batches per rank"
+    extra = ["data.train.batch_size=48", "train.epochs=2", f"train.checkpoint_every_steps={at}",
+             "train.keep_last=10", "train.collective_timeout_s=30"]
+    full = run_distributed(_two_rank_run, 2, str(data), str(tmp_path / "full"), extra, None, timeout=120)
+    ckpt = tmp_path / "full" / "checkpoints" / f"step-{at:08d}"
+    assert (ckpt / "meta.json").exists()
+    # a rank that rolled into the next epoch no longer pairs its collectives with the other's:
+    # without a bound this hangs for gloo's default 30 minutes
+    resumed = run_distributed(_two_rank_run, 2, str(data), str(tmp_path / "resumed"), extra, str(ckpt),
+                              timeout=120)
+    assert resumed[0] == full[0]  # step, epoch, final evaluation
+    _assert_same_run(tmp_path / "full", tmp_path / "resumed", at)

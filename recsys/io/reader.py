@@ -123,6 +123,15 @@ class ParquetReader:
         return self._cur.epoch
 
     @property
+    def next_epoch(self) -> int:
+        """The epoch the next iteration reads from: ``epoch``, or the one after it when this
+        rank delivered all of ``epoch`` but the caller never hit its end (``__iter__`` then
+        rolls over first). A caller that keeps ranks in step compares it with its own epoch."""
+        if self._rank_finished() and (self._rank_started() or self._later):
+            return self._cur.epoch + 1
+        return self._cur.epoch
+
+    @property
     def num_slots(self) -> int:
         """Readers over all ranks: world_size × max(1, num_workers)."""
         return self.world_size * self._slots_per_rank

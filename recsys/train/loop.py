@@ -151,6 +151,8 @@ class Trainer:
         self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True)
         self.reader = source or ParquetReader(job.data.train, schema, rank=env.rank, world_size=env.world_size)
         self.step = 0
+        self.epoch = 0
+        """The epoch every rank is training (a rank whose data ran out feeds empty batches)."""
         self.ckpt_root = self.run_dir / "checkpoints"
         self.log = MetricsLog(self.run_dir, enabled=env.is_main)
         self._stop = False
@@ -180,7 +182,8 @@ class Trainer:
             "scheduler": self.sched.state_dict(),
             "torch_rng": torch.get_rng_state(),
         }
-        meta = {"reader": type(self.reader).merge_states(states), "config": config_mod.dumps(self.job)}
+        meta = {"reader": type(self.reader).merge_states(states), "epoch": self.epoch,
+                "config": config_mod.dumps(self.job)}
         path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(), dense=dense,
                          meta=meta, keep_last=self.job.train.keep_last)
         self.log.event("checkpoint", step=self.step, path=str(path))
@@ -197,9 +200,27 @@ class Trainer:
         self.store.load_state_dict(ckpt.load_sparse(path, list(self.job.schema.tables)))
         self.reader.load_state_dict(meta["reader"])
         self.step = int(meta["step"])
+        # checkpoints before the trainer saved its epoch: the reader's (exact unless a rank
+        # had already delivered its whole share of that epoch)
+        self.epoch = int(meta.get("epoch", self.reader.epoch))
         self.log.event("resumed", step=self.step, path=str(path), saved_world_size=meta["world_size"])
 
     # ------------------------------------------------------------------ the loop
+
+    def _epoch_batches(self, epoch: int):
+        """Return this rank's batches of ``epoch`` (all ranks train one epoch at a time).
+
+        A rank whose share of the epoch was all delivered before the checkpoint this run
+        resumed from has none left: it feeds empty batches until every rank is done, as it
+        did in the uninterrupted run, instead of letting its reader roll into the next epoch.
+        """
+        # a replacement source without ``next_epoch`` never reports a share delivered ahead
+        ahead = getattr(self.reader, "next_epoch", self.reader.epoch)
+        if ahead == epoch:
+            return iter(self.reader)
+        if ahead == epoch + 1:
+            return iter(())
+        raise RuntimeError(f"rank {self.env.rank}: the reader is at epoch {ahead}, the job at epoch {epoch}")
 
     def _fetch(self, it) -> Batch | None:
         self._state_before_fetch = self.reader.state_dict()
@@ -216,9 +237,9 @@ class Trainer:
         last_ckpt = time.monotonic()
         progress = Progress(tc.progress, enabled=env.is_main, total=self.total_steps, every=tc.log_every)
         try:
-            while not self._done() and self.reader.epoch < tc.epochs:
-                epoch = self.reader.epoch
-                it = iter(self.reader)
+            while not self._done() and self.epoch < tc.epochs:
+                epoch = self.epoch
+                it = self._epoch_batches(epoch)
                 nxt = self._fetch(it)
                 future = self._submit(nxt, self.step)
                 while True:
@@ -227,6 +248,7 @@ class Trainer:
                         [nxt is not None, self._stop, self._checkpoint_due(last_ckpt)], env)
                     if not has_data:  # every rank finished the epoch
                         self.store.cancel(future.result())
+                        self.epoch += 1
                         break
                     lookup = future.result()
                     t1 = time.perf_counter()
@@ -273,7 +295,7 @@ class Trainer:
             self.store.flush()
             final = self.evaluate(max_rows=0)
             self.save(lookahead=False)
-            return {"step": self.step, "epoch": self.reader.epoch, **final}
+            return {"step": self.step, "epoch": self.epoch, **final}
         finally:
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
