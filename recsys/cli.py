@@ -57,9 +57,12 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from recsys.eval.run import evaluate_checkpoint
+    from recsys.eval.evaluate import EvalOptions, format_tables, run_eval
 
-    result = evaluate_checkpoint(args.checkpoint, args.data or None, device=args.device)
+    opts = EvalOptions(data=args.data or None, slices=args.slice, top_k=args.top_k, predictions=args.predictions,
+                       plots=args.plots, compare=args.compare, nproc=args.nproc,
+                       max_exact_rows=args.max_exact_rows, device=args.device)
+    result = run_eval(args.checkpoint, opts)
     if args.oracle:
         oracle = json.loads(Path(args.oracle).read_text())["eval"]
         result["oracle_auc"] = oracle["auc"]
@@ -69,6 +72,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
+    tables = format_tables(result)
+    if tables:
+        print(tables)
     if args.oracle:
         print(f"AUC {result['auc']:.4f}  (oracle {result['oracle_auc']:.4f}, gap {result['auc_gap_to_oracle']:.4f})  "
               f"log loss {result['log_loss']:.4f}  (oracle {result['oracle_log_loss']:.4f})")
@@ -194,6 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", nargs="*", default=[], help="files, directories or globs (default: the job's eval split)")
     p.add_argument("--json", type=Path, help="also write the metrics here")
     p.add_argument("--oracle", type=Path, help="a synthetic data set's oracle.json: print the AUC next to it")
+    p.add_argument("--slice", nargs="+", default=[], metavar="COLUMN",
+                   help="also the metrics per value of these columns (the --top-k values by rows, then 'other')")
+    p.add_argument("--top-k", type=int, default=10, help="slice values shown per --slice column (default 10)")
+    p.add_argument("--predictions", type=Path, metavar="OUT.parquet",
+                   help="write one row per example: the id columns (or row_id), label, score")
+    p.add_argument("--plots", type=Path, metavar="DIR",
+                   help="write PNGs: ROC, calibration, score histograms, AUC per slice")
+    p.add_argument("--compare", type=Path, metavar="PATH2",
+                   help="score the same rows with a second checkpoint: side-by-side table, deltas, "
+                   "DeLong confidence interval of the AUC difference")
+    p.add_argument("--nproc", type=int, default=1, help="processes reading the data (exactly-once shards; default 1)")
+    p.add_argument("--max-exact-rows", type=int, default=None,
+                   help="keep at most this many predictions in memory for an exact AUC (default 50M, "
+                   "about 2 GB); beyond it one process reports a binned AUC with its error bound")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.set_defaults(func=_cmd_eval)
 

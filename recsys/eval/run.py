@@ -45,24 +45,56 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
 
 
 @torch.no_grad()
+def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | None = None, device: str = "cpu",
+                     passthrough: list[str] | None = None, rank: int = 0, world_size: int = 1):
+    """Yield (labels, probabilities, {passthrough column: values}) per batch of ``paths``.
+
+    One process reads every row in file order. With ``world_size`` > 1 (a process group
+    is up and ``store`` is sharded over it) this rank reads its exactly-once share and the
+    ranks stay in step (a rank whose data ran out feeds empty batches to the store's
+    collectives until every rank is done).
+    """
+    import torch.distributed as dist
+
+    from recsys.io.reader import ParquetReader
+    from recsys.train.loop import empty_batch
+
+    extra_cols = list(job.data.eval.passthrough if passthrough is None else passthrough)
+    cfg = dataclasses.replace(job.data.eval, paths=list(paths), shuffle=False, passthrough=extra_cols,
+                              batch_size=batch_size or job.data.eval.batch_size,
+                              num_workers=0 if world_size == 1 else job.data.eval.num_workers)
+    F = len(job.schema.sparse)
+    with ParquetReader(cfg, job.schema, rank=rank, world_size=world_size) as reader:
+        it = iter(reader)
+        while True:
+            batch = next(it, None)
+            if world_size > 1:
+                flag = torch.tensor([int(batch is not None)], dtype=torch.int64)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if not flag.item():
+                    break
+                cur = batch or empty_batch(job.schema, extra_cols)
+            elif batch is None:
+                break
+            else:
+                cur = batch
+            cur = cur.to(device)
+            lookup = store.lookup(cur.sparse, None, train=False)
+            logits = model(cur.dense, lookup.pooled(F))
+            if batch is not None:
+                yield (cur.labels.cpu().numpy(), torch.sigmoid(logits).cpu().numpy(),
+                       {k: cur.extra[k].cpu().numpy() for k in extra_cols})
+
+
 def predict(job, store, model, paths: list[str], batch_size: int | None = None, device: str = "cpu"):
     """Return (labels, probabilities, passthrough columns) for every row of ``paths``, in file order."""
-    from recsys.io.reader import ParquetReader
-
-    cfg = dataclasses.replace(job.data.eval, paths=list(paths), shuffle=False,
-                              batch_size=batch_size or job.data.eval.batch_size)
     labels, probs = [], []
-    extra: dict[str, list[np.ndarray]] = {k: [] for k in cfg.passthrough}
-    F = len(job.schema.sparse)
-    with ParquetReader(cfg, job.schema) as reader:
-        for batch in reader:
-            batch = batch.to(device)
-            lookup = store.lookup(batch.sparse, None, train=False)
-            logits = model(batch.dense, lookup.pooled(F))
-            labels.append(batch.labels.cpu().numpy())
-            probs.append(torch.sigmoid(logits).cpu().numpy())
-            for k in extra:
-                extra[k].append(batch.extra[k].cpu().numpy())
+    extra: dict[str, list[np.ndarray]] = {k: [] for k in job.data.eval.passthrough}
+    for y, p, ex in iter_predictions(job, store, model, paths, batch_size=batch_size, device=device):
+        labels.append(y)
+        probs.append(p)
+        for k in extra:
+            extra[k].append(ex[k])
     cat = lambda xs: np.concatenate(xs) if xs else np.empty(0)  # noqa: E731
     return cat(labels), cat(probs), {k: cat(v) for k, v in extra.items()}
 
