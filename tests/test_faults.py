@@ -305,3 +305,43 @@ def test_resume_where_one_rank_already_finished_the_epoch(tiny, tmp_path, after_
                               timeout=120)
     assert resumed[0] == full[0]  # step, epoch, final evaluation
     _assert_same_run(tmp_path / "full", tmp_path / "resumed", at)
+
+
+# --------------------------------------------------------------------------- checkpoint pointer
+
+
+def _save(root: Path, step: int, marker: float):
+    import pyarrow as pa
+    import torch
+
+    from recsys.train import checkpoint as ckpt
+
+    rows = pa.table({"key": pa.array([1, 2], pa.int64()), "embedding": pa.array([[marker], [marker]])})
+    return ckpt.save(root, step, sparse={"t": rows}, dense={"w": torch.full((2,), marker)}, meta={}, keep_last=3)
+
+
+def test_resaving_a_step_never_leaves_latest_naming_nothing(tmp_path, monkeypatch):
+    """A crash in the middle of re-saving the step ``latest`` names (SIGTERM right after a
+    periodic save) must leave ``latest`` naming a complete checkpoint that loads."""
+    from recsys.train import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    _save(root, 10, 1.0)
+    real_replace = os.replace
+
+    def crash_on_checkpoint_rename(src, dst):
+        if Path(dst).name.startswith("step-"):
+            raise KeyboardInterrupt("killed between removing and renaming")  # not an Exception: a crash
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "replace", crash_on_checkpoint_rename)
+    try:
+        _save(root, 10, 1.0)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.undo()
+    found = ckpt.latest(root)
+    assert found == root / "step-00000010"
+    assert ckpt.load_meta(found)["step"] == 10
+    assert ckpt.load_dense(found)["w"].tolist() == [1.0, 1.0]
+    assert ckpt.load_sparse(found)["t"].column("key").to_pylist() == [1, 2]

@@ -94,10 +94,16 @@ def save(
     _barrier()
     final = root / name
     if rank == 0:
-        _fsync_tree(tmp)
-        if final.exists():  # a re-save of the same step (e.g. SIGTERM right after a periodic save)
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        if (final / "meta.json").exists():
+            # a re-save of the same step (e.g. SIGTERM right after a periodic save): the same
+            # training state is already saved, and ``latest`` may name it; deleting it before
+            # the rename would leave ``latest`` naming nothing if we died in between
+            shutil.rmtree(tmp)
+        else:
+            _fsync_tree(tmp)
+            if final.exists():  # a directory without meta.json is no checkpoint
+                shutil.rmtree(final)
+            os.replace(tmp, final)
         _fsync_dir(root)
         pointer_tmp = root / ".latest.tmp"
         pointer_tmp.write_text(name + "\n")
