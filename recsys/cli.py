@@ -81,6 +81,15 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from recsys.eval.report import write_report
+
+    out = write_report(args.run_dir, args.out)
+    print(f"wrote {out['markdown']} and {len(out['figures'])} figure(s)"
+          + (f"; not logged by this run: {', '.join(out['missing'])}" if out["missing"] else ""))
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     import redis
 
@@ -216,6 +225,16 @@ def build_parser() -> argparse.ArgumentParser:
                    "about 2 GB); beyond it one process reports a binned AUC with its error bound")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.set_defaults(func=_cmd_eval)
+
+    p = sub.add_parser(
+        "report",
+        help="render a run's metrics.jsonl as PNG curves and a Markdown summary",
+        description="Write loss, eval AUC/log loss, samples/s, time per phase and store curves (PNG) and "
+        "report.md (job, data, final metrics, best eval, oracle gap when the data has oracle.json).",
+    )
+    p.add_argument("run_dir", type=Path, help="a run directory (with metrics.jsonl)")
+    p.add_argument("--out", type=Path, help="output directory (default RUN_DIR/report)")
+    p.set_defaults(func=_cmd_report)
 
     p = sub.add_parser(
         "export",
