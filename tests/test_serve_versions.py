@@ -77,7 +77,7 @@ def test_version_switches_never_mix(tiny_run, redis_server, tmp_path):
                 t.join()
     assert not errors, errors[:3]
     versions = {v for v, _ in responses}
-    assert len(responses) >= 100 and len(versions) >= 6, (len(responses), sorted(versions))
+    assert len(responses) >= 300 and len(versions) >= 6, (len(responses), sorted(versions))
     for version, blocks in responses:
         factor = factors[version[0]]
         for (vec, found), (ref, ref_found) in zip(blocks, base):
