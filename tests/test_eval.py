@@ -160,3 +160,8 @@ def test_two_processes_give_the_same_metrics_as_one(tiny_run, full, tmp_path):
     pred1 = pq.read_table(Path(one["predictions"])).sort_by("row_id")
     assert pred2.column("row_id").equals(pred1.column("row_id"))
     np.testing.assert_allclose(pred2.column("score").to_numpy(), pred1.column("score").to_numpy(), atol=1e-6)
+
+
+def test_several_processes_refuse_a_slice_column_they_cannot_carry(tiny_run):
+    with pytest.raises(UserError, match=r"--slice c9 with --nproc 2: the column is string"):
+        run_eval(tiny_run, EvalOptions(nproc=2, slices=["c9"]))
