@@ -36,10 +36,12 @@ redis-server:
 	fi
 
 # The default batch job: small synthetic data (generated once), 2 processes on CPU, then an
-# evaluation of the final checkpoint printed next to the data's oracle AUC.
+# evaluation of the final checkpoint printed next to the data's oracle AUC, and the run's
+# report (curves as PNG and report.md in RUN_DIR/report).
 train: venv data
 	$(VENV)/bin/recsys train --config jobs/synthetic_small.toml --nproc $(NPROC) --run-dir $(RUN_DIR)
 	$(VENV)/bin/recsys eval --checkpoint $(RUN_DIR) --oracle $(DATA)/oracle.json --json $(RUN_DIR)/eval.json
+	$(VENV)/bin/recsys report $(RUN_DIR)
 	@echo "run directory: $(RUN_DIR)"
 
 # The lookup service's embedded default: serve the newest run's latest checkpoint from memory
