@@ -35,6 +35,7 @@ class RedisServer:
     proc: subprocess.Popen
     workdir: Path
     cmd: list[str]
+    tls: bool = False
 
     @property
     def url(self) -> str:
@@ -43,6 +44,8 @@ class RedisServer:
     def ping(self) -> bool:
         try:
             with socket.create_connection((self.host, self.port), timeout=0.5) as s:
+                if self.tls:  # a TLS port: accepting connections is all a plain socket can see
+                    return True
                 s.sendall(b"PING\r\n")
                 return s.recv(16).startswith(b"+PONG")
         except OSError:
@@ -82,10 +85,11 @@ def _redis_port(cluster: bool) -> int:
             return port
 
 
-def start_redis(workdir: Path, *args: str) -> RedisServer:
+def start_redis(workdir: Path, *args: str, tls_port: bool = False) -> RedisServer:
     """Start a non-persistent redis-server on a free loopback port and wait until it answers.
 
-    ``args``: more redis-server options (e.g. cluster mode)."""
+    ``args``: more redis-server options (e.g. cluster mode). ``tls_port``: the port speaks
+    TLS only (``args`` name the certificates); then "answers" means it accepts connections."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.fail("redis-server is not installed: run `make test` (it installs it) or "
@@ -94,10 +98,11 @@ def start_redis(workdir: Path, *args: str) -> RedisServer:
     last_error = ""
     for _ in range(5):  # a port can be taken between probing and binding
         port = _redis_port("--cluster-enabled" in args)
-        cmd = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        ports = ["--port", "0", "--tls-port", str(port)] if tls_port else ["--port", str(port)]
+        cmd = [binary, *ports, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--dir", str(workdir), "--logfile", str(workdir / "redis.log"), *args]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        server = RedisServer("127.0.0.1", port, proc, workdir, cmd)
+        server = RedisServer("127.0.0.1", port, proc, workdir, cmd, tls_port)
         try:
             wait_until(lambda: server.ping() or proc.poll() is not None, 10, "redis-server to answer PING")
         except TimeoutError as exc:
