@@ -13,7 +13,9 @@ torch. Every command that takes a checkpoint resolves it with ``resolve``, which
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +23,75 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 FORMAT_VERSION = 1
+MARKER = "complete.json"
+"""Written last into a checkpoint (before its rename into place): every file's size."""
 
-__all__ = ["FORMAT_VERSION", "latest", "resolve", "load_meta", "load_sparse", "sparse_files"]
+__all__ = ["FORMAT_VERSION", "MARKER", "incomplete", "latest", "resolve", "load_meta", "load_sparse",
+           "sparse_files"]
+
+log = logging.getLogger(__name__)
+_SHARD = re.compile(r"^rank-(\d{5})-of-(\d{5})\.parquet$")
+
+
+def incomplete(path: str | os.PathLike) -> str | None:
+    """Return why the checkpoint at ``path`` is not complete, or None when it is.
+
+    Complete: ``meta.json``, the marker's files all there with their sizes (a checkpoint
+    written before markers existed: one shard per saving rank of every table)."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        return f"{path}: no meta.json"
+    marker = path / MARKER
+    if marker.is_file():
+        try:
+            files = json.loads(marker.read_text())["files"]
+        except (ValueError, KeyError):
+            return f"{marker}: unreadable"
+        for rel, size in files.items():
+            f = path / rel
+            if not f.is_file():
+                return f"{f}: missing (listed in {MARKER})"
+            if f.stat().st_size != size:
+                return f"{f}: {f.stat().st_size} bytes, {MARKER} says {size} (truncated or changed)"
+        return None
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except ValueError:
+        return f"{path / 'meta.json'}: unreadable"
+    world = int(meta.get("world_size", 1))
+    for table in meta.get("tables", []):
+        have = {p.name for p in (path / "sparse" / table).glob("rank-*.parquet")}
+        want = {f"rank-{r:05d}-of-{world:05d}.parquet" for r in range(world)}
+        if have != want:
+            return f"{path / 'sparse' / table}: shards {sorted(want - have)} missing"
+    return None
+
+
+def _complete_steps(root: Path) -> list[Path]:
+    return sorted(p for p in root.glob("step-*") if p.is_dir() and incomplete(p) is None)
 
 
 def latest(ckpt_root: str | os.PathLike) -> Path | None:
-    """Return the newest complete checkpoint under ``ckpt_root``, or None."""
+    """Return the newest complete checkpoint under ``ckpt_root`` (None: there is none).
+
+    The ``latest`` pointer names it; if the pointer is missing or names a checkpoint that is
+    not complete (a crash, a lost file), the newest complete ``step-*`` is taken instead."""
     root = Path(ckpt_root)
     pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
-    if not (path / "meta.json").exists():
-        raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint")
-    return path
+    if pointer.is_file():
+        path = root / pointer.read_text().strip()
+        why = incomplete(path)
+        if why is None:
+            return path
+        fallback = _complete_steps(root)
+        if not fallback:
+            raise FileNotFoundError(f"{pointer} names {path.name}, which is not a complete checkpoint ({why}), "
+                                    f"and no other complete checkpoint is in {root}")
+        log.warning("%s names %s, which is not complete (%s); using %s", pointer, path.name, why,
+                    fallback[-1].name)
+        return fallback[-1]
+    found = _complete_steps(root)
+    return found[-1] if found else None
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -43,6 +100,9 @@ def resolve(path: str | os.PathLike) -> Path:
     if path.is_file() and path.name == "latest":
         found = latest(path.parent)
     elif (path / "meta.json").exists():
+        why = incomplete(path)
+        if why is not None:
+            raise FileNotFoundError(f"{path} is not a complete checkpoint: {why}")
         return path
     elif (path / "latest").is_file():
         found = latest(path)
@@ -55,7 +115,8 @@ def resolve(path: str | os.PathLike) -> Path:
             f"{path}: not a checkpoint: expected a step directory (with meta.json), a run directory, "
             "a checkpoints/ directory or its 'latest' file"
         )
-    assert found is not None  # latest() returns None only when the pointer is missing
+    if found is None:
+        raise FileNotFoundError(f"{path}: no complete checkpoint in it yet")
     return found
 
 
@@ -72,11 +133,19 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
 
 
 def sparse_files(path: str | os.PathLike, table: str) -> list[Path]:
-    """Return the shard files of ``table`` in the checkpoint at ``path`` (one per saving rank)."""
+    """Return the shard files of ``table`` in the checkpoint at ``path``: one per saving rank,
+    all of them (``FileNotFoundError`` naming the missing ones otherwise)."""
     folder = Path(path) / "sparse" / table
     files = sorted(folder.glob("rank-*.parquet"))
     if not files:
         raise FileNotFoundError(f"{folder}: no shards of table {table!r}")
+    world = {int(m.group(2)) for f in files if (m := _SHARD.match(f.name))}
+    if len(world) != 1:
+        raise FileNotFoundError(f"{folder}: shards of different world sizes {sorted(world)}")
+    (w,) = world
+    missing = sorted({f"rank-{r:05d}-of-{w:05d}.parquet" for r in range(w)} - {f.name for f in files})
+    if missing:
+        raise FileNotFoundError(f"{folder}: shards {missing} of table {table!r} are missing")
     return files
 
 

@@ -8,14 +8,17 @@ Layout::
     │   ├── meta.json               step, world size, reader state, time, format version
     │   ├── dense.pt                model + dense optimizer + scheduler + RNG (tensors only;
     │   │                           loaded with weights_only=True: no pickle of code)
-    │   └── sparse/<table>/rank-00000-of-00002.parquet
-    │                               (key, embedding, optimizer state, last_seen) rows
+    │   ├── sparse/<table>/rank-00000-of-00002.parquet
+    │   │                           (key, embedding, optimizer state, last_seen) rows
+    │   └── complete.json           written last: every file above with its size
     └── .tmp-step-00000200/         being written; never read; removed on restart
 
 Every rank writes its own sparse shard into the temp dir; after a barrier rank 0 fsyncs,
 renames the directory into place, then replaces ``latest`` (write temp, fsync, rename).
-A crash at any point leaves ``latest`` naming a complete checkpoint. Loading reads every
-shard of every table and keeps the rows this rank owns, so N ranks → M ranks works.
+A crash at any point leaves ``latest`` naming a complete checkpoint. Loading checks the
+marker (``recsys.checkpoint_files.incomplete``): a checkpoint with a file missing or of
+another size is never loaded, and ``latest()`` falls back to the newest complete one. Loading
+reads every shard of every table and keeps the rows this rank owns, so N ranks → M ranks works.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 # the read side needs no torch (the lookup service and `recsys export` use it)
-from recsys.checkpoint_files import FORMAT_VERSION, latest, load_meta, load_sparse, resolve  # noqa: F401
+from recsys.checkpoint_files import (FORMAT_VERSION, MARKER, incomplete, latest, load_meta,  # noqa: F401
+                                    load_sparse, resolve)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -100,6 +104,7 @@ def save(
             # the rename would leave ``latest`` naming nothing if we died in between
             shutil.rmtree(tmp)
         else:
+            _write_marker(tmp)
             _fsync_tree(tmp)
             if final.exists():  # a directory without meta.json is no checkpoint
                 shutil.rmtree(final)
@@ -116,8 +121,14 @@ def save(
     return final
 
 
+def _write_marker(tmp: Path) -> None:
+    """Write the completeness marker: every file of the checkpoint with its size (written last)."""
+    files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    (tmp / MARKER).write_text(json.dumps({"files": files}, indent=1))
+
+
 def _prune(root: Path, keep_last: int, keep: str) -> None:
-    done = sorted(p for p in root.glob("step-*") if (p / "meta.json").exists())
+    done = sorted(p for p in root.glob("step-*") if incomplete(p) is None)
     for old in done[:-keep_last] if keep_last > 0 else []:
         if old.name != keep:
             shutil.rmtree(old, ignore_errors=True)
