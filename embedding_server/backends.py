@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import hiredis
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -276,7 +277,7 @@ class RedisBackend:
         for table, keys, vec, found, miss, cache in plan:
             vals = values[start : start + miss.shape[0]]
             start += miss.shape[0]
-            got = np.fromiter((v is not None for v in vals), dtype=bool, count=len(vals))
+            got = np.array([v is not None for v in vals], dtype=bool)
             if got.any():
                 vec[miss[got]] = layout.decode_rows([v for v in vals if v is not None], vec.shape[1], snap.dtype,
                                                     f"version {snap.version!r} table {table!r}")
@@ -287,18 +288,28 @@ class RedisBackend:
         return out
 
     async def _mget(self, names: list[bytes]) -> list[bytes | None]:
-        if self._cluster:
+        if self._cluster:  # one MGET per hash slot, pipelined per node (redis-py)
             return await self._call("MGET of rows", lambda c: c.mget_nonatomic(names))
-        if len(names) <= MGET_KEYS:
-            return await self._call("MGET of rows", lambda c: c.mget(names))
 
-        async def chunks(c):
-            pipe = c.pipeline(transaction=False)
-            for s in range(0, len(names), MGET_KEYS):
-                pipe.mget(names[s : s + MGET_KEYS])
-            return [v for part in await pipe.execute() for v in part]
+        async def packed(c):
+            # The command is packed by hiredis (C) and sent on one of the client's pooled
+            # connections (auth, db and TLS as the URL says): redis-py's asyncio client packs
+            # in Python, measured at ~3/4 of a 256-key lookup's server CPU.
+            conn = await c.connection_pool.get_connection()
+            try:
+                out = []
+                for s in range(0, len(names), MGET_KEYS):
+                    await conn.send_packed_command(hiredis.pack_command(("MGET", *names[s : s + MGET_KEYS])))
+                for _ in range(0, len(names), MGET_KEYS):
+                    out += await conn.read_response()
+                return out
+            except BaseException:
+                await conn.disconnect()  # a half-read reply must not reach the next request
+                raise
+            finally:
+                await c.connection_pool.release(conn)
 
-        return await self._call("MGET of rows", chunks)
+        return await self._call("MGET of rows", packed)
 
 
 def backend_from_settings(settings) -> EmbeddedBackend | RedisBackend:

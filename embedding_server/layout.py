@@ -121,7 +121,7 @@ def decode_rows(values: list[bytes], dim: int, dtype: str, where: str) -> np.nda
     dt = DTYPES[dtype]
     size = dim * dt.itemsize
     blob = b"".join(values)
-    if len(blob) != size * len(values) or any(len(v) != size for v in values):
+    if len(blob) != size * len(values) or set(map(len, values)) - {size}:
         bad = next(len(v) for v in values if len(v) != size)
         raise ValueError(f"{where}: a row value has {bad} bytes, expected {size} ({dim} x {dtype})")
     return np.frombuffer(blob, dtype=dt).reshape(len(values), dim).astype(np.float32, copy=False)

@@ -3,6 +3,7 @@ with a clear body, and the service recovers by itself when Redis returns."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import threading
 
@@ -32,6 +33,9 @@ def scaled_copy(ckpt, out, factor: float):
         scaled = pa.FixedSizeListArray.from_arrays(pc.multiply(emb.flatten(), pa.scalar(factor, pa.float32())),
                                                    emb.type.list_size)
         pq.write_table(t.set_column(t.schema.get_field_index("embedding"), "embedding", scaled), f)
+    marker = out / checkpoint_files.MARKER  # the files changed on purpose: list their new sizes
+    files = json.loads(marker.read_text())["files"]
+    marker.write_text(json.dumps({"files": {rel: (out / rel).stat().st_size for rel in files}}))
     return out
 
 
