@@ -47,7 +47,7 @@ class RedisServer:
                 if self.tls:  # a TLS port: accepting connections is all a plain socket can see
                     return True
                 s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
+                return s.recv(16).startswith((b"+PONG", b"-NOAUTH"))  # a password server answers too
         except OSError:
             return False
 
