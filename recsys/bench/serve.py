@@ -147,8 +147,8 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
     from recsys.redis_util import connect
 
     rows = 100_000 if quick else 1_000_000
-    requests = 400 if quick else 3000
-    repeats = 1 if quick else 3
+    requests = 400 if quick else 2000
+    repeats = 1 if quick else 6
     concurrency = 8
     work = Path(tempfile.mkdtemp(prefix="recsys-bench-serve-", dir=data))
     procs = []
@@ -173,12 +173,12 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
         base = {"requests": requests, "ids_per_request": IDS_PER_REQUEST, "concurrency": concurrency,
                 "num_ids": rows, "zipf": ZIPF, "seed": 0, "feature": TABLE, "table": TABLE, "version": "bench",
                 "namespace": "recsys", "buckets": export_buckets(), "binary": True}
-        targets = {
+        targets = {  # each round runs them in this order; ratios pair a round's figures
+            "raw_redis": {**base, "target": "redis", "url": redis_url},
             "service": {**base, "target": "http", "url": services["service"]},
             "service_json": {**base, "target": "http", "url": services["service"], "binary": False},
             "service_1_worker": {**base, "target": "http", "url": services["service_1_worker"]},
             "embedded": {**base, "target": "http", "url": services["embedded"]},
-            "raw_redis": {**base, "target": "redis", "url": redis_url},
         }
         # warm-up: one untimed pass per target (other ids of the same law), as a running
         # service would be; the cold pass's figure is kept too
