@@ -146,6 +146,7 @@ class RedisBackend:
         self._resp: RespPool | None = None  # row MGETs on a single node over plain TCP / Unix socket
         self._snap: Snapshot | None = None
         self._manifests: dict[str, Snapshot] = {}
+        self._refused: dict[str, str] = {}  # version -> why its manifest cannot be served
         self._last_error = "not connected yet"
         self._task: asyncio.Task | None = None
 
@@ -174,11 +175,12 @@ class RedisBackend:
 
     def status(self) -> tuple[bool, str]:
         """Return (ready, why): Redis answered the last refresh and a version is loaded."""
+        refused = "".join(f"; refused version {v!r}: {why}" for v, why in self._refused.items())
         if self._last_error:
-            return False, self._last_error
+            return False, self._last_error + refused
         if self._snap is None:
-            return False, f"no version published under namespace {self.ns!r} at {redact(self.url)}"
-        return True, f"serving version {self._snap.version} from {redact(self.url)}"
+            return False, f"no version published under namespace {self.ns!r} at {redact(self.url)}{refused}"
+        return True, f"serving version {self._snap.version} from {redact(self.url)}{refused}"
 
     async def _follow(self) -> None:
         while True:
@@ -187,6 +189,8 @@ class RedisBackend:
                 await self.refresh()
             except BackendUnavailable:
                 pass  # recorded in _last_error; the next tick tries again
+            except Exception:  # noqa: BLE001 - never let the follower die: log and go on
+                log.exception("refreshing the served version failed; trying again in %.1f s", self.refresh_s)
 
     async def _connect(self):
         import redis.asyncio as aredis
@@ -227,6 +231,8 @@ class RedisBackend:
             self._snap = None
             return None
         version = raw.decode()
+        if version in self._refused:  # keep serving what we serve (if anything)
+            return self._snap
         if self._snap is None or self._snap.version != version:
             snap = self._manifests.get(version)
             if snap is None:
@@ -234,11 +240,20 @@ class RedisBackend:
                 if text is None:
                     self._last_error = f"version {version!r} has no manifest under namespace {self.ns!r}"
                     raise BackendUnavailable(self._last_error)
-                manifest = json.loads(text)
-                catalog = Catalog.from_manifest(manifest, f"manifest of version {version!r}")
+                try:
+                    manifest = json.loads(text)
+                    catalog = Catalog.from_manifest(manifest, f"manifest of version {version!r}")
+                    dtype, buckets = manifest["dtype"], int(manifest["buckets"])
+                    if dtype not in layout.DTYPES:
+                        raise ValueError(f"dtype {dtype!r}, this server decodes {sorted(layout.DTYPES)}")
+                except (ValueError, KeyError, TypeError) as exc:
+                    # a manifest this server cannot serve (another format, other hashing): keep
+                    # the version served now, say why in /readyz, do not try it again
+                    self._refused[version] = f"{type(exc).__name__}: {exc}"
+                    log.error("refusing version %s: %s", version, self._refused[version])
+                    return self._snap
                 cache = CacheBudget(self.cache_bytes, {n: (t.rows, t.dim) for n, t in catalog.tables.items()})
-                snap = Snapshot(version=version, dtype=manifest["dtype"], buckets=int(manifest["buckets"]),
-                                catalog=catalog, cache=cache)
+                snap = Snapshot(version=version, dtype=dtype, buckets=buckets, catalog=catalog, cache=cache)
                 self._manifests = {version: snap}  # only the served one is needed again
             self._snap = snap
             log.info("serving version %s", version)
@@ -250,8 +265,9 @@ class RedisBackend:
         if snap is None:
             snap = await self.refresh()
         if snap is None:
+            refused = "".join(f"; refused version {v!r}: {why}" for v, why in self._refused.items())
             raise BackendUnavailable(f"no version published under namespace {self.ns!r} at {redact(self.url)} "
-                                     "(run `recsys export`)")
+                                     f"(run `recsys export`){refused}")
         return snap
 
     # ------------------------------------------------------------------ rows

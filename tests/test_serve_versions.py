@@ -114,3 +114,22 @@ def test_redis_outage_is_a_503_and_recovers(tiny_run, tmp_path):
             assert float(metrics["recsys_serve_backend_errors_total"]) >= 1
     finally:
         server.stop()
+
+
+def test_a_manifest_the_server_cannot_serve_is_refused_and_the_old_version_stays(tiny_run, redis_server):
+    import redis
+
+    publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="good"), progress=False)
+    client = redis.Redis.from_url(redis_server.url)
+    manifest = json.loads(client.get("recsys:manifest:good"))
+    manifest["hashing"]["salts"]["c1"] = "0" * 16  # as if hashed by another function
+    client.set("recsys:manifest:alien", json.dumps(manifest))
+    app = create_app(ServeSettings(redis=redis_server.url, refresh_s=0.02))
+    with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=30) as c:
+        assert c.post("/v1/lookup", json={"feature": "c1", "ids": [1]}).json()["version"] == "good"
+        client.set("recsys:current", "alien")
+        wait_until(lambda: "refused version 'alien'" in c.get("/readyz").json()["detail"], 30,
+                   "the refusal in /readyz")
+        r = c.post("/v1/lookup", json={"feature": "c1", "ids": [1]})
+        assert r.status_code == 200 and r.json()["version"] == "good"
+        assert c.get("/readyz").status_code == 200 and "salt" in c.get("/readyz").json()["detail"]
