@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from recsys.config import ConfigError
-from recsys.errors import UserError
+from recsys.errors import UserError, user_message
 
 BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve")
 
@@ -196,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_job_arguments(p)
     p.add_argument("--nproc", type=int, default=1, help="training processes on this machine (default 1)")
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts after a failure (default 0)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="debug logging, torchrun's logs and tracebacks for user errors (as `recsys -v train`)")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser(
@@ -303,8 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("recsys").setLevel(logging.DEBUG if args.verbose else logging.INFO)
     try:
         return args.func(args)
-    except (UserError, FileNotFoundError) as exc:
-        print(f"recsys {args.command}: error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - input errors get one line (the traceback with -v); bugs keep theirs
+        message = user_message(exc)
+        if message is None:
+            raise
+        if args.verbose:
+            import traceback
+
+            traceback.print_exception(exc)
+        print(f"recsys {args.command}: error: {message}", file=sys.stderr)
         return 2
 
 
