@@ -1,35 +1,61 @@
 """``python -m recsys.train`` / ``torchrun ... -m recsys.train``: one training process.
 
 Reads top to bottom: parse → config → environment → trainer → train → close.
+
+A user error (``recsys.errors.user_message``: a bad job file, data the reader rejects, a
+missing path...) ends the process with exit code 2 and one line, no traceback (``-v``
+shows it). Under ``recsys train`` the line goes to the launcher (``RECSYS_LAUNCH_DIR``),
+which prints it once for all ranks; a rank that fails only because a peer left with a user
+error exits quietly. SIGTERM (also before training starts) makes the process save a
+checkpoint at the end of its current step and exit 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
+import traceback
+from pathlib import Path
 
-from recsys.train.launch import add_job_arguments, run_dir_for
+from recsys.train.launch import LAUNCH_DIR_ENV, add_job_arguments, check_resume, load_job_args, run_dir_for
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m recsys.train", description=__doc__)
     add_job_arguments(parser)
+    parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks for user errors too")
     args = parser.parse_args(argv)
+    sigterm = {"seen": False}
+    previous = signal.signal(signal.SIGTERM, lambda *_: sigterm.update(seen=True))  # until the trainer's own
+    try:
+        return _train(args, sigterm)
+    except Exception as exc:  # noqa: BLE001 - sorted into user errors and the rest below
+        return _fail(exc, args.verbose)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _train(args: argparse.Namespace, sigterm: dict) -> int:
+    job = load_job_args(args)  # the job file and the checkpoint first: no torch needed to reject them
+    check_resume(args.resume, args.run_dir)
 
     import torch.distributed as dist
 
-    from recsys.config import load_job, write_resolved
+    from recsys.config import write_resolved
     from recsys.train.loop import Trainer, setup_env
 
-    overrides = list(args.set) + ([f"train.device={args.device!r}"] if args.device else [])
-    job = load_job(args.config, overrides)
     env = setup_env(job.train.device, job.train.collective_timeout_s)
     run_dir = run_dir_for(job, args.run_dir, env)
     if env.is_main:
         write_resolved(job, run_dir)
         print(f"run directory: {run_dir}", flush=True)
     trainer = Trainer(job, run_dir, env, resume=args.resume)
+    if sigterm["seen"]:  # asked to stop while starting: one step, a checkpoint, done
+        trainer._on_sigterm(signal.SIGTERM, None)
     try:
         result = trainer.train()
     finally:
@@ -38,9 +64,44 @@ def main(argv: list[str] | None = None) -> int:
         (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result), flush=True)
         print(f"run directory: {run_dir}", flush=True)
+    # the launcher counts these after a SIGTERM: every rank saved (or finished) and exits 0
+    _leave(f"{'stopped' if result.get('stopped') else 'finished'}-rank-{env.rank}", str(result["step"]))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
+
+
+def _rank() -> str:
+    return os.environ.get("RANK", "0")
+
+
+def _leave(name: str, text: str) -> bool:
+    """Write ``text`` to the launcher's directory (atomically); False when there is none."""
+    where = os.environ.get(LAUNCH_DIR_ENV)
+    if not where:
+        return False
+    tmp = Path(where) / f".{name}.tmp"
+    tmp.write_text(text + "\n")
+    os.replace(tmp, Path(where) / name)
+    return True
+
+
+def _fail(exc: Exception, verbose: bool) -> int:
+    from recsys.errors import user_message
+
+    message = user_message(exc)
+    if message is None:  # a bug or a failure of the job itself, unless a peer's user error caused it
+        where = os.environ.get(LAUNCH_DIR_ENV)
+        if where and any(Path(where).glob("error-rank-*")) and not verbose:
+            return 1
+        raise exc
+    if verbose:
+        traceback.print_exception(exc)
+    if not _leave(f"error-rank-{_rank()}", message):
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        who = f" (rank {_rank()})" if world > 1 else ""
+        print(f"recsys train: error{who}: {message}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

@@ -1,12 +1,33 @@
-"""``recsys train``: launch training processes with torchrun (elastic), or run in-process."""
+"""``recsys train``: launch training processes with torchrun (elastic), or run in-process.
+
+Before any process starts, ``preflight`` checks what it can: the job file loads, every data
+path exists and holds Parquet files with the schema's columns (the reader's own footer
+checks, as ``recsys inspect --config`` shows them), the checkpoint to resume from loads and
+the run directory is writable. A worker's user error (``recsys.errors.user_message``) is
+written to the launch directory (``RECSYS_LAUNCH_DIR``) instead of being printed by every
+rank; the launcher prints it once, as one line, and exits with 2.
+
+SIGTERM to the launcher (what Kubernetes and Slurm send): torchrun's agent forwards it to
+the workers, which checkpoint at the end of their current step and exit 0 (each writes
+``stopped-rank-<r>``); the launcher then exits 0 too, and the next ``recsys train`` with the
+same run directory resumes from that checkpoint. Workers get
+``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30 here too) before the agent kills them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
+import logging
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
+
+LAUNCH_DIR_ENV = "RECSYS_LAUNCH_DIR"
+"""Set by the launcher for its workers: where they leave user errors and SIGTERM stops."""
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,12 +58,72 @@ def run_dir_for(job, run_dir: Path | None, env) -> Path:
     return Path(choice[0])
 
 
+def load_job_args(args: argparse.Namespace):
+    """Return the job of ``--config`` with ``--set`` and ``--device`` applied.
+
+    A job file that cannot be read as UTF-8 text (a directory, no permission, binary) is a
+    ``ConfigError`` naming it."""
+    from recsys.config import ConfigError, load_job
+
+    overrides = list(args.set) + ([f"train.device={args.device!r}"] if args.device else [])
+    try:
+        return load_job(args.config, overrides)
+    except ConfigError:
+        raise
+    except (OSError, UnicodeDecodeError) as exc:
+        from recsys.errors import user_message
+
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else user_message(exc)
+        raise ConfigError(f"{args.config}: cannot read the job file: {why}") from None
+
+
+def check_resume(resume: Path | None, run_dir: Path | None) -> None:
+    """Check that the checkpoint a run would start from (``--resume`` or the run's latest)
+    is complete and of this format (raises ``UserError`` / ``FileNotFoundError``)."""
+    from recsys import checkpoint_files
+    from recsys.errors import UserError
+
+    source = resume
+    if source is None and run_dir is not None and (Path(run_dir) / "checkpoints").is_dir():
+        source = checkpoint_files.latest(Path(run_dir) / "checkpoints")
+    if source is None:
+        return
+    path = checkpoint_files.resolve(source)
+    try:
+        checkpoint_files.load_meta(path)
+    except (ValueError, KeyError) as exc:  # not JSON, or another format version
+        raise UserError(f"cannot resume from {path}: {exc}") from None
+
+
+def preflight(job, resume: Path | None, run_dir: Path) -> None:
+    """Check what can be checked before spawning any process (raises ``UserError``)."""
+    from recsys.errors import UserError
+    from recsys.io.units import build_units, expand_paths
+
+    for field in dataclasses.fields(job.data):  # every split with paths: train, eval...
+        cfg = getattr(job.data, field.name)
+        if field.name == "train" or getattr(cfg, "paths", None):
+            # what the reader does first: list the files, read the footers, check the columns
+            build_units(expand_paths(cfg.paths), job.schema, list(cfg.passthrough), cfg.on_bad_file)
+    check_resume(resume, run_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=run_dir, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise UserError(f"run directory {run_dir} is not writable: {exc.strerror or exc}") from None
+
+
 def launch(args: argparse.Namespace) -> int:
     """Run ``recsys train``: torchrun with ``--nproc`` workers and elastic restarts."""
-    from recsys.config import load_job
+    from recsys.errors import UserError
 
-    job = load_job(args.config, args.set)  # fail fast, before any process starts
+    if args.nproc < 1 or args.max_restarts < 0:
+        raise UserError(f"train: need --nproc >= 1 and --max-restarts >= 0, found {args.nproc} and {args.max_restarts}")
+    verbose = bool(getattr(args, "verbose", False))
+    job = load_job_args(args)
     run_dir = args.run_dir or new_run_dir(job.name)
+    preflight(job, args.resume, run_dir)  # fail fast, before any process starts
     forwarded = ["--config", str(args.config), "--run-dir", str(run_dir)]
     for s in args.set:
         forwarded += ["--set", s]
@@ -50,10 +131,17 @@ def launch(args: argparse.Namespace) -> int:
         forwarded += ["--resume", str(args.resume)]
     if args.device:
         forwarded += ["--device", args.device]
+    if verbose:
+        forwarded.append("--verbose")
     if args.nproc == 1 and args.max_restarts == 0:
         from recsys.train.__main__ import main
 
         return main(forwarded)
+    return _torchrun(args, forwarded, verbose)
+
+
+def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     torchrun_args = [
@@ -64,11 +152,74 @@ def launch(args: argparse.Namespace) -> int:
         *forwarded,
     ]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    launch_dir = Path(tempfile.mkdtemp(prefix="recsys-launch-"))
+    saved_env = os.environ.get(LAUNCH_DIR_ENV)
+    os.environ[LAUNCH_DIR_ENV] = str(launch_dir)
+    saved_levels = {} if verbose else _quiet_torch_logs()
     try:
-        torchrun(torchrun_args)
-    except SystemExit as exc:  # torchrun exits through SystemExit / ChildFailedError
-        return int(exc.code or 0)
-    except Exception as exc:  # noqa: BLE001 - torchrun's ChildFailedError carries the story
-        print(f"recsys train: training failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        try:
+            torchrun(torchrun_args)
+        except SignalException as exc:
+            stopped = sorted(launch_dir.glob("stopped-rank-*")) + sorted(launch_dir.glob("finished-rank-*"))
+            if len(stopped) == args.nproc and not _user_errors(launch_dir):
+                print(f"recsys train: stopped by {exc.sigval.name}; every worker saved a checkpoint "
+                      f"(resume: the same command)", file=sys.stderr)
+                return 0
+            print(f"recsys train: stopped by {exc.sigval.name}; {len(stopped)} of {args.nproc} worker(s) "
+                  "saved a checkpoint (a resume starts from the latest complete one)", file=sys.stderr)
+            return 128 + int(exc.sigval)
+        except SystemExit as exc:  # torchrun exits through SystemExit / ChildFailedError
+            code = int(exc.code or 0)
+            if code and _report_user_errors(launch_dir, verbose):
+                return 2
+            return code
+        except Exception as exc:  # noqa: BLE001 - torchrun's ChildFailedError carries the story
+            if _report_user_errors(launch_dir, verbose):
+                return 2
+            print(f"recsys train: training failed: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    finally:
+        for logger, level in saved_levels.items():
+            logger.setLevel(level)
+        if saved_env is None:
+            os.environ.pop(LAUNCH_DIR_ENV, None)
+        else:
+            os.environ[LAUNCH_DIR_ENV] = saved_env
+        shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+def _quiet_torch_logs() -> dict:
+    """Silence torchrun's agent logs (its story of a failed worker; the worker says it in one
+    line); return the previous levels. ``-v`` keeps them."""
+    saved = {}
+    for name, logger in list(logging.root.manager.loggerDict.items()):
+        if name.startswith("torch.distributed") and isinstance(logger, logging.Logger):
+            saved[logger] = logger.level
+            logger.setLevel(logging.CRITICAL)
+    return saved
+
+
+def _user_errors(launch_dir: Path) -> list[str]:
+    """Return the distinct user errors the workers left, by rank."""
+    out: list[str] = []
+    for path in sorted(launch_dir.glob("error-rank-*"), key=lambda p: int(p.name.rsplit("-", 1)[1])):
+        text = path.read_text(errors="replace").strip()
+        if text and text not in out:
+            out.append(text)
+    return out
+
+
+def _report_user_errors(launch_dir: Path, verbose: bool) -> bool:
+    """Print the workers' user errors as one line (all of them with ``-v``); False if none."""
+    errors = _user_errors(launch_dir)  # ranks reading the same bad input say the same: once
+    if not errors:
+        return False
+    more = len(errors) - 1
+    if verbose or not more:
+        for text in errors:
+            print(f"recsys train: error: {text}", file=sys.stderr)
+    else:
+        print(f"recsys train: error: {errors[0]} (and {more} other error(s) on other ranks; -v shows them)",
+              file=sys.stderr)
+    return True
