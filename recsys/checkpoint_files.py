@@ -7,6 +7,7 @@ torch. Every command that takes a checkpoint resolves it with ``resolve``, which
     RUN_DIR                          a run directory      → its checkpoints/latest
     RUN_DIR/checkpoints              a checkpoints/ dir   → its latest
     RUN_DIR/checkpoints/latest       the pointer file     → the checkpoint it names
+    RUN_DIR/checkpoints/best         the best one (``train.keep_best``)
     RUN_DIR/checkpoints/step-00000100  one checkpoint     → itself
 """
 
@@ -97,7 +98,12 @@ def latest(ckpt_root: str | os.PathLike) -> Path | None:
 def resolve(path: str | os.PathLike) -> Path:
     """Return the checkpoint directory meant by ``path`` (see the module doc for the forms)."""
     path = Path(path)
-    if path.is_file() and path.name == "latest":
+    if path.is_file() and path.name == "best":
+        found = path.parent / path.read_text().strip()
+        why = incomplete(found)
+        if why is not None:
+            raise FileNotFoundError(f"{path} names {found.name}, which is not a complete checkpoint: {why}")
+    elif path.is_file() and path.name == "latest":
         found = latest(path.parent)
     elif (path / "meta.json").exists():
         why = incomplete(path)

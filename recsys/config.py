@@ -256,6 +256,10 @@ class DataConfig:
         default_factory=lambda: ReaderConfig(shuffle=False)
     )
     """Evaluation split (read in order, once)."""
+    validation: ReaderConfig = dataclasses.field(
+        default_factory=lambda: ReaderConfig(shuffle=False)
+    )
+    """Validation split for the periodic evaluations during training (no paths: the eval split)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -4,6 +4,7 @@ Layout::
 
     RUN_DIR/checkpoints/
     ├── latest                      text: the name of the newest complete checkpoint
+    ├── best                        text: the best one by train.keep_best (kept past keep_last)
     ├── step-00000100/
     │   ├── meta.json               step, world size, reader state, time, format version
     │   ├── dense.pt                model + dense optimizer + scheduler + RNG (tensors only;
@@ -110,15 +111,21 @@ def save(
                 shutil.rmtree(final)
             os.replace(tmp, final)
         _fsync_dir(root)
-        pointer_tmp = root / ".latest.tmp"
-        pointer_tmp.write_text(name + "\n")
-        with open(pointer_tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(pointer_tmp, root / "latest")
-        _fsync_dir(root)
+        set_pointer(root, "latest", name)
         _prune(root, keep_last, keep=name)
     _barrier()
     return final
+
+
+def set_pointer(root: str | os.PathLike, pointer: str, name: str) -> None:
+    """Make the file ``root/pointer`` (``latest``, ``best``) name checkpoint ``name``, atomically."""
+    root = Path(root)
+    tmp = root / f".{pointer}.tmp"
+    tmp.write_text(name + "\n")
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, root / pointer)
+    _fsync_dir(root)
 
 
 def _write_marker(tmp: Path) -> None:
@@ -129,8 +136,9 @@ def _write_marker(tmp: Path) -> None:
 
 def _prune(root: Path, keep_last: int, keep: str) -> None:
     done = sorted(p for p in root.glob("step-*") if incomplete(p) is None)
+    best = (root / "best").read_text().strip() if (root / "best").is_file() else None
     for old in done[:-keep_last] if keep_last > 0 else []:
-        if old.name != keep:
+        if old.name not in (keep, best):  # the best checkpoint outlives keep_last
             shutil.rmtree(old, ignore_errors=True)
     for stale in root.glob(".tmp-step-*"):
         if stale.name != f".tmp-{keep}":

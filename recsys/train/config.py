@@ -38,7 +38,16 @@ class TrainConfig:
     log_every: int = 50
     """Write a metrics line every this many steps."""
     eval_every: int = 0
-    """Evaluate on the eval split every this many steps (0: only at the end)."""
+    """Evaluate every this many steps (0: only at the end) on the validation split
+    (``data.validation``), or on the eval split when the job has no validation split."""
+    eval_every_epochs: int = 0
+    """Also evaluate like that at the end of every this many epochs (0: off)."""
+    keep_best: Literal["", "auc", "log_loss"] = ""
+    """Keep the checkpoint with the best periodic evaluation by this metric as ``checkpoints/best``
+    (never pruned by ``keep_last``; every ``--checkpoint`` accepts it). "": off."""
+    early_stopping_patience: int = 0
+    """Stop after this many periodic evaluations in a row without improvement (by ``keep_best``'s
+    metric, AUC if unset). 0: off. A resume keeps the best so far and the count."""
     eval_max_rows: int = 0
     """Rows of the eval split used by periodic evaluations (0: all); the final one uses all."""
     checkpoint_every_steps: int = 0
@@ -56,7 +65,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("epochs", "max_steps", "warmup_steps", "threads", "eval_every", "eval_max_rows",
-                     "checkpoint_every_steps"):
+                     "checkpoint_every_steps", "eval_every_epochs", "early_stopping_patience"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, found {getattr(self, name)}")
         if self.epochs == 0 and self.max_steps == 0:
@@ -71,5 +80,8 @@ class TrainConfig:
             raise ValueError(f"min_lr_ratio must be in [0, 1], found {self.min_lr_ratio}")
         if not (math.isfinite(self.collective_timeout_s) and self.collective_timeout_s > 0):
             raise ValueError(f"collective_timeout_s must be a finite number > 0, found {self.collective_timeout_s}")
+        if (self.keep_best or self.early_stopping_patience) and not (self.eval_every or self.eval_every_epochs):
+            raise ValueError("keep_best and early_stopping_patience need periodic evaluations: "
+                             "set eval_every (steps) or eval_every_epochs")
         if self.checkpoint_every_minutes < 0 or self.clip_grad_norm < 0:
             raise ValueError("checkpoint_every_minutes and clip_grad_norm must be >= 0")

@@ -156,6 +156,9 @@ class Trainer:
         self.ckpt_root = self.run_dir / "checkpoints"
         self.log = MetricsLog(self.run_dir, enabled=env.is_main)
         self._stop = False
+        self.best: dict | None = None
+        """The best periodic evaluation so far: {"metric", "value", "step"} (keep_best / early stopping)."""
+        self.evals_without_improvement = 0
         self._empty = empty_batch(schema, list(job.data.train.passthrough))
         self._state_before_fetch: dict | None = None
         source = resume or ckpt.latest(self.ckpt_root)
@@ -183,7 +186,8 @@ class Trainer:
             "torch_rng": torch.get_rng_state(),
         }
         meta = {"reader": type(self.reader).merge_states(states), "epoch": self.epoch,
-                "config": config_mod.dumps(self.job)}
+                "config": config_mod.dumps(self.job), "best": self.best,
+                "evals_without_improvement": self.evals_without_improvement}
         path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(), dense=dense,
                          meta=meta, keep_last=self.job.train.keep_last)
         self.log.event("checkpoint", step=self.step, path=str(path))
@@ -203,6 +207,8 @@ class Trainer:
         # checkpoints before the trainer saved its epoch: the reader's (exact unless a rank
         # had already delivered its whole share of that epoch)
         self.epoch = int(meta.get("epoch", self.reader.epoch))
+        self.best = meta.get("best")
+        self.evals_without_improvement = int(meta.get("evals_without_improvement", 0))
         self.log.event("resumed", step=self.step, path=str(path), saved_world_size=meta["world_size"])
 
     # ------------------------------------------------------------------ the loop
@@ -237,7 +243,7 @@ class Trainer:
         last_ckpt = time.monotonic()
         progress = Progress(tc.progress, enabled=env.is_main, total=self.total_steps, every=tc.log_every)
         try:
-            while not self._done() and self.epoch < tc.epochs:
+            while not self._done() and self.epoch < tc.epochs and not self._early_stop():
                 epoch = self.epoch
                 it = self._epoch_batches(epoch)
                 nxt = self._fetch(it)
@@ -249,6 +255,9 @@ class Trainer:
                     if not has_data:  # every rank finished the epoch
                         self.store.cancel(future.result())
                         self.epoch += 1
+                        if tc.eval_every_epochs and self.epoch % tc.eval_every_epochs == 0:
+                            self.store.flush()
+                            self._validate(lookahead=False)
                         break
                     lookup = future.result()
                     t1 = time.perf_counter()
@@ -283,22 +292,54 @@ class Trainer:
                     )
                     progress.update(self.step, loss_value, self.log.samples_per_s)
                     if tc.eval_every and self.step % tc.eval_every == 0:
-                        self.evaluate(max_rows=tc.eval_max_rows)
+                        self._validate(lookahead=future is not None)
                     every = tc.checkpoint_every_steps and self.step % tc.checkpoint_every_steps == 0
                     if stop or due or every:
                         self.save(lookahead=future is not None)
                         last_ckpt = time.monotonic()
                         if stop:
                             return {"step": self.step, "stopped": "SIGTERM"}
-                    if final_step:
+                    if final_step or self._early_stop():
+                        if future is not None:
+                            self.store.cancel(future.result())
                         break
             self.store.flush()
             final = self.evaluate(max_rows=0)
             self.save(lookahead=False)
-            return {"step": self.step, "epoch": self.epoch, **final}
+            out = {"step": self.step, "epoch": self.epoch, **final}
+            if self.best is not None:
+                out["best"] = self.best
+            if self._early_stop():
+                out["stopped"] = "early stopping"
+            return out
         finally:
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
+
+    def _validate(self, lookahead: bool) -> dict:
+        """Run a periodic evaluation; track the best one, keep its checkpoint, count patience."""
+        tc = self.job.train
+        result = self.evaluate(max_rows=tc.eval_max_rows, split="validation")
+        metric = tc.keep_best or ("auc" if tc.early_stopping_patience else "")
+        if not metric or metric not in result:
+            return result
+        value = float(result[metric])
+        better = self.best is None or (value > self.best["value"] if metric == "auc" else value < self.best["value"])
+        if better:
+            self.best = {"metric": metric, "value": value, "step": self.step}
+            self.evals_without_improvement = 0
+            if tc.keep_best:
+                path = self.save(lookahead=lookahead)
+                if self.env.is_main:
+                    ckpt.set_pointer(self.ckpt_root, "best", path.name)
+                self.log.event("best", step=self.step, metric=metric, value=value, path=str(path))
+        else:
+            self.evals_without_improvement += 1
+        return result
+
+    def _early_stop(self) -> bool:
+        patience = self.job.train.early_stopping_patience
+        return bool(patience) and self.evals_without_improvement >= patience
 
     def _done(self) -> bool:
         return bool(self.total_steps) and self.step >= self.total_steps
@@ -313,10 +354,13 @@ class Trainer:
     # ------------------------------------------------------------------ evaluation
 
     @torch.no_grad()
-    def evaluate(self, max_rows: int = 0) -> dict:
-        """Return AUC / log loss on the eval split (all ranks take part; rank 0 reports)."""
+    def evaluate(self, max_rows: int = 0, split: str = "eval") -> dict:
+        """Return AUC / log loss on the eval split, or with ``split="validation"`` on the
+        validation split when the job has one (all ranks take part; rank 0 reports)."""
         env, schema = self.env, self.job.schema
-        cfg = self.job.data.eval
+        if split == "validation" and not self.job.data.validation.paths:
+            split = "eval"
+        cfg = self.job.data.validation if split == "validation" else self.job.data.eval
         if not cfg.paths:
             return {}
         reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size)
@@ -349,7 +393,7 @@ class Trainer:
             y = np.concatenate([g[0] for g in gathered])
             p = np.concatenate([g[1] for g in gathered])
         result = evaluate_predictions(y, p)
-        self.log.event("eval", step=self.step, **result)
+        self.log.event("eval", step=self.step, split=split, **result)
         return result
 
     def close(self) -> None:
