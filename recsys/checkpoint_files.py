@@ -23,11 +23,17 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from recsys.errors import UserError
+
 FORMAT_VERSION = 1
 MARKER = "complete.json"
 """Written last into a checkpoint (before its rename into place): every file's size."""
 
-__all__ = ["FORMAT_VERSION", "MARKER", "incomplete", "latest", "resolve", "load_meta", "load_sparse",
+class CheckpointError(UserError):
+    """A checkpoint this recsys cannot read (another format, a damaged meta.json)."""
+
+
+__all__ = ["CheckpointError", "FORMAT_VERSION", "MARKER", "incomplete", "latest", "resolve", "load_meta", "load_sparse",
            "sparse_files"]
 
 log = logging.getLogger(__name__)
@@ -132,9 +138,13 @@ def load_meta(path: str | os.PathLike) -> dict[str, Any]:
     meta_path = path / "meta.json"
     if not meta_path.exists():
         raise FileNotFoundError(f"{path}: not a checkpoint (no meta.json)")
-    meta = json.loads(meta_path.read_text())
+    try:
+        meta = json.loads(meta_path.read_text())
+    except ValueError as exc:
+        raise CheckpointError(f"{meta_path}: not JSON ({exc})") from None
     if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{meta_path}: format_version {meta.get('format_version')}, expected {FORMAT_VERSION}")
+        raise CheckpointError(f"{meta_path}: format_version {meta.get('format_version')}, this recsys reads "
+                              f"{FORMAT_VERSION}")
     return meta
 
 

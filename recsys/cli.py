@@ -56,15 +56,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+def _read_oracle(path: Path) -> dict:
+    """Return the ``eval`` figures of a synthetic data set's oracle.json (UserError naming the file)."""
+    try:
+        oracle = json.loads(Path(path).read_text())["eval"]
+        float(oracle["auc"]), float(oracle["log_loss"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path}: not an oracle.json of `recsys gen-synthetic` (expected JSON with "
+                        f"eval.auc and eval.log_loss; {type(exc).__name__}: {exc})") from None
+    return oracle
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from recsys.eval.evaluate import EvalOptions, format_tables, run_eval
 
     opts = EvalOptions(data=args.data or None, slices=args.slice, top_k=args.top_k, predictions=args.predictions,
                        plots=args.plots, compare=args.compare, nproc=args.nproc,
                        max_exact_rows=args.max_exact_rows, device=args.device)
+    oracle = _read_oracle(args.oracle) if args.oracle else None  # before the evaluation: fail fast
     result = run_eval(args.checkpoint, opts)
-    if args.oracle:
-        oracle = json.loads(Path(args.oracle).read_text())["eval"]
+    if oracle is not None:
         result["oracle_auc"] = oracle["auc"]
         result["oracle_log_loss"] = oracle["log_loss"]
         result["auc_gap_to_oracle"] = oracle["auc"] - result.get("auc", float("nan"))

@@ -193,6 +193,12 @@ def read_toml(path: str | os.PathLike) -> dict:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"{path}: job file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, expected a job file (TOML)") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the job file: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start}); a job file is TOML") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: invalid TOML: {exc}") from None
 

@@ -144,7 +144,7 @@ def test_unreadable_job_file_is_one_line(tmp_path, kind, entry):
     cmd = [*RECSYS, "train", "--nproc", "2"] if entry == "launcher" else list(WORKER)
     line = _one_error_line(_run([*cmd, "--config", str(job)]))
     assert str(job) in line
-    assert ("Is a directory" if kind == "directory" else "not UTF-8") in line
+    assert ("is a directory" if kind == "directory" else "not UTF-8") in line
 
 
 def test_verbose_shows_the_traceback(tmp_path):
@@ -160,7 +160,24 @@ def test_malformed_oracle_file_is_one_line(checkpoint, tmp_path):
     oracle = tmp_path / "oracle.json"
     oracle.write_text("{not json\n")
     out = _run([*RECSYS, "eval", "--checkpoint", str(checkpoint), "--oracle", str(oracle)])
-    assert "JSON" in _one_error_line(out, "eval")
+    line = _one_error_line(out, "eval")
+    assert "JSON" in line and str(oracle) in line
+    oracle.write_text('{"train": {}}')  # JSON, but not an oracle
+    out = _run([*RECSYS, "eval", "--checkpoint", str(checkpoint), "--oracle", str(oracle)])
+    assert "eval.auc" in _one_error_line(out, "eval")
+
+
+def test_eval_of_another_checkpoint_format_is_one_line(checkpoint, tmp_path):
+    import shutil
+
+    from recsys.checkpoint_files import latest
+
+    ckpt = tmp_path / "other-format"
+    shutil.copytree(latest(checkpoint / "checkpoints"), ckpt)
+    meta = (ckpt / "meta.json").read_text()
+    (ckpt / "meta.json").write_text(meta.replace('"format_version": 1', '"format_version": 9'))  # same size
+    out = _run([*RECSYS, "eval", "--checkpoint", str(ckpt)])
+    assert "format_version 9" in _one_error_line(out, "eval")
 
 
 @pytest.mark.parametrize("entry", ["launcher", "worker"])
