@@ -124,6 +124,16 @@ def redis_server(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory):
+    """The tiny synthetic data set (seed 0), generated once per session; tests only read it."""
+    from recsys import synth
+
+    out = tmp_path_factory.mktemp("tiny")
+    synth.generate("tiny", out, seed=0)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """A run directory trained on the tiny synthetic set (1 process, staleness 0)."""
     from serving_data import train_tiny

@@ -17,15 +17,6 @@ TINY = train.Settings(batch_size=256, chunk=2, warmup_chunks=1, timed_chunks=2, 
                       job=str(ROOT / "jobs" / "synthetic_tiny.toml"))
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    from recsys import synth
-
-    out = tmp_path_factory.mktemp("tiny")
-    synth.generate("tiny", out, seed=0)
-    return out
-
-
 def _run(tmp_path, monkeypatch, data: Path, settings: train.Settings) -> tuple[dict, dict]:
     monkeypatch.setattr(train, "QUICK", settings)
     out = tmp_path / "train.json"

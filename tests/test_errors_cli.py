@@ -26,20 +26,16 @@ WORKER = [sys.executable, "-m", "recsys.train"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from recsys import synth
-
-    data = tmp_path_factory.mktemp("errors") / "tiny"
-    synth.generate("tiny", data, seed=0)
-    return data
+def tiny(tiny_data) -> Path:
+    return tiny_data
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny) -> Path:
+def checkpoint(tiny, tmp_path_factory) -> Path:
     """A run directory with a checkpoint after 2 steps (trained in this process)."""
     from test_train import run
 
-    run_dir = tiny.parent / "two-steps"
+    run_dir = tmp_path_factory.mktemp("errors") / "two-steps"
     run(tiny, run_dir, "train.max_steps=2")
     return run_dir
 

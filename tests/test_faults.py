@@ -170,19 +170,15 @@ def _log_tail(run_dir: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from recsys import synth
-
-    data = tmp_path_factory.mktemp("faults") / "tiny"
-    synth.generate("tiny", data, seed=0)
-    return data
+def tiny(tiny_data) -> Path:
+    return tiny_data
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny):
+def uninterrupted(tiny, tmp_path_factory):
     """The reference: the same job as the killed runs, never interrupted."""
     data = tiny
-    run_dir = tiny.parent / "reference"
+    run_dir = tmp_path_factory.mktemp("faults") / "reference"
     tag = uuid.uuid4().hex
     _wait(_launch(data, run_dir, tag), run_dir, tag)
     return data, run_dir

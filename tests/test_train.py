@@ -21,15 +21,6 @@ JOB = ROOT / "jobs" / "synthetic_tiny.toml"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_losses.json"
 
 
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    from recsys import synth
-
-    out = tmp_path_factory.mktemp("tiny")
-    synth.generate("tiny", out, seed=0)
-    return out
-
-
 def overrides(data: Path, *extra: str) -> list[str]:
     return [
         f"data.train.paths=['{data / 'train'}']",

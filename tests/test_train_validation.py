@@ -13,12 +13,8 @@ from test_train import JOB, overrides
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    from recsys import synth
-
-    out = tmp_path_factory.mktemp("tiny_val")
-    synth.generate("tiny", out, seed=0)
-    return out
+def tiny(tiny_data) -> Path:
+    return tiny_data
 
 
 def _run(data: Path, run_dir: Path, *extra: str) -> dict:

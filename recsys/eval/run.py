@@ -57,7 +57,7 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
     import torch.distributed as dist
 
     from recsys.io.reader import ParquetReader
-    from recsys.train.loop import empty_batch
+    from recsys.io.batch import empty_batch
 
     extra_cols = list(job.data.eval.passthrough if passthrough is None else passthrough)
     cfg = dataclasses.replace(job.data.eval, paths=list(paths), shuffle=False, passthrough=extra_cols,

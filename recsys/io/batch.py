@@ -52,3 +52,22 @@ class Batch:
             sparse=self.sparse.pin_memory(),
             extra={k: v.pin_memory() for k, v in self.extra.items()},
         )
+
+
+def empty_batch(schema, extra: list[str]) -> Batch:
+    """Return a zero-row batch (what a rank feeds once its data ran out)."""
+    F = len(schema.sparse)
+    kjt = KeyedJaggedTensor(
+        keys=schema.feature_names,
+        values=torch.empty(0, dtype=torch.int64),
+        lengths=torch.empty(0, dtype=torch.int32),
+        stride=0,
+        length_per_key=[0] * F,
+        offset_per_key=[0] * (F + 1),
+    )
+    return Batch(
+        dense=torch.empty(0, len(schema.dense)),
+        labels=torch.empty(0),
+        sparse=kjt,
+        extra={k: torch.empty(0, dtype=torch.int64) for k in extra},
+    )

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recsys import config as config_mod
-from recsys.io.batch import Batch
+from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
 from recsys.model.arch import RankingModel
 from recsys.store.sharded import ShardedEmbeddingStore
@@ -75,27 +75,6 @@ def setup_env(device: str, collective_timeout_s: float = 300.0) -> Env:
     if world > 1 and not dist.is_initialized():
         init_distributed("nccl" if device == "cuda" else "gloo", collective_timeout_s)
     return Env(rank, world, local_world, dev, collective_timeout_s)
-
-
-def empty_batch(schema, extra: list[str]) -> Batch:
-    """Return a zero-row batch (what a rank feeds once its data ran out)."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
-    F = len(schema.sparse)
-    kjt = KeyedJaggedTensor(
-        keys=schema.feature_names,
-        values=torch.empty(0, dtype=torch.int64),
-        lengths=torch.empty(0, dtype=torch.int32),
-        stride=0,
-        length_per_key=[0] * F,
-        offset_per_key=[0] * (F + 1),
-    )
-    return Batch(
-        dense=torch.empty(0, len(schema.dense)),
-        labels=torch.empty(0),
-        sparse=kjt,
-        extra={k: torch.empty(0, dtype=torch.int64) for k in extra},
-    )
 
 
 def _all_max(values: list[int], env: Env) -> list[int]:
