@@ -142,11 +142,12 @@ EVERY = 10  # checkpoint interval (steps) of the killed runs
 STEPS_PER_EPOCH = 48  # tiny: 6,000 rows / (2 ranks x 64)
 
 
-def _launch(data: Path, run_dir: Path, tag: str) -> subprocess.Popen:
+def _launch(data: Path, run_dir: Path, tag: str, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--nproc", "2", "--max-restarts", "2",
            "--run-dir", str(run_dir)]
     for o in overrides(data, "data.train.batch_size=64", "train.epochs=2",
-                       f"train.checkpoint_every_steps={EVERY}", "train.collective_timeout_s=60"):
+                       f"train.checkpoint_every_steps={EVERY}", "train.collective_timeout_s=60",
+                       "data.train.passthrough=['row_id']", "train.record_rows=true", *extra):
         cmd += ["--set", o]
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:  # the child keeps its own copy
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
@@ -182,6 +183,20 @@ def uninterrupted(tiny, tmp_path_factory):
     tag = uuid.uuid4().hex
     _wait(_launch(data, run_dir, tag), run_dir, tag)
     return data, run_dir
+
+
+def train_row_ids(data: Path) -> np.ndarray:
+    import pyarrow.dataset as ds
+
+    return ds.dataset(data / "train").to_table(columns=["row_id"]).column("row_id").to_numpy()
+
+
+def assert_exactly_once(run_dir: Path, data: Path, epochs: int) -> dict:
+    from recsys.train.rows import check_exactly_once
+
+    report = check_exactly_once(run_dir, train_row_ids(data), epochs)
+    assert report["ok"], report
+    return report
 
 
 def _last_step(recs: list[dict]) -> int:
@@ -234,6 +249,9 @@ def test_sigkilled_workers_restart_from_checkpoint_to_the_same_result(uninterrup
     # the last attempt logged every step from its checkpoint to the end of the job
     after = [r["step"] for r in recs[recs.index(resumed[-1]):] if "loss/train" in r]
     assert after == list(range(resumed[-1]["step"] + 1, 2 * STEPS_PER_EPOCH + 1))
+
+    # every training row exactly once per epoch, counted on the rows the final trajectory saw
+    assert_exactly_once(run_dir, data, epochs=2)
 
     # exact resume at staleness 0: the same final evaluation and the same sparse rows
     want = json.loads((reference / "result.json").read_text())

@@ -60,6 +60,10 @@ class TrainConfig:
     """Timeout of every collective and rendezvous store wait of every process group: a hung or
     vanished peer is noticed after this long (gloo's default is 30 minutes), the process
     exits and ``--max-restarts`` can restart the job from its latest checkpoint."""
+    record_rows: bool = False
+    """Audit exactly-once delivery: every rank appends the ``row_id`` of each step's rows to
+    ``RUN_DIR/rows/`` (needs ``row_id`` in ``data.train.passthrough``); ``recsys.train.rows``
+    reads them back as the rows the final trajectory consumed, per epoch."""
     progress: Literal["auto", "bar", "lines", "none"] = "auto"
     """Progress display on rank 0: a bar on a TTY, plain periodic lines otherwise."""
 

@@ -38,6 +38,7 @@ from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.train import checkpoint as ckpt
 from recsys.train.distributed import init_distributed, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
+from recsys.train.rows import ROWS_DIR, RowRecorder, attempt_name
 
 
 @dataclasses.dataclass
@@ -109,6 +110,11 @@ class Trainer:
         """``source`` replaces the training reader (anything with the reader's interface)."""
         self.job, self.run_dir, self.env = job, Path(run_dir), env
         tc = job.train
+        if tc.record_rows and "row_id" not in job.data.train.passthrough:
+            from recsys.config import ConfigError
+
+            raise ConfigError("train.record_rows needs the column row_id in data.train.passthrough, "
+                              f"found passthrough = {list(job.data.train.passthrough)}")
         torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
         schema = job.schema
         dims = {t.dim for t in schema.tables.values()}
@@ -143,6 +149,14 @@ class Trainer:
         source = resume or ckpt.latest(self.ckpt_root)
         if source is not None:
             self.restore(ckpt.resolve(source))
+        self.rows = self._row_recorder() if tc.record_rows else None
+
+    def _row_recorder(self) -> RowRecorder:
+        """Start this attempt's row audit (``train.record_rows``; see ``recsys.train.rows``)."""
+        name = [attempt_name(self.run_dir / ROWS_DIR, self.step) if self.env.is_main else None]
+        if self.env.world_size > 1:
+            dist.broadcast_object_list(name, src=0)
+        return RowRecorder(self.run_dir, name[0], self.env.rank)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -261,6 +275,8 @@ class Trainer:
                     self.opt.step()
                     self.sched.step()
                     self.step += 1
+                    if self.rows is not None:
+                        self.rows.record(epoch, self.step, cur.extra["row_id"].cpu().numpy())
                     t4 = time.perf_counter()
                     loss_value = loss.item()
                     self.log.step(
@@ -376,6 +392,8 @@ class Trainer:
         return result
 
     def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()
         self.store.close()
         self.reader.close()
         self.log.close()
