@@ -15,7 +15,7 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError, user_message
 
-BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve")
+BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
@@ -160,8 +160,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from recsys.bench import run
 
-    run(args.target, json_out=args.json, quick=args.quick, data=args.data)
-    return 0
+    result = run(args.target, json_out=args.json, quick=args.quick, data=args.data)
+    return 0 if result.get("passed", True) else 1  # a scenario bench (faults) fails when one scenario does
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,11 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the job in --config. With --nproc > 1 (or --max-restarts > 0) the "
         "processes are launched by torchrun; a restarted run resumes from its latest checkpoint.",
     )
-    from recsys.train.launch import add_job_arguments
+    from recsys.train.launch import add_job_arguments, add_multinode_arguments
 
     add_job_arguments(p)
     p.add_argument("--nproc", type=int, default=1, help="training processes on this machine (default 1)")
     p.add_argument("--max-restarts", type=int, default=0, help="elastic restarts after a failure (default 0)")
+    add_multinode_arguments(p)
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="debug logging, torchrun's logs and tracebacks for user errors (as `recsys -v train`)")
     p.set_defaults(func=_cmd_train)
