@@ -86,3 +86,82 @@ def test_a_pointerless_root_takes_the_newest_complete(tmp_path):
     newest = _save(root, 2)
     (root / "latest").unlink()  # a crash between the rename and the pointer
     assert cf.latest(root) == newest
+
+
+def _save_marked(root, step, value, keep_last=5):
+    """Save a checkpoint whose one row carries ``value`` (to tell two saves of a step apart)."""
+    import pyarrow as pa
+
+    from recsys.train import checkpoint as ckpt
+
+    table = pa.table({"key": pa.array([7], pa.int64()), "value": pa.array([value], pa.float64())})
+    return ckpt.save(root, step, sparse={"t": table}, dense={}, meta={"config": ""}, keep_last=keep_last)
+
+
+def _value(path) -> float:
+    return cf.load_sparse(path)["t"].column("value")[0].as_py()
+
+
+def test_a_renamed_checkpoint_no_pointer_names_is_replaced_by_the_next_save_of_its_step(tmp_path):
+    """A crash between the rename and the ``latest`` update leaves a complete step the pointer
+    does not name; the resumed run (maybe at another world size) saves that step again: its
+    state is the one kept, and ``latest`` names it."""
+    root = tmp_path / "checkpoints"
+    _save_marked(root, 1, 1.0)
+    _save_marked(root, 2, 2.0)
+    (root / "latest").write_text("step-00000001\n")  # the pointer update never happened
+    assert cf.latest(root).name == "step-00000001"
+    _save_marked(root, 2, 20.0)
+    assert cf.latest(root).name == "step-00000002" and _value(cf.latest(root)) == 20.0
+    assert not list(root.glob(".*-step-*"))
+    # a re-save of the step ``latest`` names keeps the saved one (the same training state)
+    _save_marked(root, 2, 200.0)
+    assert _value(cf.latest(root)) == 20.0
+
+
+def test_keep_last_keeps_the_newest_complete_checkpoints_and_best(tmp_path):
+    from recsys.train import checkpoint as ckpt
+
+    root = tmp_path / "checkpoints"
+    for step in range(1, 4):
+        _save_marked(root, step, float(step), keep_last=3)
+    ckpt.set_pointer(root, "best", "step-00000002")
+    damaged = root / "step-00000000"  # a broken copy is no checkpoint: it does not count
+    damaged.mkdir()
+    (damaged / "meta.json").write_text("{}")
+    (damaged / cf.MARKER).write_text('{"files": {"dense.pt": 5}}')
+    for step in range(4, 7):
+        _save_marked(root, step, float(step), keep_last=3)
+        names = sorted(p.name for p in root.glob("step-*") if cf.incomplete(p) is None)
+        newest = [f"step-{s:08d}" for s in range(max(1, step - 2), step + 1)]
+        assert names == sorted({"step-00000002", *newest})
+    assert cf.resolve(root / "best").name == "step-00000002" and _value(root / "step-00000002") == 2.0
+
+
+def test_leftovers_of_a_crash_are_never_picked_and_the_next_save_removes_them(tmp_path):
+    root = tmp_path / "checkpoints"
+    _save_marked(root, 1, 1.0)
+    # a save killed before its rename, and a delete killed half way (renamed aside first)
+    newer = _save_marked(tmp_path / "elsewhere", 5, 5.0)
+    (newer / "sparse" / "t" / "rank-00000-of-00001.parquet").rename(newer / "partial.parquet")
+    newer.rename(root / ".tmp-step-00000005")
+    old = _save_marked(tmp_path / "elsewhere", 3, 3.0)
+    (old / cf.MARKER).unlink()
+    old.rename(root / ".del-step-00000003")
+    (root / "latest").unlink()  # no pointer at all: the newest complete step-* is taken
+    assert cf.latest(root).name == "step-00000001"
+    _save_marked(root, 2, 2.0)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000002"]
+
+
+def test_the_fault_hook_rejects_a_spec_it_does_not_know(tmp_path, monkeypatch):
+    from recsys.train import checkpoint as ckpt
+
+    monkeypatch.setenv(ckpt.FAULT_ENV, "after-lunch")
+    with pytest.raises(ValueError, match="RECSYS_FAULT_CHECKPOINT='after-lunch': unknown point 'after-lunch'"):
+        _save_marked(tmp_path / "checkpoints", 1, 1.0)
+    monkeypatch.setenv(ckpt.FAULT_ENV, "prune:steps=3")
+    with pytest.raises(ValueError, match=r"expected <point>\[:step=N\]\[:rank=R\], found 'steps=3'"):
+        _save_marked(tmp_path / "checkpoints", 1, 1.0)
+    monkeypatch.setenv(ckpt.FAULT_ENV, "prune:step=99")  # another step's save: no effect
+    assert _value(_save_marked(tmp_path / "checkpoints", 1, 1.0)) == 1.0
