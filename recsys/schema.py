@@ -4,6 +4,7 @@ A job file declares it under ``[schema]``::
 
     [schema]
     label = "label"
+    label_kind = "binary"         # labels 0/1; "probability": soft labels in [0, 1]
     dense = ["i1", "i2"]
 
     [schema.tables.item]          # one embedding table
@@ -25,11 +26,14 @@ the same key (e.g. a clicked-items history and a candidate item). No data is rea
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Literal
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_F32_MAX = 3.4028234663852886e38
+"""The largest float32: dense values are float32, so a fill value must fit."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -83,13 +87,19 @@ class Schema:
     """The feature schema of a data set (see module docstring for the TOML form)."""
 
     label: str = "label"
-    """Label column (0/1, any numeric type)."""
+    """Label column (any integer, float or boolean type; never null)."""
+    label_kind: Literal["binary", "probability"] = "binary"
+    """What a label value may be: ``binary``: exactly 0 or 1 (a click, a conversion);
+    ``probability``: any number in [0, 1] (soft labels, e.g. a teacher's predictions; the
+    loss is binary cross-entropy either way). The reader refuses any other value, naming
+    the file, row group, row and value. AUC counts any label > 0 as a positive: evaluate
+    on a split with 0/1 labels."""
     dense: list[str] = field(default_factory=list)
     """Dense float columns, in model input order."""
     dense_transform: Literal["none", "signed_log1p"] = "signed_log1p"
     """Applied to dense values: ``sign(x)·log1p(|x|)`` tames heavy tails."""
     dense_fill_null: float = 0.0
-    """Value used for a null dense cell (before the transform)."""
+    """Value used for a null dense cell (before the transform); a finite float32."""
     sparse: list[FeatureSpec] = field(default_factory=list)
     """Sparse features, in KeyedJaggedTensor key order."""
     tables: dict[str, TableSpec] = field(default_factory=dict)
@@ -114,6 +124,14 @@ class Schema:
             raise ValueError(f"tables declared but used by no feature: {unused}")
         if self.label in self.dense or self.label in {f.column for f in self.sparse}:
             raise ValueError(f"label column {self.label!r} is also used as a feature")
+        if self.label_kind not in ("binary", "probability"):
+            raise ValueError(f"label_kind must be 'binary' or 'probability', found {self.label_kind!r}")
+        fill = self.dense_fill_null
+        if not (math.isfinite(fill) and abs(fill) <= _F32_MAX):
+            raise ValueError(
+                f"dense_fill_null must be a finite number within float32 range (null dense cells "
+                f"become it and reach the model), found {fill!r}"
+            )
 
     @property
     def feature_names(self) -> list[str]:

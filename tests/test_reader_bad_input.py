@@ -141,34 +141,57 @@ def test_zero_byte_file(good, dirty, caplog):
     expect_skipped(good, dirty, caplog, files=1)
 
 
-def test_file_with_zero_rows(good, dirty, caplog):
+def read_clean(good, root, **kw):
+    """Read in both modes: every good row once, no error, nothing counted as skipped; return stats."""
+    for mode in ("error", "skip"):
+        batches, stats = read(good, root, on_bad_file=mode, **kw)
+        assert sorted(ids_of(batches)) == good.row_ids
+        assert (stats["skipped_files"], stats["skipped_row_groups"], stats["skipped_rows"]) == (0, 0, 0)
+    return stats
+
+
+def test_file_with_zero_rows_has_nothing_to_read(good, dirty):
+    """A valid file without rows (an empty partition, as Spark writes them) loses nothing: counted, read past."""
     pq.write_table(good_table(good).slice(0, 0), dirty / "bad.parquet")
-    expect_error(good, dirty, r"bad\.parquet", r"expected a file with rows", r"found an empty file \(1 row group\(s\) with 0 rows\)")
-    expect_skipped(good, dirty, caplog, files=1)
+    stats = read_clean(good, dirty)
+    assert (stats["empty_files"], stats["empty_row_groups"], stats["files"]) == (1, 0, 3)
 
 
-def test_file_with_zero_row_groups(good, dirty, caplog):
+def test_file_with_zero_row_groups_has_nothing_to_read(good, dirty):
     with pq.ParquetWriter(dirty / "bad.parquet", good_table(good).schema):
         pass
-    expect_error(good, dirty, r"bad\.parquet", r"found an empty file \(0 row groups\)")
-    expect_skipped(good, dirty, caplog, files=1)
+    assert pq.ParquetFile(dirty / "bad.parquet").metadata.num_row_groups == 0
+    stats = read_clean(good, dirty)
+    assert stats["empty_files"] == 1
 
 
-def test_empty_row_group(good, dirty, caplog):
+def test_empty_row_group_is_read_past(good, dirty):
     table = good_table(good)
     with pq.ParquetWriter(dirty / "bad.parquet", table.schema) as w:
         w.write_table(table.slice(0, 10))
         w.write_table(table.slice(0, 0))
         w.write_table(table.slice(10, 10))
-    err = expect_error(good, dirty, r"bad\.parquet: row group 1: expected a row group with rows",
-                       r"found an empty row group \(0 rows\)")
-    assert err.row_group == 1
-    # skipped: the empty row group only; the file's other row groups are read
-    with caplog.at_level(logging.WARNING, logger="recsys.io.reader"):
-        batches, stats = read(good, dirty, on_bad_file="skip")
-    assert sorted(ids_of(batches)) == sorted(good.row_ids + list(range(10_000, 10_020)))
-    assert stats["skipped_row_groups"] == 1 and stats["skipped_files"] == 0
-    assert "bad.parquet" in caplog.text
+    assert pq.ParquetFile(dirty / "bad.parquet").metadata.row_group(1).num_rows == 0
+    for mode in ("error", "skip"):
+        batches, stats = read(good, dirty, on_bad_file=mode)
+        assert sorted(ids_of(batches)) == sorted(good.row_ids + list(range(10_000, 10_020)))
+        assert (stats["empty_row_groups"], stats["empty_files"], stats["skipped_row_groups"]) == (1, 0, 0)
+    with ParquetReader(cfg(good, dirty), make_schema()) as r:  # not a unit: not in the resume state
+        assert not any(k.startswith("bad.parquet#1") for k, _ in r.state_dict()["units"])
+
+
+def test_no_rows_at_all_is_an_error(good, tmp_path):
+    root = tmp_path / "empty"
+    root.mkdir()
+    pq.write_table(good_table(good).slice(0, 0), root / "a.parquet")
+    pq.write_table(good_table(good).slice(0, 0), root / "b.parquet")
+    for mode in ("error", "skip"):
+        with pytest.raises(ReadError, match=r"empty/: expected at least one row to read, found 2 file\(s\): 2 without rows$"):
+            ParquetReader(cfg(good, root, on_bad_file=mode), make_schema())
+    (root / "c.parquet").write_bytes(b"junk")  # with skip, a bad file counts among them
+    with pytest.raises(ReadError, match=r"expected at least one row to read, found 3 file\(s\): 2 without rows, 1 bad "
+                                        r"\(.*c\.parquet: expected a Parquet file"):
+        ParquetReader(cfg(good, root, on_bad_file="skip"), make_schema())
 
 
 def test_corrupt_column_chunk_is_named(good, dirty, caplog):
@@ -212,11 +235,104 @@ def test_non_finite_dense_value_names_the_row(good, dirty, bad, caplog):
 def test_null_label(good, dirty, caplog):
     table = good_table(good)
     labels = table.column("label").to_pylist()
-    labels[3] = None
+    labels[3] = labels[9] = None
     pq.write_table(with_column(table, "label", pa.array(labels, pa.int8())), dirty / "bad.parquet")
-    expect_error(good, dirty, r"bad\.parquet: row group 0: column 'label': row 3: expected a finite, non-null label",
-                 r"found null")
+    expect_error(good, dirty, r"bad\.parquet: row group 0: column 'label': row 3: expected a label of 0 or 1",
+                 r"found null \(row 3 of the file; 2 such rows in the row group\)$")
     expect_skipped(good, dirty, caplog, row_groups=1, rows=30)
+
+
+def write_labels(good, dirty, values, arrow_type):
+    """Write bad.parquet: 2 row groups of 5 and 25 rows, ``values`` as the labels of the second."""
+    table = good_table(good)
+    labels = [0, 1, 1, 0, 1] + list(values) + [0] * (25 - len(values))
+    array = pa.array([float(v) for v in labels]).cast(arrow_type, safe=False) if pa.types.is_boolean(arrow_type) \
+        or pa.types.is_float16(arrow_type) else pa.array(labels, arrow_type)
+    table = with_column(table, "label", array)
+    with pq.ParquetWriter(dirty / "bad.parquet", table.schema) as w:
+        w.write_table(table.slice(0, 5))
+        w.write_table(table.slice(5))
+
+
+BAD_BINARY_LABELS = {  # (labels of row group 1, type) -> what the message shows
+    "two": ([1, 0, 2, 2], pa.int64(), "2"),
+    "minus one": ([0, -1], pa.int8(), "-1"),
+    "a half": ([0.0, 1.0, 0.5], pa.float64(), "0.5"),
+    "nearly one": ([0.0, 1.0, 0.99999994], pa.float32(), "0.99999994"),
+    "nan": ([float("nan")], pa.float32(), "nan"),
+    "inf": ([0.0, float("inf")], pa.float64(), "inf"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_BINARY_LABELS))
+def test_binary_labels_must_be_0_or_1(good, dirty, case, caplog):
+    values, arrow_type, shown = BAD_BINARY_LABELS[case]
+    write_labels(good, dirty, values, arrow_type)
+    row = next(i for i, v in enumerate(values) if not (v == 0 or v == 1))
+    count = sum(1 for v in values if not (v == 0 or v == 1))
+    err = expect_error(
+        good, dirty,
+        rf"^.*bad\.parquet: row group 1: column 'label': row {row}: expected a label of 0 or 1 "
+        r"\(schema.label_kind = 'binary'; set it to 'probability' for soft labels in \[0, 1\]\), "
+        rf"found {re.escape(shown)} \(row {5 + row} of the file" + (f"; {count} such rows in the row group" if count > 1 else "")
+        + r"\)$",
+    )
+    assert (err.row_group, err.column, err.row) == (1, "label", row)
+    expect_skipped(good, dirty, caplog, row_groups=1, rows=25, also=range(10_000, 10_005))
+
+
+def test_labels_of_any_numeric_or_boolean_type_that_are_0_or_1(good, dirty):
+    for arrow_type, values in [(pa.bool_(), [True, False]), (pa.float16(), [1.0, 0.0]), (pa.uint64(), [1, 0]),
+                               (pa.float64(), [1.0, -0.0])]:
+        write_labels(good, dirty, values, arrow_type)
+        batches, _ = read(good, dirty)
+        got = {rid: lab for b in batches for rid, lab in zip(b.extra["row_id"].tolist(), b.labels.tolist())}
+        assert [got[10_005 + i] for i in range(len(values))] == [1.0, 0.0], arrow_type
+
+
+def test_probability_labels_take_0_to_1_and_nothing_else(good, dirty):
+    schema = make_schema(label_kind="probability")
+    write_labels(good, dirty, [0.25, 1.0, 0.0, 0.7], pa.float64())
+    with ParquetReader(cfg(good, dirty), schema) as r:
+        batches = list(r)
+    got = {rid: lab for b in batches for rid, lab in zip(b.extra["row_id"].tolist(), b.labels.tolist())}
+    assert [got[10_005 + i] for i in range(4)] == pytest.approx([0.25, 1.0, 0.0, 0.7])
+    for values, shown in [([0.5, 1.5], "1.5"), ([-0.1], "-0.1"), ([float("nan")], "nan"), ([2], "2.0")]:
+        write_labels(good, dirty, values, pa.float64())
+        with pytest.raises(ReadError) as info, ParquetReader(cfg(good, dirty), schema) as r:
+            list(r)
+        msg = str(info.value)
+        assert re.search(r"bad\.parquet: row group 1: column 'label': row \d: expected a label in \[0, 1\] "
+                         rf"\(schema.label_kind = 'probability'\), found {re.escape(shown)} \(row \d of the file\)$", msg), msg
+
+
+@pytest.mark.parametrize("fill", ["nan", "inf", "-inf", "1e39"])
+def test_non_finite_dense_fill_is_refused_in_the_job_file(tmp_path, fill):
+    from recsys.config import ConfigError, load_job
+    from recsys.schema import Schema
+
+    with pytest.raises(ValueError, match=r"dense_fill_null must be a finite number within float32 range"):
+        Schema(dense_fill_null=float(fill))
+    job = tmp_path / "job.toml"
+    job.write_text(f'name = "j"\n[schema]\nlabel = "y"\ndense_fill_null = {fill}\n')
+    with pytest.raises(ConfigError, match=rf"schema: dense_fill_null must be a finite number within float32 range "
+                                          rf"\(null dense cells become it and reach the model\), found {re.escape(repr(float(fill)))}$"):
+        load_job(job)
+    with pytest.raises(ConfigError, match=r"schema.label_kind: expected one of \['binary', 'probability'\], found 'soft'"):
+        load_job(job, ["schema.dense_fill_null=0", "schema.label_kind=soft"])
+    assert load_job(job, ["schema.dense_fill_null=-1.5"]).schema.dense_fill_null == -1.5
+
+
+def test_dense_fill_reaches_the_batch(good, dirty):
+    """Nulls become dense_fill_null (then the transform); an all-null column too."""
+    table = good_table(good)
+    d1 = [None] * 30
+    table = with_column(with_column(table, "d1", pa.array(d1, pa.float32())), "d3", pa.nulls(30))
+    pq.write_table(table, dirty / "bad.parquet")
+    with ParquetReader(cfg(good, dirty), make_schema(dense_fill_null=-3.0, dense_transform="none")) as r:
+        rows = {rid: d for b in r for rid, d in zip(b.extra["row_id"].tolist(), b.dense.tolist())}
+    assert all(rows[i][0] == -3.0 and rows[i][2] == -3.0 for i in range(10_000, 10_030))
+    assert all(np.isfinite(v).all() for v in rows.values())
 
 
 @pytest.mark.multiproc

@@ -33,7 +33,7 @@ from numba import njit
 
 from recsys import hashing
 from recsys.io.errors import ReadError
-from recsys.io.units import expected_sparse, is_list_type
+from recsys.io.units import expected_sparse, is_list_type, is_numeric_type
 from recsys.schema import Schema
 
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
@@ -69,6 +69,21 @@ def _dense_kernel(raw, bits, bit_off, fill, out, row0):
             if abs(v) > _F32_MAX:
                 return -2 - i
             out[row0 + i] = v
+    return -1
+
+
+@njit(nogil=True, cache=True)
+def _label_kernel(raw, binary, out, row0):
+    """Write raw to out[row0:] as float32; return -1, or the first row whose value is not a
+    label: not exactly 0 or 1 (binary), not in [0, 1] (else; NaN is neither)."""
+    for i in range(raw.shape[0]):
+        v = np.float64(raw[i])
+        if binary:
+            if v != 0.0 and v != 1.0:
+                return i
+        elif not (v >= 0.0 and v <= 1.0):
+            return i
+        out[row0 + i] = v
     return -1
 
 
@@ -177,9 +192,12 @@ class _Where:
     row0: int
     """Row number of the row group's first row within the file."""
 
-    def error(self, column: str, expected: str, found: str, row: int | None = None) -> ReadError:
+    def error(self, column: str, expected: str, found: str, row: int | None = None,
+              count: int | None = None) -> ReadError:
+        """Return the error; ``row`` is within the row group, ``count`` how many rows are bad."""
         if row is not None:
-            found = f"{found} (row {self.row0 + row} of the file)"
+            found = f"{found} (row {self.row0 + row} of the file"
+            found += f"; {count} such rows in the row group)" if count and count > 1 else ")"
         return ReadError(
             file=self.file, row_group=self.row_group, column=column, row=row,
             expected=expected, found=found,
@@ -217,6 +235,16 @@ def _first_null(arr: pa.Array) -> int:
     return int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
 
 
+def _bad_labels(table: pa.Table, column: str, binary: bool) -> int:
+    """Return how many rows of the column are null or not labels (the error path only)."""
+    col = table.column(column)
+    if not all(pa.types.is_null(c.type) or is_numeric_type(c.type) for c in col.chunks):
+        return 0
+    values = col.cast(pa.float64()).to_numpy(zero_copy_only=False)  # nulls → NaN
+    ok = ((values == 0) | (values == 1)) if binary else ((values >= 0) & (values <= 1))
+    return int(np.count_nonzero(~ok))
+
+
 def _signed_log1p(x: np.ndarray) -> None:
     """x ← sign(x)·log1p(|x|) in place (numpy's float32 log1p is vectorized; a scalar loop is ~30x slower)."""
     a = np.abs(x)
@@ -233,6 +261,21 @@ def _take(src: np.ndarray, perm: np.ndarray | None, out: np.ndarray) -> None:
 
 class _TypeMismatch(Exception):
     pass
+
+
+class _BadIds(Exception):
+    """Ids the store must not take: ``mask`` marks them (non-null entries of the array)."""
+
+    def __init__(self, mask: np.ndarray, expected: str, show) -> None:
+        self.mask = mask
+        self.expected = expected
+        self.show = show
+        """show(i) -> the i-th entry, as found (for the message)."""
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+_EXPECT_INT64 = "ids within int64 (the service takes int64 ids; an unsigned id above 2**63-1 has none)"
+_EXPECT_UTF8 = "UTF-8 text (the column's type is string; keep raw bytes in a binary column)"
 
 
 class UnitConverter:
@@ -259,8 +302,7 @@ class UnitConverter:
         where = _Where(file, row_group, row0)
         n = table.num_rows
         labels = np.empty(n, dtype=np.float32)
-        self._floats(table, self.schema.label, where, labels, allow_null=False,
-                     expected="a finite, non-null label")
+        self._labels(table, where, labels)
         if perm is not None:
             labels = np.take(labels, perm, mode="clip")
         D = len(self.schema.dense)
@@ -305,6 +347,39 @@ class UnitConverter:
         return UnitData(n=n, dense=dense, labels=labels, single_keys=single_keys,
                         single_len=single_len, multi_offs=multi_offs, multi_vals=multi_vals,
                         extra=extra)
+
+    def _labels(self, table, where, out) -> None:
+        """Fill ``out`` (float32 [n]) from the label column: every value a label of the schema's
+        ``label_kind`` (0/1, or a number in [0, 1]); ReadError naming the first other one."""
+        column = self.schema.label
+        binary = self.schema.label_kind == "binary"
+        expected = self.label_expected
+        row0 = 0
+        for chunk in table.column(column).chunks:
+            if len(chunk) == 0:
+                continue
+            t = chunk.type
+            if pa.types.is_null(t):
+                raise where.error(column, expected, "null", row=row0, count=_bad_labels(table, column, binary))
+            if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+                raise where.error(column, expected, f"type {t}")
+            if chunk.null_count:
+                raise where.error(column, expected, "null", row=row0 + _first_null(chunk),
+                                  count=_bad_labels(table, column, binary))
+            raw = _fixed_values(_numeric(chunk))
+            bad = _label_kernel(raw, binary, out, row0)
+            if bad >= 0:
+                raise where.error(column, expected, str(raw[bad]), row=row0 + bad,
+                                  count=_bad_labels(table, column, binary))
+            row0 += len(chunk)
+
+    @property
+    def label_expected(self) -> str:
+        """What a label must be, in words (for errors)."""
+        if self.schema.label_kind == "binary":
+            return ("a label of 0 or 1 (schema.label_kind = 'binary'; set it to 'probability' "
+                    "for soft labels in [0, 1])")
+        return "a label in [0, 1] (schema.label_kind = 'probability')"
 
     def _floats(self, table, column, where, out, *, allow_null, expected, log1p=False) -> bool:
         """Fill ``out`` (float32 [n]) from a numeric column; nulls → fill (if allowed).
@@ -376,6 +451,7 @@ class UnitConverter:
 
     def _chunks(self, table, feat, where, fn):
         out = []
+        row0 = 0
         for chunk in table.column(feat.column).chunks:
             if len(chunk) == 0:
                 continue
@@ -383,6 +459,11 @@ class UnitConverter:
                 out.append(fn(chunk))
             except _TypeMismatch as exc:
                 raise where.error(feat.column, expected_sparse(feat), str(exc)) from None
+            except _BadIds as exc:  # mask: the rows holding such ids
+                rows = np.flatnonzero(exc.mask)
+                raise where.error(feat.column, exc.expected, exc.show(int(rows[0])), row=row0 + int(rows[0]),
+                                  count=rows.size) from None
+            row0 += len(chunk)
         return out
 
     def _single(self, table, feat, salt, where) -> tuple[np.ndarray, np.ndarray | None]:
@@ -438,8 +519,20 @@ def _bags(arr: pa.Array, kind: str, salt: int) -> tuple[np.ndarray, np.ndarray]:
         offs -= start
     # ListArray.values ignores the slice: take the child range the offsets cover
     child = arr.values.slice(start, end - start)
-    keys, elem_bits, elem_off = _keys(child, kind, salt)
     row_bits, row_off = _validity(arr)
+    try:
+        keys, elem_bits, elem_off = _keys(child, kind, salt)
+    except _BadIds as exc:
+        elems = np.flatnonzero(exc.mask)
+        rows = np.searchsorted(offs, elems, side="right") - 1
+        live = _valid_mask(row_bits, row_off, n)[rows]  # ids under a null row are dropped anyway
+        elems, rows = elems[live], rows[live]
+        if rows.size:
+            mask = np.zeros(n, dtype=bool)
+            mask[rows] = True
+            shown = f"{exc.show(int(elems[0]))} in the list"
+            raise _BadIds(mask, exc.expected, lambda _: shown) from None
+        keys, elem_bits, elem_off = _keys(child, kind, salt, check=False)
     if row_bits.shape[0] == 0 and elem_bits.shape[0] == 0:
         return keys, offs
     out_vals = np.empty(keys.shape[0], dtype=np.int64)
@@ -448,23 +541,40 @@ def _bags(arr: pa.Array, kind: str, salt: int) -> tuple[np.ndarray, np.ndarray]:
     return out_vals[:k], out_offs
 
 
-def _keys(arr: pa.Array, kind: str, salt: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """Return (hashed keys [n], validity bitmap, bit offset) of a flat id array."""
+def _keys(arr: pa.Array, kind: str, salt: int, check: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
+    """Return (hashed keys [n], validity bitmap, bit offset) of a flat id array.
+
+    ``_BadIds`` (when ``check``) if a non-null id is one the service could never be asked
+    for: an unsigned int above int64's range, or bytes that are not UTF-8 in a string column.
+    """
     t = arr.type
     n = len(arr)
     if pa.types.is_null(t):
         return np.zeros(n, dtype=np.int64), np.zeros((n + 7) // 8 + 1, dtype=np.uint8), 0
     if pa.types.is_dictionary(t):
         if arr.dictionary.null_count:
-            return _keys(arr.dictionary_decode(), kind, salt)
-        dict_keys, _, _ = _keys(arr.dictionary, kind, salt)
+            return _keys(arr.dictionary_decode(), kind, salt, check)
+        indices = _fixed_values(arr.indices)
         bits, off = _validity(arr)
-        return np.take(dict_keys, _fixed_values(arr.indices), mode="clip"), bits, off
+        try:  # the distinct values only: checks and hashing are cheap here
+            dict_keys, _, _ = _keys(arr.dictionary, kind, salt, check)
+        except _BadIds as exc:
+            mask = exc.mask[indices] & _valid_mask(bits, off, n)
+            if mask.any():
+                show = exc.show
+                raise _BadIds(mask, exc.expected, lambda i: show(int(indices[i]))) from None
+            dict_keys, _, _ = _keys(arr.dictionary, kind, salt, check=False)
+        return np.take(dict_keys, indices, mode="clip"), bits, off
     bits, off = _validity(arr)
     if kind == "int64":
         if not pa.types.is_integer(t):
             raise _TypeMismatch(str(t))
-        return hashing.hash_int64(_fixed_values(arr), salt), bits, off
+        values = _fixed_values(arr)
+        if check and values.dtype == np.uint64 and n:
+            _check_uint64(values, bits, off)
+        return hashing.hash_int64(values, salt), bits, off
+    if check and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
+        _check_utf8(arr)
     if pa.types.is_string_view(t) or pa.types.is_binary_view(t):
         arr = pc.cast(arr, pa.large_binary())
         t = arr.type
@@ -478,6 +588,45 @@ def _keys(arr: pa.Array, kind: str, salt: int) -> tuple[np.ndarray, np.ndarray, 
     offsets = np.frombuffer(bufs[1], dtype=odt, count=arr.offset + n + 1)[arr.offset :]
     data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else _EMPTY_U8
     return hashing.hash_strings(offsets, data, salt), bits, off
+
+
+def _valid_mask(bits: np.ndarray, off: int, n: int) -> np.ndarray:
+    if bits.shape[0] == 0:
+        return np.ones(n, dtype=bool)
+    return np.unpackbits(bits, count=off + n, bitorder="little")[off:] == 1
+
+
+def _check_uint64(values: np.ndarray, bits: np.ndarray, off: int) -> None:
+    """Raise _BadIds if a non-null uint64 id is beyond int64 (the check is one vectorized max)."""
+    if values.max() <= _INT64_MAX:
+        return
+    mask = (values > _INT64_MAX) & _valid_mask(bits, off, values.shape[0])
+    if mask.any():
+        raise _BadIds(mask, _EXPECT_INT64, lambda i: str(values[i]))
+
+
+def _check_utf8(arr: pa.Array) -> None:
+    """Raise _BadIds if a non-null value of a string array is not UTF-8.
+
+    Arrow's full validation checks UTF-8 (~2 ms per 65k short strings; the reader reads
+    string id columns as dictionaries, so it runs on the distinct values only); the slow
+    search for the culprits runs only when it fails.
+    """
+    try:
+        arr.validate(full=True)
+        return
+    except pa.ArrowInvalid:
+        pass
+    raw = pc.cast(arr, pa.large_binary()).to_pylist()
+    mask = np.zeros(len(raw), dtype=bool)
+    for i, b in enumerate(raw):
+        if b is not None:
+            try:
+                b.decode("utf-8")
+            except UnicodeDecodeError:
+                mask[i] = True
+    if mask.any():
+        raise _BadIds(mask, _EXPECT_UTF8, lambda i: f"{raw[i][:40]!r} (not UTF-8)")
 
 
 # --------------------------------------------------------------------------- batches

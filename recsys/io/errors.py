@@ -47,7 +47,7 @@ class ReadError(UserError):
         if self.expected is not None:
             what.append(f"expected {self.expected}")
         if self.found is not None:
-            what.append(f"found {self.found}")
+            what.append(f"found {_one_line(self.found)}")
         return ": ".join(where + [", ".join(what) or "bad input"])
 
     def fields(self) -> dict:
@@ -77,6 +77,11 @@ class ReadError(UserError):
 
     def __reduce__(self):
         return (_rebuild, (self.fields(),))
+
+
+def _one_line(text: str) -> str:
+    """Return ``text`` on one line (Arrow's messages may span several)."""
+    return " ".join(str(text).split())
 
 
 def _rebuild(data: dict) -> ReadError:

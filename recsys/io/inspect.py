@@ -65,6 +65,9 @@ def describe(paths, schema: Schema | None = None, filesystem=None, passthrough: 
                 if column not in s.names:
                     missing.append(key)
                     continue
+                if s.names.count(column) > 1:
+                    wrong.append(f"{key}: {s.names.count(column)} columns of that name")
+                    continue
                 t = s.field(column).type
                 types.add(str(t))
                 found = check_column(schema, column, role, t)

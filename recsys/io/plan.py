@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from recsys.io.convert import UnitConverter, UnitData, assemble, numpy_alloc
 from recsys.io.errors import ReadError
-from recsys.io.units import UnitTable, open_parquet
+from recsys.io.units import UnitTable, check_file_schema, open_parquet
 
 _MASK64 = (1 << 64) - 1
 ORDER, ROWS, DRAW = 0, 1, 2
@@ -169,7 +169,14 @@ class UnitLoader:
     def _open(self, file_index: int) -> pq.ParquetFile:
         pf = self._files.pop(file_index, None)
         if pf is None:
-            pf = open_parquet(self.ctx.table.files[file_index], self.ctx.converter.schema)
+            sf = self.ctx.table.files[file_index]
+            conv = self.ctx.converter
+            pf = open_parquet(sf, conv.schema)
+            try:  # the file may have been replaced since the reader was built
+                check_file_schema(conv.schema, conv.passthrough, pf.schema_arrow, sf.display)
+            except ReadError:
+                pf.close()
+                raise
         self._files[file_index] = pf
         while len(self._files) > self._max_open:
             _, old = self._files.popitem(last=False)
@@ -182,7 +189,11 @@ class UnitLoader:
         file_index = int(table.unit_file[unit])
         rg = int(table.unit_rg[unit])
         display = table.files[file_index].display
-        pf = self._open(file_index)
+        try:
+            pf = self._open(file_index)
+        except ReadError as err:  # name the row group being read
+            raise ReadError(file=err.file, row_group=rg, column=err.column, expected=err.expected,
+                            found=err.found) from None
         try:
             data = pf.read_row_group(rg, columns=ctx.columns, use_threads=ctx.arrow_threads)
         except (pa.ArrowException, OSError) as exc:

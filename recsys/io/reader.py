@@ -103,12 +103,16 @@ class ParquetReader:
             "batches": 0,
             "epochs_completed": 0,
             "skipped_files": len(table.skipped_files),
-            "skipped_row_groups": len(table.skipped_units),
+            "skipped_row_groups": 0,
             "skipped_rows": 0,
+            "empty_files": len(table.empty_files),
+            "empty_row_groups": len(table.empty_units),
             "dropped_rows": 0,
         }
         """Counters since the reader was built: rows/batches delivered, epochs completed,
-        files, row groups and rows skipped as bad, rows dropped by drop_last."""
+        files, row groups and rows skipped as bad (``on_bad_file = "skip"``), files and row
+        groups without rows (nothing to read), rows dropped by drop_last. The table in
+        docs/data.md says which case lands where."""
         self._skipped: set[int] = set()
         self._cur = self._fresh(0)
         self._later: list[Progress] = []

@@ -279,7 +279,7 @@ def check_column(schema: Schema, column: str, role: str, t: pa.DataType) -> str 
 
 
 def check_file_schema(schema: Schema, passthrough: list[str], arrow_schema: pa.Schema, file: str) -> None:
-    """Raise ReadError naming the first missing or ill-typed column of ``file``."""
+    """Raise ReadError naming the first missing, repeated or ill-typed column of ``file``."""
     names = set(arrow_schema.names)
     checks = column_checks(schema, passthrough)
     # two features may read the same column: check each (role) pair
@@ -289,6 +289,10 @@ def check_file_schema(schema: Schema, passthrough: list[str], arrow_schema: pa.S
             raise ReadError(
                 file=file, column=column, expected=expected, found=f"no such column (columns: {shown})"
             )
+        count = arrow_schema.names.count(column)
+        if count > 1:
+            raise ReadError(file=file, column=column, expected="one column of that name",
+                            found=f"{count} columns named {column!r}")
         found = check_column(schema, column, role, arrow_schema.field(column).type)
         if found is not None:
             raise ReadError(file=file, column=column, expected=expected, found=found)
@@ -314,9 +318,11 @@ class UnitTable:
     unit_keys: list[str]
     """``<file key>#<row group>`` per unit."""
     skipped_files: list[tuple[int, str]] = field(default_factory=list)
-    """(file index, reason) of files skipped when the reader was built."""
-    skipped_units: list[tuple[str, int, str]] = field(default_factory=list)
-    """(unit key, rows, reason) of row groups skipped when the reader was built."""
+    """(file index, reason) of bad files skipped when the reader was built (``on_bad_file = "skip"``)."""
+    empty_files: list[int] = field(default_factory=list)
+    """Indices of valid Parquet files holding no rows (no units: nothing to read)."""
+    empty_units: list[str] = field(default_factory=list)
+    """Keys of empty row groups in files that have rows (not units)."""
 
     @property
     def num_units(self) -> int:
@@ -330,23 +336,31 @@ class UnitTable:
 def open_parquet(sf: SourceFile, schema: Schema | None = None) -> pq.ParquetFile:
     """Return ``sf`` opened as a ParquetFile (footer parsed); ReadError if it is not one.
 
+    Pages written with checksums (pyarrow's ``write_page_checksum=True``) are verified when
+    read, so flipped bytes inside a page are an error rather than wrong values.
+
     Given the job's schema, its string id columns are read as dictionaries: decoding skips
     materializing every string (~20% less decode time on the synthetic set) and only the
     distinct values get hashed.
     """
     try:
-        size = sf.filesystem.get_file_info(sf.path).size
+        info = sf.filesystem.get_file_info(sf.path)
     except (pa.ArrowException, OSError) as exc:
         raise ReadError(file=sf.display, expected="a readable file", found=str(exc)) from None
+    if info.type == pafs.FileType.NotFound:
+        raise ReadError(file=sf.display, expected="an existing file (it was listed when the reader was built)",
+                        found="no such file (deleted or moved)")
+    size = info.size
     if size == 0:
         raise ReadError(file=sf.display, expected="a Parquet file", found="an empty file (0 bytes)")
     try:
         handle = sf.filesystem.open_input_file(sf.path)
-        pf = pq.ParquetFile(handle)
+        pf = pq.ParquetFile(handle, page_checksum_verification=True)
         if schema is not None:
             paths = string_id_paths(pf.schema, schema)
             if paths:
-                pf = pq.ParquetFile(handle, metadata=pf.metadata, read_dictionary=paths)
+                pf = pq.ParquetFile(handle, metadata=pf.metadata, read_dictionary=paths,
+                                    page_checksum_verification=True)
         return pf
     except (pa.ArrowException, OSError) as exc:
         raise ReadError(
@@ -381,9 +395,11 @@ def _footer(sf: SourceFile, schema: Schema, passthrough: list[str]) -> list[int]
         raise ReadError(file=sf.display, expected="a readable Parquet footer", found=str(exc)) from None
     finally:
         pf.close()
-    if not rows or sum(rows) == 0:
-        found = "0 row groups" if not rows else f"{len(rows)} row group(s) with 0 rows"
-        raise ReadError(file=sf.display, expected="a file with rows", found=f"an empty file ({found})")
+    bad = [(rg, n) for rg, n in enumerate(rows) if n < 0]
+    if bad:
+        rg, n = bad[0]
+        raise ReadError(file=sf.display, row_group=rg, expected="a row count >= 0 in the footer",
+                        found=f"{n} (a corrupt footer)")
     return rows
 
 
@@ -394,9 +410,17 @@ def build_units(
     keys = file_keys(files)
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(files)))) as pool:
         results = list(pool.map(lambda sf: _try(_footer, sf, schema, passthrough), files))
+    if not any(rows for rows, _ in results if rows is not None and sum(rows) > 0):
+        bad = sum(1 for _, err in results if err is not None)
+        first = next((err for _, err in results if err is not None), None)
+        if first is not None and on_bad_file != "skip":
+            raise first
+        found = f"{len(files)} file(s): {len(files) - bad} without rows" + (f", {bad} bad ({first})" if bad else "")
+        raise ReadError(file=_common_display(files), expected="at least one row to read", found=found)
     unit_file, unit_rg, unit_rows, unit_keys = [], [], [], []
     skipped_files: list[tuple[int, str]] = []
-    skipped_units: list[tuple[str, int, str]] = []
+    empty_files: list[int] = []
+    empty_units: list[str] = []
     for i, (rows, err) in enumerate(results):
         if err is not None:
             if on_bad_file != "skip":
@@ -404,17 +428,14 @@ def build_units(
             log.warning("skipping bad file: %s", err)
             skipped_files.append((i, str(err)))
             continue
+        if sum(rows) == 0:  # a valid file without rows (an empty partition): nothing to read
+            log.info("no rows in %s (%d row group(s)): nothing to read", files[i].display, len(rows))
+            empty_files.append(i)
+            continue
         for rg, n in enumerate(rows):
             key = f"{keys[i]}#{rg}"
             if n == 0:
-                err = ReadError(
-                    file=files[i].display, row_group=rg, expected="a row group with rows",
-                    found="an empty row group (0 rows)",
-                )
-                if on_bad_file != "skip":
-                    raise err
-                log.warning("skipping empty row group: %s", err)
-                skipped_units.append((key, 0, str(err)))
+                empty_units.append(key)
                 continue
             unit_file.append(i)
             unit_rg.append(rg)
@@ -428,8 +449,17 @@ def build_units(
         unit_rows=np.asarray(unit_rows, dtype=np.int64),
         unit_keys=unit_keys,
         skipped_files=skipped_files,
-        skipped_units=skipped_units,
+        empty_files=empty_files,
+        empty_units=empty_units,
     )
+
+
+def _common_display(files: list[SourceFile]) -> str:
+    """Return the files' common directory (or the one file) for a message."""
+    if len(files) == 1:
+        return files[0].display
+    prefix = os.path.commonprefix([f.display for f in files])
+    return prefix if prefix.endswith("/") else (prefix.rsplit("/", 1)[0] + "/" if "/" in prefix else prefix)
 
 
 def _try(fn, *args):
