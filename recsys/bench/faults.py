@@ -6,8 +6,9 @@ real processes, and checks what the project promises (RELIABILITY.md):
 
 - ``killed_worker``: SIGKILL one worker at a random step (a seed picks step and rank) under
   ``--max-restarts 2``. Passed when the job finishes, every training row was consumed exactly
-  once per epoch (``train.record_rows``), and at staleness 0 the final evaluation and the
-  final sparse rows equal an uninterrupted run's (at staleness 1: AUC within 0.005).
+  once per epoch (``train.record_rows``), and the final evaluation and the final sparse rows
+  equal an uninterrupted run's, at staleness 0 and 1 alike (a checkpoint is a synchronization
+  point of the store; the issue asked for AUC within 0.005 at s = 1: exact is stronger).
   Figure: seconds from the kill to the first step after the restart.
 - ``hung_worker``: SIGSTOP one worker. The other notices within ``train.collective_timeout_s``
   (20 s here) and exits; torchrun kills the stopped one and restarts both from the last
@@ -305,7 +306,7 @@ class Scenarios:
             details["log_tail"] = job.log_tail(1500)
             return False
         details["rows"] = row_audit(job.run_dir, self.data)
-        details["result"] = compare_runs(self.reference(staleness), job.run_dir, exact=staleness == 0)
+        details["result"] = compare_runs(self.reference(staleness), job.run_dir, exact=True)
         details["resumed"] = [r["step"] for r in job.records() if r.get("event") == "resumed"]
         return details["rows"]["ok"] and details["result"]["ok"]
 

@@ -12,8 +12,12 @@ All ranks run the same number of steps: a rank whose data ran out feeds empty ba
 (zero rows: zero gradients) until every rank is done, so collectives always pair up.
 
 Checkpoints flush the store first, so weights and optimizer state are from one step
-(no half-applied push). With ``staleness = 0`` a resumed run equals the uninterrupted
-one; with ``s > 0`` a checkpoint is also a synchronization point of the store.
+(no half-applied push). A checkpoint is also a synchronization point of the store: with
+``staleness = s > 0`` the look-ahead lookup (which read its rows without the last ``s``
+pushes) is withdrawn and redone after the save, seeing every push, exactly as the first
+lookup of a run resumed from that checkpoint does. Its key work (touch, insert, evict,
+admission sightings) is done twice in both runs alike, so a resumed run equals the
+uninterrupted one at every staleness (tests/test_train.py).
 """
 
 from __future__ import annotations
@@ -290,7 +294,16 @@ class Trainer:
                         self._validate(lookahead=future is not None)
                     every = tc.checkpoint_every_steps and self.step % tc.checkpoint_every_steps == 0
                     if stop or due or every:
+                        resync = future is not None and self.store.staleness > 0
+                        if resync:
+                            # a checkpoint is a synchronization point of the store: the
+                            # look-ahead lookup read rows without the last pushes (s > 0), a
+                            # resumed run cannot; it is redone after the save, seeing them all,
+                            # as a run resumed from this checkpoint does (exact at every s)
+                            self.store.cancel(future.result())
                         self.save(lookahead=future is not None)
+                        if resync:
+                            future = self._submit(nxt, self.step)
                         last_ckpt = time.monotonic()
                         if stop:
                             return {"step": self.step, "stopped": "SIGTERM"}
