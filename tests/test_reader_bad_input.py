@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recsys.io.reader import ParquetReader, ReadError
-from reader_data import ids_of, make_schema, write_dataset
+from reader_data import ids_of, kjt_rows, make_schema, write_dataset
 
 
 @pytest.fixture(scope="module")
@@ -365,3 +365,225 @@ def test_missing_path_and_empty_glob(good, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ReadError, match=r"expected a directory holding data files"):
         ParquetReader(good.config(paths=[str(tmp_path / "empty")]), make_schema())
+
+
+# --------------------------------------------------------------------------- ids
+
+
+def bad_utf8_strings(values: list[bytes | None], large: bool = False) -> pa.Array:
+    """Return a string array holding ``values`` as they are (Arrow does not check UTF-8 here)."""
+    offsets, data, valid = [0], b"", []
+    for v in values:
+        data += v or b""
+        offsets.append(len(data))
+        valid.append(v is not None)
+    otype = np.int64 if large else np.int32
+    bitmap = pa.py_buffer(np.packbits(np.array(valid), bitorder="little").tobytes())
+    return pa.Array.from_buffers(pa.large_string() if large else pa.string(), len(values),
+                                 [bitmap, pa.py_buffer(np.array(offsets, otype).tobytes()), pa.py_buffer(data)],
+                                 null_count=valid.count(False))
+
+
+def test_empty_string_is_an_id_and_null_is_none(good, dirty):
+    """'' is an id like any other (its own key, a bag of one); null is no id (an empty bag)."""
+    from recsys import hashing
+
+    table = good_table(good, n=4)
+    table = with_column(table, "cat", pa.array(["", None, "x", ""]))
+    table = with_column(table, "tags", pa.array([[""], ["", "y"], [], None], pa.list_(pa.string())))
+    pq.write_table(table, dirty / "bad.parquet")
+    schema = make_schema()
+    with ParquetReader(cfg(good, dirty), schema) as r:
+        rows = {rid: bags for b in r for rid, bags in zip(b.extra["row_id"].tolist(), kjt_rows(b))}
+    empty = hashing.hash_string_reference([""], "tags")[0]
+    assert [rows[10_000 + i]["tags"] for i in range(4)] == [[empty], [empty, *hashing.hash_string_reference(["y"], "tags")], [], []]
+    cat = [(k & (2**64 - 1)) % 97 for k in hashing.hash_string_reference(["", "x"], "cat")]  # a fixed-size table folds
+    assert [rows[10_000 + i]["cat"] for i in range(4)] == [[cat[0]], [], [cat[1]], [cat[0]]]
+
+
+def test_non_utf8_text_in_a_string_column_is_refused_by_row(good, dirty, caplog):
+    table = good_table(good)
+    cats = [f"c{i}".encode() for i in range(30)]
+    cats[6] = cats[9] = b"caf\xe9"  # Latin-1 written as text
+    tags = [[b"ok"]] * 30
+    tags[8] = [b"fine", b"\xff\xfe"]
+    pq.write_table(with_column(table, "cat", bad_utf8_strings(cats)), dirty / "bad.parquet")
+    err = expect_error(good, dirty, r"bad\.parquet: row group 0: column 'cat': row 6: expected UTF-8 text \(the column's "
+                                    r"type is string; keep raw bytes in a binary column\), found b'caf\\xe9' \(not UTF-8\) "
+                                    r"\(row 6 of the file; 2 such rows in the row group\)$")
+    assert (err.column, err.row) == ("cat", 6)
+    expect_skipped(good, dirty, caplog, row_groups=1, rows=30)
+    offsets = pa.array(np.cumsum([0] + [len(bag) for bag in tags]), pa.int32())
+    flat = [b for bag in tags for b in bag]
+    pq.write_table(with_column(table, "tags", pa.ListArray.from_arrays(offsets, bad_utf8_strings(flat))),
+                   dirty / "bad.parquet")
+    expect_error(good, dirty, r"bad\.parquet: row group 0: column 'tags': row 8: expected UTF-8 text",
+                 r"found b'\\xff\\xfe' \(not UTF-8\) in the list \(row 8 of the file\)$")
+
+
+def test_binary_ids_are_hashed_as_bytes(good, dirty):
+    from recsys import hashing
+
+    table = good_table(good, n=3)
+    table = with_column(table, "cat", pa.array([b"caf\xe9", b"", b"x"], pa.binary()))
+    pq.write_table(table, dirty / "bad.parquet")
+    with ParquetReader(cfg(good, dirty), make_schema()) as r:
+        rows = {rid: bags["cat"] for b in r for rid, bags in zip(b.extra["row_id"].tolist(), kjt_rows(b))}
+    keys = [(k & (2**64 - 1)) % 97 for k in hashing.hash_string_reference([b"caf\xe9", b"", b"x"], "cat")]
+    assert [rows[10_000 + i] for i in range(3)] == [[k] for k in keys]
+
+
+def test_converter_ignores_bad_bytes_under_nulls():
+    """What Arrow holds under a null (a null string, or a null list's covered values) is no id."""
+    from recsys import hashing
+    from recsys.io.convert import UnitConverter
+
+    conv = UnitConverter(make_schema(dense=[]), [])
+    cat = pa.Array.from_buffers(pa.string(), 3, [pa.py_buffer(np.packbits([1, 0, 1], bitorder="little").tobytes()),
+                                                 pa.py_buffer(np.array([0, 1, 2, 3], np.int32).tobytes()),
+                                                 pa.py_buffer(b"a\xffb")], null_count=1)
+    tags = pa.ListArray.from_arrays(pa.array([0, 1, 2, 2], pa.int32()), bad_utf8_strings([b"t", b"\xfe"]),
+                                    mask=pa.array([False, True, False]))
+    table = pa.table({"label": pa.array([0, 1, 0], pa.int8()), "item_id": pa.array([1, 2, 3]),
+                      "hist": pa.array([[1], [], None], pa.list_(pa.int64())), "cat": cat, "tags": tags})
+    for variant in (cat, cat.dictionary_encode(), pa.chunked_array([cat.slice(0, 1), cat.slice(1)])):
+        unit = conv.convert(table.set_column(3, "cat", variant), "mem", 0, 0)
+        assert unit.single_len[1].tolist() == [1, 0, 1]  # conv.single: item, cat; conv.multi: hist, tags
+        assert np.diff(unit.multi_offs[1]).tolist() == [1, 0, 0]
+        assert unit.multi_vals[-1] == hashing.hash_string_reference(["t"], "tags")[0]
+    with pytest.raises(ReadError, match=r"^mem: row group 0: column 'cat': row 1: expected UTF-8 text.*found b'\\xff'"):
+        conv.convert(table.set_column(3, "cat", bad_utf8_strings([b"a", b"\xff", None]).dictionary_encode()), "mem", 0, 0)
+    with pytest.raises(ReadError, match=r"^mem: row group 0: column 'cat': row 2: expected UTF-8 text"):
+        conv.convert(table.set_column(3, "cat", bad_utf8_strings([b"a", None, b"\xff"], large=True)), "mem", 0, 0)
+
+
+def test_extreme_and_negative_int_ids_are_ids(good, dirty):
+    """Every int64 is an id (its own key: the hash is a bijection); uint64 ids beyond int64 are refused."""
+    from recsys import hashing
+
+    extremes = [-(2**63), 2**63 - 1, -1, 0, 1, -(2**62)]
+    table = good_table(good, n=6)
+    table = with_column(table, "item_id", pa.array(extremes, pa.int64()))
+    table = with_column(table, "hist", pa.array([[v, -v - 1] for v in extremes], pa.list_(pa.int64())))
+    pq.write_table(table, dirty / "bad.parquet")
+    with ParquetReader(cfg(good, dirty), make_schema()) as r:
+        rows = {rid: bags for b in r for rid, bags in zip(b.extra["row_id"].tolist(), kjt_rows(b))}
+    got = [rows[10_000 + i]["item"][0] for i in range(6)]
+    assert got == hashing.hash_int64_reference(extremes, "item") and len(set(got)) == 6
+    assert [rows[10_000 + i]["hist"] for i in range(6)] == [hashing.hash_int64_reference([v, -v - 1], "item") for v in extremes]
+    table = good_table(good, n=4)
+    ok = pa.array([0, 2**63 - 1, 7, None], pa.uint64())  # within int64: the same keys as int64
+    pq.write_table(with_column(table, "item_id", ok), dirty / "bad.parquet")
+    with ParquetReader(cfg(good, dirty), make_schema()) as r:
+        rows = {rid: bags for b in r for rid, bags in zip(b.extra["row_id"].tolist(), kjt_rows(b))}
+    assert [rows[10_000 + i]["item"] for i in range(4)] == [[k] for k in hashing.hash_int64_reference([0, 2**63 - 1, 7], "item")] + [[]]
+    big = pa.array([0, 2**63, 2**64 - 1, None], pa.uint64())
+    pq.write_table(with_column(table, "item_id", big), dirty / "bad.parquet")
+    expect_error(good, dirty, r"bad\.parquet: row group 0: column 'item_id': row 1: expected ids within int64 \(the "
+                              r"service takes int64 ids; an unsigned id above 2\*\*63-1 has none\), found 9223372036854775808 "
+                              r"\(row 1 of the file; 2 such rows in the row group\)$")
+    pq.write_table(with_column(table, "hist", pa.array([[1], None, [2, 2**64 - 1], []], pa.list_(pa.uint64()))),
+                   dirty / "bad.parquet")
+    expect_error(good, dirty, r"column 'hist': row 2: expected ids within int64.*found 18446744073709551615 in the list")
+
+
+def test_repeated_column_names_are_named(good, dirty, caplog):
+    table = good_table(good)
+    table = table.append_column("d2", table.column("d1"))
+    assert table.column_names.count("d2") == 2
+    pq.write_table(table, dirty / "bad.parquet")
+    with pytest.raises(ReadError, match=r"bad\.parquet: column 'd2': expected one column of that name, found 2 columns named 'd2'$"):
+        ParquetReader(cfg(good, dirty), make_schema())
+    expect_skipped(good, dirty, caplog, files=1)
+    from recsys.io.reader import describe
+
+    assert "bad.parquet: 2 columns of that name" in describe([str(dirty)], make_schema())
+
+
+def test_arrow_messages_end_up_on_one_line(good, dirty):
+    """A footer Arrow cannot parse: its multi-line message is folded into the one-line error."""
+    (dirty / "bad.parquet").write_bytes(b"PAR1" + b"\x00" * 100 + (50).to_bytes(4, "little") + b"PAR1")
+    err = expect_error(good, dirty, r"bad\.parquet: expected a Parquet file with a valid footer")
+    assert "\n" not in str(err)
+
+
+# --------------------------------------------------------------------------- files changing under the reader
+
+
+def later_file(good, dirty, name="zz.parquet"):
+    """Write a good 2-row-group file that sorts after the data set's files (read last)."""
+    table = good_table(good)
+    with pq.ParquetWriter(dirty / name, table.schema) as w:
+        w.write_table(table.slice(0, 12))
+        w.write_table(table.slice(12))
+    return dirty / name
+
+
+def read_changing(good, dirty, change, **kw):
+    """Read the first batch, ``change()`` the files, read the rest; return (ids, stats)."""
+    with ParquetReader(cfg(good, dirty, batch_size=8, prefetch=1, **kw), make_schema()) as r:
+        it = iter(r)
+        ids = ids_of([next(it)])
+        change()
+        ids += ids_of(it)
+        return ids, dict(r.stats)
+
+
+@pytest.mark.parametrize("how", ["deleted", "truncated", "replaced by garbage", "column dropped", "row group lost"])
+def test_a_file_changing_mid_epoch_is_named_with_its_row_group(good, dirty, how, caplog):
+    path = later_file(good, dirty)
+    blob = path.read_bytes()
+    change = {
+        "deleted": lambda: path.unlink(),
+        "truncated": lambda: path.write_bytes(blob[: len(blob) // 2]),
+        "replaced by garbage": lambda: path.write_bytes(np.random.default_rng(0).bytes(len(blob))),
+        "column dropped": lambda: pq.write_table(pq.read_table(path).drop_columns(["cat"]), path),
+        "row group lost": lambda: pq.write_table(pq.read_table(path), path),  # same rows, one row group
+    }[how]
+    found = {
+        "deleted": r"expected an existing file \(it was listed when the reader was built\), found no such file "
+                   r"\(deleted or moved\)$",
+        "truncated": r"expected a Parquet file with a valid footer, found a corrupt, truncated",
+        "replaced by garbage": r"expected a Parquet file with a valid footer",
+        "column dropped": r"column 'cat': expected a string or binary column .*found no such column",
+        "row group lost": r"",
+    }[how]
+    with pytest.raises(ReadError) as info:
+        read_changing(good, dirty, change)
+    msg = str(info.value)
+    if how == "row group lost":  # row group 0 now holds all 30 rows, row group 1 is gone
+        assert re.search(r"zz\.parquet: row group 0: expected 12 rows \(as its footer said when the reader was "
+                         r"built\), found 30 rows \(file changed\?\)$", msg), msg
+    else:
+        assert re.search(r"zz\.parquet: row group 0: " + found, msg), msg
+        assert info.value.row_group == 0
+    if how == "row group lost":
+        return
+    # skipped: every row group of the file counted, every other row read once
+    path.unlink(missing_ok=True)
+    later_file(good, dirty)
+    with caplog.at_level(logging.WARNING, logger="recsys.io.reader"):
+        ids, stats = read_changing(good, dirty, change, on_bad_file="skip")
+    assert sorted(ids) == good.row_ids
+    assert (stats["skipped_row_groups"], stats["skipped_rows"], stats["skipped_files"]) == (2, 30, 0)
+    assert "zz.parquet: row group 1" in caplog.text
+
+
+def test_page_checksums_catch_flipped_bytes(good, dirty, caplog):
+    """Without checksums a flipped byte in an uncompressed page is a wrong value no reader can see;
+    with pages written with checksums the reader verifies them and names the row group and column."""
+    table = good_table(good)
+    path = dirty / "bad.parquet"
+    with pq.ParquetWriter(path, table.schema, compression="none", use_dictionary=False,
+                          write_page_checksum=True) as w:
+        w.write_table(table.slice(0, 15))
+        w.write_table(table.slice(15, 15))
+    col = pq.ParquetFile(path).metadata.row_group(1).column(table.schema.get_field_index("d2"))
+    blob = bytearray(path.read_bytes())
+    blob[col.data_page_offset + col.total_compressed_size - 3] ^= 0x40  # in the last value's bytes
+    path.write_bytes(bytes(blob))
+    assert pq.read_table(path).column("d2")[29].as_py() != table.column("d2")[29].as_py()  # silently wrong unverified
+    err = expect_error(good, dirty, r"bad\.parquet: row group 1: column 'd2': expected a readable row group, found "
+                                    r".*CRC checksum verification failed")
+    assert (err.row_group, err.column) == (1, "d2")
+    expect_skipped(good, dirty, caplog, row_groups=1, rows=15, also=range(10_000, 10_015))
