@@ -238,7 +238,7 @@ def test_null_label(good, dirty, caplog):
     labels[3] = labels[9] = None
     pq.write_table(with_column(table, "label", pa.array(labels, pa.int8())), dirty / "bad.parquet")
     expect_error(good, dirty, r"bad\.parquet: row group 0: column 'label': row 3: expected a label of 0 or 1",
-                 r"found null \(row 3 of the file; 2 such rows in the row group\)$")
+                 r"found null \(row 3 of the file; 2 bad rows in the row group\)$")
     expect_skipped(good, dirty, caplog, row_groups=1, rows=30)
 
 
@@ -274,11 +274,20 @@ def test_binary_labels_must_be_0_or_1(good, dirty, case, caplog):
         good, dirty,
         rf"^.*bad\.parquet: row group 1: column 'label': row {row}: expected a label of 0 or 1 "
         r"\(schema.label_kind = 'binary'; set it to 'probability' for soft labels in \[0, 1\]\), "
-        rf"found {re.escape(shown)} \(row {5 + row} of the file" + (f"; {count} such rows in the row group" if count > 1 else "")
+        rf"found {re.escape(shown)} \(row {5 + row} of the file" + (f"; {count} bad rows in the row group" if count > 1 else "")
         + r"\)$",
     )
     assert (err.row_group, err.column, err.row) == (1, "label", row)
     expect_skipped(good, dirty, caplog, row_groups=1, rows=25, also=range(10_000, 10_005))
+
+
+def test_the_first_bad_label_of_the_row_group_is_named(good, dirty):
+    """Nulls and bad values together: the message names the first in row order, and counts both."""
+    write_labels(good, dirty, [0, 1, None, 0.5, None], pa.float64())
+    expect_error(good, dirty, r"bad\.parquet: row group 1: column 'label': row 2: expected a label of 0 or 1 .*"
+                              r"found null \(row 7 of the file; 3 bad rows in the row group\)$")
+    write_labels(good, dirty, [0.5, 1, None], pa.float32())
+    expect_error(good, dirty, r"row group 1: column 'label': row 0: .*found 0.5 \(row 5 of the file; 2 bad rows")
 
 
 def test_labels_of_any_numeric_or_boolean_type_that_are_0_or_1(good, dirty):
@@ -410,7 +419,7 @@ def test_non_utf8_text_in_a_string_column_is_refused_by_row(good, dirty, caplog)
     pq.write_table(with_column(table, "cat", bad_utf8_strings(cats)), dirty / "bad.parquet")
     err = expect_error(good, dirty, r"bad\.parquet: row group 0: column 'cat': row 6: expected UTF-8 text \(the column's "
                                     r"type is string; keep raw bytes in a binary column\), found b'caf\\xe9' \(not UTF-8\) "
-                                    r"\(row 6 of the file; 2 such rows in the row group\)$")
+                                    r"\(row 6 of the file; 2 bad rows in the row group\)$")
     assert (err.column, err.row) == ("cat", 6)
     expect_skipped(good, dirty, caplog, row_groups=1, rows=30)
     offsets = pa.array(np.cumsum([0] + [len(bag) for bag in tags]), pa.int32())
@@ -457,6 +466,19 @@ def test_converter_ignores_bad_bytes_under_nulls():
         conv.convert(table.set_column(3, "cat", bad_utf8_strings([b"a", None, b"\xff"], large=True)), "mem", 0, 0)
 
 
+def test_a_row_group_whose_string_ids_are_all_null(good, dirty):
+    """Read as a dictionary, such a column has an empty dictionary: every row has no id (this was an
+    IndexError in the reader until the fuzz test found it)."""
+    table = good_table(good, n=5)
+    table = with_column(table, "cat", pa.nulls(5, pa.string()))
+    table = with_column(table, "tags", pa.array([None, [], None, [None], None], pa.list_(pa.string())))
+    pq.write_table(table, dirty / "bad.parquet")
+    with ParquetReader(cfg(good, dirty), make_schema()) as r:
+        rows = {rid: bags for b in r for rid, bags in zip(b.extra["row_id"].tolist(), kjt_rows(b))}
+    assert [(rows[10_000 + i]["cat"], rows[10_000 + i]["tags"]) for i in range(5)] == [([], [])] * 5
+    assert len(rows) == len(good.rows) + 5
+
+
 def test_extreme_and_negative_int_ids_are_ids(good, dirty):
     """Every int64 is an id (its own key: the hash is a bijection); uint64 ids beyond int64 are refused."""
     from recsys import hashing
@@ -481,7 +503,7 @@ def test_extreme_and_negative_int_ids_are_ids(good, dirty):
     pq.write_table(with_column(table, "item_id", big), dirty / "bad.parquet")
     expect_error(good, dirty, r"bad\.parquet: row group 0: column 'item_id': row 1: expected ids within int64 \(the "
                               r"service takes int64 ids; an unsigned id above 2\*\*63-1 has none\), found 9223372036854775808 "
-                              r"\(row 1 of the file; 2 such rows in the row group\)$")
+                              r"\(row 1 of the file; 2 bad rows in the row group\)$")
     pq.write_table(with_column(table, "hist", pa.array([[1], None, [2, 2**64 - 1], []], pa.list_(pa.uint64()))),
                    dirty / "bad.parquet")
     expect_error(good, dirty, r"column 'hist': row 2: expected ids within int64.*found 18446744073709551615 in the list")

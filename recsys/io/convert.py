@@ -197,7 +197,7 @@ class _Where:
         """Return the error; ``row`` is within the row group, ``count`` how many rows are bad."""
         if row is not None:
             found = f"{found} (row {self.row0 + row} of the file"
-            found += f"; {count} such rows in the row group)" if count and count > 1 else ")"
+            found += f"; {count} bad rows in the row group)" if count and count > 1 else ")"
         return ReadError(
             file=self.file, row_group=self.row_group, column=column, row=row,
             expected=expected, found=found,
@@ -233,16 +233,6 @@ def _numeric(arr: pa.Array) -> pa.Array:
 
 def _first_null(arr: pa.Array) -> int:
     return int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
-
-
-def _bad_labels(table: pa.Table, column: str, binary: bool) -> int:
-    """Return how many rows of the column are null or not labels (the error path only)."""
-    col = table.column(column)
-    if not all(pa.types.is_null(c.type) or is_numeric_type(c.type) for c in col.chunks):
-        return 0
-    values = col.cast(pa.float64()).to_numpy(zero_copy_only=False)  # nulls → NaN
-    ok = ((values == 0) | (values == 1)) if binary else ((values >= 0) & (values <= 1))
-    return int(np.count_nonzero(~ok))
 
 
 def _signed_log1p(x: np.ndarray) -> None:
@@ -353,25 +343,37 @@ class UnitConverter:
         ``label_kind`` (0/1, or a number in [0, 1]); ReadError naming the first other one."""
         column = self.schema.label
         binary = self.schema.label_kind == "binary"
-        expected = self.label_expected
         row0 = 0
         for chunk in table.column(column).chunks:
             if len(chunk) == 0:
                 continue
             t = chunk.type
-            if pa.types.is_null(t):
-                raise where.error(column, expected, "null", row=row0, count=_bad_labels(table, column, binary))
-            if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-                raise where.error(column, expected, f"type {t}")
-            if chunk.null_count:
-                raise where.error(column, expected, "null", row=row0 + _first_null(chunk),
-                                  count=_bad_labels(table, column, binary))
-            raw = _fixed_values(_numeric(chunk))
-            bad = _label_kernel(raw, binary, out, row0)
-            if bad >= 0:
-                raise where.error(column, expected, str(raw[bad]), row=row0 + bad,
-                                  count=_bad_labels(table, column, binary))
-            row0 += len(chunk)
+            if not (pa.types.is_null(t) or is_numeric_type(t)):
+                raise where.error(column, self.label_expected, f"type {t}")
+            if chunk.null_count == 0 and _label_kernel(_fixed_values(_numeric(chunk)), binary, out, row0) < 0:
+                row0 += len(chunk)
+                continue
+            raise self._label_error(table, where)
+
+    def _label_error(self, table, where) -> ReadError:
+        """Return the error naming the first null or bad label of the row group (the error path)."""
+        column = self.schema.label
+        col = table.column(column)
+        values = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)  # nulls -> NaN
+        if self.schema.label_kind == "binary":
+            ok = (values == 0) | (values == 1)
+        else:
+            ok = (values >= 0) & (values <= 1)
+        bad = np.flatnonzero(~ok)
+        first = int(bad[0])
+        cell = col[first]
+        if not cell.is_valid:
+            shown = "null"
+        elif pa.types.is_floating(cell.type):  # the shortest text of the stored width: 0.3, not 0.30000001192
+            shown = str(np.dtype(cell.type.to_pandas_dtype()).type(cell.as_py()))
+        else:
+            shown = str(cell.as_py())
+        return where.error(column, self.label_expected, shown, row=first, count=int(bad.size))
 
     @property
     def label_expected(self) -> str:
@@ -556,6 +558,8 @@ def _keys(arr: pa.Array, kind: str, salt: int, check: bool = True) -> tuple[np.n
             return _keys(arr.dictionary_decode(), kind, salt, check)
         indices = _fixed_values(arr.indices)
         bits, off = _validity(arr)
+        if len(arr.dictionary) == 0:  # every row null (their indices point nowhere)
+            return np.zeros(n, dtype=np.int64), bits, off
         try:  # the distinct values only: checks and hashing are cheap here
             dict_keys, _, _ = _keys(arr.dictionary, kind, salt, check)
         except _BadIds as exc:
