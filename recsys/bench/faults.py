@@ -21,7 +21,7 @@ real processes, and checks what the project promises (RELIABILITY.md):
 
 A job's processes carry ``RECSYS_TEST_TAG=<tag>`` in their environment, so its workers are
 found through ``/proc`` (Linux) and every leftover is killed at the end, orphans included.
-Quick: one seed per scenario; full: several. No timing assertion anywhere: a scenario passes
+Quick: one seed per scenario, 1 epoch; full: several seeds, 2 epochs. No timing assertion anywhere: a scenario passes
 or fails on results; the seconds are figures.
 """
 
@@ -50,6 +50,7 @@ DEADLINE_S = 240.0
 EVERY = 10
 """Checkpoint interval (steps) of the scenario jobs."""
 EPOCHS = 2
+"""Epochs of the scenario jobs (the tests' and the full bench's; --quick runs 1)."""
 STEPS_PER_EPOCH = 48  # tiny: 6,000 rows / (2 ranks x 64)
 
 
@@ -129,8 +130,8 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
         time.sleep(interval)
 
 
-def job_overrides(data: Path, *extra: str) -> list[str]:
-    """The scenario jobs' settings: tiny data, 2 epochs, a checkpoint every ``EVERY`` steps."""
+def job_overrides(data: Path, *extra: str, epochs: int = EPOCHS) -> list[str]:
+    """The scenario jobs' settings: tiny data, ``epochs`` epochs, a checkpoint every ``EVERY`` steps."""
     return [
         f"data.train.paths=['{data / 'train'}']",
         f"data.eval.paths=['{data / 'eval'}']",
@@ -141,7 +142,7 @@ def job_overrides(data: Path, *extra: str) -> list[str]:
         "train.log_every=1",
         "train.warmup_steps=0",
         "train.progress='none'",
-        f"train.epochs={EPOCHS}",
+        f"train.epochs={epochs}",
         f"train.checkpoint_every_steps={EVERY}",
         "train.collective_timeout_s=60",
         *extra,
@@ -271,10 +272,10 @@ def compare_runs(reference: Path, run_dir: Path, exact: bool, auc_tolerance: flo
     return out
 
 
-def row_audit(run_dir: Path, data: Path) -> dict:
+def row_audit(run_dir: Path, data: Path, epochs: int) -> dict:
     from recsys.train.rows import check_exactly_once
 
-    report = check_exactly_once(run_dir, train_row_ids(data), EPOCHS)
+    report = check_exactly_once(run_dir, train_row_ids(data), epochs)
     return {"ok": report["ok"], "epochs": {str(e): v for e, v in report["epochs"].items()}}
 
 
@@ -284,15 +285,22 @@ def row_audit(run_dir: Path, data: Path) -> dict:
 class Scenarios:
     """The scenarios of one bench run, sharing the data and the uninterrupted references."""
 
-    def __init__(self, out: Path, data: Path) -> None:
-        self.out, self.data = out, data
+    def __init__(self, out: Path, data: Path, epochs: int = EPOCHS) -> None:
+        self.out, self.data, self.epochs = out, data, epochs
         self._references: dict[int, Path] = {}
+
+    def overrides(self, *extra: str) -> list[str]:
+        return job_overrides(self.data, *extra, epochs=self.epochs)
+
+    def fault_point(self, rng: random.Random) -> tuple[int, int]:
+        """Return (a step after the first checkpoint and before the last, a rank)."""
+        return rng.randrange(EVERY + 2, self.epochs * STEPS_PER_EPOCH - EVERY), rng.randrange(2)
 
     def reference(self, staleness: int) -> Path:
         """The uninterrupted run at ``staleness`` (run once)."""
         if staleness not in self._references:
             run_dir = self.out / f"reference-s{staleness}"
-            job = TrainJob(run_dir, job_overrides(self.data, f"store.staleness={staleness}")).start()
+            job = TrainJob(run_dir, self.overrides(f"store.staleness={staleness}")).start()
             code = job.wait()
             if code != 0:
                 raise RuntimeError(f"the uninterrupted reference run failed ({code}):\n{job.log_tail()}")
@@ -305,16 +313,16 @@ class Scenarios:
         if code != 0:
             details["log_tail"] = job.log_tail(1500)
             return False
-        details["rows"] = row_audit(job.run_dir, self.data)
+        details["rows"] = row_audit(job.run_dir, self.data, self.epochs)
         details["result"] = compare_runs(self.reference(staleness), job.run_dir, exact=True)
         details["resumed"] = [r["step"] for r in job.records() if r.get("event") == "resumed"]
         return details["rows"]["ok"] and details["result"]["ok"]
 
     def killed_worker(self, seed: int, staleness: int = 0) -> dict:
         rng = random.Random(seed)
-        at, victim = rng.randrange(EVERY + 2, EPOCHS * STEPS_PER_EPOCH - EVERY), rng.randrange(2)
+        at, victim = self.fault_point(rng)
         self.reference(staleness)
-        job = TrainJob(self.out / f"killed-s{staleness}-seed{seed}", job_overrides(self.data, f"store.staleness={staleness}"))
+        job = TrainJob(self.out / f"killed-s{staleness}-seed{seed}", self.overrides(f"store.staleness={staleness}"))
         details: dict = {"seed": seed, "staleness": staleness, "victim_rank": victim, "kill_after_step": at}
         try:
             pids = job.start().wait_for_step(at, attempt=0)
@@ -331,10 +339,10 @@ class Scenarios:
 
     def hung_worker(self, seed: int, timeout_s: float = 20.0) -> dict:
         rng = random.Random(seed)
-        at, victim = rng.randrange(EVERY + 2, EPOCHS * STEPS_PER_EPOCH - EVERY), rng.randrange(2)
+        at, victim = self.fault_point(rng)
         self.reference(0)
         job = TrainJob(self.out / f"hung-seed{seed}",
-                       job_overrides(self.data, f"train.collective_timeout_s={timeout_s}"))
+                       self.overrides(f"train.collective_timeout_s={timeout_s}"))
         details: dict = {"seed": seed, "victim_rank": victim, "stop_after_step": at, "collective_timeout_s": timeout_s}
         try:
             pids = job.start().wait_for_step(at, attempt=0)
@@ -356,10 +364,10 @@ class Scenarios:
 
     def preemption(self, seed: int) -> dict:
         rng = random.Random(seed)
-        at = rng.randrange(EVERY + 2, EPOCHS * STEPS_PER_EPOCH - EVERY)
+        at, _ = self.fault_point(rng)
         self.reference(0)
         run_dir = self.out / f"preempted-seed{seed}"
-        job = TrainJob(run_dir, job_overrides(self.data))
+        job = TrainJob(run_dir, self.overrides())
         details: dict = {"seed": seed, "sigterm_after_step": at}
         try:
             job.start().wait_for_step(at, attempt=0)
@@ -379,7 +387,7 @@ class Scenarios:
 
     def clear_errors(self) -> dict:
         run_dir = self.out / "clear-errors"
-        job = TrainJob(run_dir, job_overrides(self.data, f"data.train.paths=['{self.data / 'no-such-dir'}']"),
+        job = TrainJob(run_dir, self.overrides(f"data.train.paths=['{self.data / 'no-such-dir'}']"),
                        max_restarts=2).start()
         code = job.wait()
         lines = [ln for ln in job.log_tail().splitlines() if ln.strip()]
@@ -401,7 +409,7 @@ def measure(quick: bool, data: Path | None) -> dict:
         data = ROOT / "bench-out" / "data" / "tiny"
         if not (data / "oracle.json").exists():
             synth.generate("tiny", data, seed=0)
-    s = Scenarios(out, Path(data))
+    s = Scenarios(out, Path(data), epochs=1 if quick else EPOCHS)
     seeds = [1] if quick else [1, 2, 3, 4, 5]
     plan = [("killed_worker", (seed, 0)) for seed in seeds]
     plan += [("killed_worker", (seed, 1)) for seed in seeds[:1 if quick else 3]]
