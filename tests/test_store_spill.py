@@ -45,7 +45,7 @@ def closing():
 
 
 def cfg_for(url: str = "", **kw) -> StoreConfig:
-    base = dict(optimizer="adam", lr=0.05, weight_decay=0.01, spill_url=url, spill_retries=2,
+    base = dict(optimizer="adam", lr=0.05, weight_decay=0.01, spill_url=url, spill_namespace="recsys", spill_retries=2,
                 spill_backoff_s=0.01, spill_timeout_s=2.0)
     base.update(kw)
     return StoreConfig(**base)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
+import os
+import re
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,6 +14,7 @@ from recsys.redis_util import URL_SCHEMES as SPILL_SCHEMES  # one list of Redis 
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam", "sgd")
 DTYPES = ("float32", "float16")
 MAX_MIN_COUNT = 255  # admission counters are saturating uint8
+SPILL_OUTAGE = ("fail", "hold")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -45,8 +49,34 @@ class StoreConfig:
     """Rows per table and shard cached on the compute device, write-back (0: no device cache)."""
     spill_url: str = ""
     """Redis URL of the spill tier keeping evicted rows, e.g. ``redis://host:6379/0`` ("": none)."""
-    spill_namespace: str = "recsys"
-    """Prefix of spill keys: ``<namespace>:spill:<table>:<key as 16 hex digits>``."""
+    spill_namespace: str = ""
+    """Prefix of spill keys: ``<namespace>:spill:<table>:<key as 16 hex digits>``.
+
+    Empty (the default): one namespace per run, ``recsys-<job name>-<12 hex digits of the
+    run directory's absolute path>`` (``run_namespace``), the same for every rank and every
+    restart or resume of that run directory, and no other run's. A store or table built
+    outside a training run gets a temporary namespace of its own (deleted when it closes).
+    A run writes ``<namespace>:owner`` (its run directory and job) at start and refuses a
+    namespace another run owns (see ``spill_takeover``); it deletes its own tables' spilled
+    rows at start, since the checkpoint it resumes from holds every spilled row."""
+    spill_takeover: bool = False
+    """Take over a namespace another run owns: replace its owner record and delete this
+    job's tables' rows in it (other keys under the namespace are left alone)."""
+    spill_outage: Literal["fail", "hold"] = "fail"
+    """What a Redis outage does once ``spill_retries`` are used up. ``"fail"``: the call
+    raises ``SpillError`` (the training job ends with one line naming Redis, what failed and
+    the latest complete checkpoint, which holds every spilled row). ``"hold"``: training
+    goes on; evicted rows stay in memory (and are served from there) until Redis is back,
+    rows never spilled are initialized as usual, and only a read of a row that is in
+    Redis alone (or a checkpoint, which needs every row) waits for Redis. Either way no
+    spilled row is lost or re-initialized."""
+    spill_hold_timeout_s: float = 240.0
+    """``"hold"``: how long an outage may last before the next call raises ``SpillError``
+    after all. Keep it below ``train.collective_timeout_s`` with several ranks: a rank
+    waiting for Redis holds up the others' collectives."""
+    spill_hold_max_rows: int = 1_000_000
+    """``"hold"``: evicted rows (and deletions) held in memory during an outage before the
+    next eviction raises ``SpillError`` (a row takes its spilled size, ~24 + D·4·k bytes)."""
     spill_batch_rows: int = 1000
     """Keys per Redis command (MSET / MGET / UNLINK) of the spill tier."""
     spill_queue_rows: int = 100_000
@@ -90,13 +120,25 @@ class StoreConfig:
                 f"spill_url must start with one of {list(SPILL_SCHEMES)} (or be empty: no spill tier), "
                 f"found {self.spill_url!r}"
             )
-        if not self.spill_namespace or any(ch.isspace() for ch in self.spill_namespace):
-            raise ValueError(f"spill_namespace must be non-empty without whitespace, found {self.spill_namespace!r}")
+        if any(ch.isspace() for ch in self.spill_namespace) or any(ch in self.spill_namespace for ch in "*?[]\\"):
+            raise ValueError(
+                "spill_namespace must have no whitespace and no glob characters (* ? [ ] \\), "
+                f"or be empty (one per run), found {self.spill_namespace!r}"
+            )
+        if self.spill_outage not in SPILL_OUTAGE:
+            raise ValueError(f"spill_outage must be one of {list(SPILL_OUTAGE)}, found {self.spill_outage!r}")
+        if not (math.isfinite(self.spill_hold_timeout_s) and self.spill_hold_timeout_s > 0):
+            raise ValueError(f"spill_hold_timeout_s must be a finite number > 0, found {self.spill_hold_timeout_s}")
         if not 1 <= self.spill_batch_rows <= 100_000:
             raise ValueError(f"spill_batch_rows must be in [1, 100000], found {self.spill_batch_rows}")
         if self.spill_queue_rows < self.spill_batch_rows:
             raise ValueError(
                 f"spill_queue_rows must be >= spill_batch_rows ({self.spill_batch_rows}), found {self.spill_queue_rows}"
+            )
+        if self.spill_hold_max_rows < self.spill_queue_rows:
+            raise ValueError(
+                f"spill_hold_max_rows must be >= spill_queue_rows ({self.spill_queue_rows}), "
+                f"found {self.spill_hold_max_rows}"
             )
         if not 0 <= self.spill_retries <= 20:
             raise ValueError(f"spill_retries must be in [0, 20], found {self.spill_retries}")
@@ -109,6 +151,21 @@ class StoreConfig:
         """Return the longest a spill call waits in backoff before ``SpillError`` (timeouts excluded)."""
         return self.spill_backoff_s * (2**self.spill_retries - 1)
 
+    def spill_namespace_for(self, run_dir: str | os.PathLike, job_name: str) -> str:
+        """Return the namespace this config spills to in the run at ``run_dir`` (see
+        ``spill_namespace``): the configured one, else ``run_namespace(run_dir, job_name)``."""
+        return self.spill_namespace or run_namespace(run_dir, job_name)
+
     def init_bound(self, dim: int) -> float:
         """Return ``a`` of the initial distribution U(-a, a) for a table of width ``dim``."""
         return self.init_scale if self.init_scale is not None else 1.0 / math.sqrt(dim)
+
+
+def run_namespace(run_dir: str | os.PathLike, job_name: str) -> str:
+    """Return the spill namespace of the run at ``run_dir``: ``recsys-<job>-<hash>``, the hash
+    being 12 hex digits of SHA-256 of the directory's absolute path (stable across restarts
+    and resumes of the run directory, distinct between run directories)."""
+    path = os.path.abspath(os.fspath(run_dir))
+    digest = hashlib.sha256(path.encode("utf-8", "surrogateescape")).hexdigest()[:12]
+    job = re.sub(r"[^A-Za-z0-9_.-]", "_", job_name)[:40] or "job"
+    return f"recsys-{job}-{digest}"

@@ -60,7 +60,7 @@ from numba import njit
 # The numba-callable murmur3 finalizer of THE hashing module (one definition of the mixer).
 from recsys.hashing import _fmix
 
-__all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys"]
+__all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "merge_sketch_states"]
 
 _EMPTY = -1
 _MAP_TAG = np.uint64(0x2545F4914F6CDD1D)
@@ -591,3 +591,43 @@ class FrequencySketch:
             raise ValueError(f"sketch state has shape {cells.shape}, this sketch {self.cells.shape}")
         self.cells[...] = cells
         self.recorded = int(state["recorded"])
+
+
+def merge_sketch_states(states: list[dict], width: int, cap: int) -> dict:
+    """Return one ``FrequencySketch`` state of ``width`` columns that never undercounts any
+    key of the sketches in ``states`` (e.g. the shards of a table saved at another world size).
+
+    Each cell is the sum of the cells that hash to it, saturated at ``cap``: a key's cells
+    in every input are at least its count there (count-min with conservative update keeps
+    that), so their sum is at least its count in any one input. Widths are powers of two
+    and a key's column is its hash modulo the width, so a wider input folds (column j
+    collects every j' with j' mod width = j) and a narrower one repeats (column j reads
+    j mod its width). The aging counter starts over (the next halving comes a full period
+    later, which only keeps counts longer). ``step`` / ``step_keys``: the latest step of
+    the inputs and the union of their keys at that step (``EmbeddingTable.admission_state``).
+    Overcounts: each key also sees the other inputs' counts in its cells, like a hash
+    collision, so a key may be admitted before its ``cap``-th sighting, never after.
+    """
+    if not states:
+        raise ValueError("merge_sketch_states: no states")
+    width = int(width)
+    if width <= 0 or width & (width - 1):
+        raise ValueError(f"merge_sketch_states: width must be a power of two, found {width}")
+    depth = np.asarray(states[0]["cells"]).shape[0]
+    out = np.zeros((depth, width), dtype=np.int64)
+    for s in states:
+        cells = np.asarray(s["cells"], dtype=np.int64)
+        d, w = cells.shape
+        if d != depth or w <= 0 or w & (w - 1):
+            raise ValueError(f"merge_sketch_states: a sketch of shape {cells.shape}, expected ({depth}, 2^k)")
+        if w == width:
+            out += cells
+        elif w > width:
+            out += cells.reshape(depth, w // width, width).sum(axis=1)
+        else:
+            out += np.tile(cells, (1, width // w))
+    step = max(int(s.get("step", -1)) for s in states)
+    at_step = [np.asarray(s.get("step_keys", ()), dtype=np.int64) for s in states if int(s.get("step", -1)) == step]
+    keys = np.unique(np.concatenate(at_step)) if at_step else np.empty(0, dtype=np.int64)
+    return {"cells": np.minimum(out, int(cap)).astype(np.uint8), "recorded": 0, "step": step,
+            "step_keys": keys if step >= 0 else keys[:0]}

@@ -37,11 +37,15 @@ in one message each), plus one for the per-table counts.
 from __future__ import annotations
 
 import collections
-import math
 import dataclasses
+import logging
+import math
+import os
 import queue
+import sys
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -55,6 +59,9 @@ from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch, unique_inverse
 from recsys.store.pooling import pool_backward, pool_forward, pool_torch, scatter_add
+
+log = logging.getLogger(__name__)
+ADMISSION_FORMAT = 1
 
 
 @dataclasses.dataclass(slots=True)
@@ -167,6 +174,16 @@ class ShardedEmbeddingStore:
     """Return-by-lookup store of every table's rows, sharded over a process group by owner.
 
     ``group=None`` with no initialized process group means one process owning every row.
+
+    ``run_dir`` / ``job_name``: the training run this store belongs to. With a spill tier
+    (``cfg.spill_url``) it spills to the run's namespace (``cfg.spill_namespace``, or when
+    empty one derived from the run directory and job: ``StoreConfig.spill_namespace_for``),
+    claims it (``<namespace>:owner``; another run's namespace is refused with ``SpillError``
+    unless ``cfg.spill_takeover``) and deletes this shard's rows in it: the rows of a run
+    are those of the checkpoint it resumes from (``load_state_dict``), or none. A store
+    with a configured namespace and no run deletes its rows at start too; one with neither
+    spills to temporary namespaces (deleted by ``close``). A ``SpillError`` of a store with
+    a run directory also names the latest complete checkpoint, which is intact.
     """
 
     def __init__(
@@ -178,8 +195,13 @@ class ShardedEmbeddingStore:
         device: torch.device | str = "cpu",
         threaded: bool = False,
         table_factory: Callable[[str, TableSpec, StoreConfig], object] | None = None,
+        run_dir: str | os.PathLike | None = None,
+        job_name: str = "job",
     ) -> None:
         self.schema = schema
+        self.run_dir = None if run_dir is None else Path(os.path.abspath(run_dir))
+        if cfg.spill_url and self.run_dir is not None:
+            cfg = dataclasses.replace(cfg, spill_namespace=cfg.spill_namespace_for(self.run_dir, job_name))
         self.cfg = cfg
         self.device = torch.device(device)
         if group is None and dist.is_available() and dist.is_initialized():
@@ -194,6 +216,14 @@ class ShardedEmbeddingStore:
             name: self._make_table(table_factory, name, self._shard_spec(spec), cfg)
             for name, spec in schema.tables.items()
         }
+        try:
+            self._start_spill(job_name)
+        except BaseException as exc:
+            for table in self.tables.values():
+                spill = getattr(table, "spill", None)
+                if spill is not None:
+                    spill.abandon()
+            raise self._explain(exc) from None
         self._features_of = {
             t: [i for i, f in enumerate(schema.sparse) if f.table == t] for t in self.table_names
         }
@@ -250,6 +280,48 @@ class ShardedEmbeddingStore:
             table = DeviceCache(table, cfg.device_cache_rows, self.device)
         return table
 
+    def _spill_tiers(self) -> list:
+        return [t.spill for t in self.tables.values() if getattr(t, "spill", None) is not None]
+
+    def _start_spill(self, job_name: str) -> None:
+        """Claim the run's spill namespace and delete this shard's rows in it (see the class doc)."""
+        tiers = self._spill_tiers()
+        if not tiers or tiers[0].temporary:
+            return
+        from recsys.store.spill import clear_tables
+
+        if self.run_dir is not None:
+            taken = tiers[0].claim({"run_dir": str(self.run_dir), "job": job_name}, takeover=self.cfg.spill_takeover)
+            if taken is not None:
+                log.warning("spill namespace %r taken over from %s (store.spill_takeover)", tiers[0].namespace, taken)
+        n = clear_tables(tiers)
+        if n:
+            log.info("deleted %d spilled rows this shard left in namespace %r", n, tiers[0].namespace)
+
+    def _explain(self, exc: BaseException) -> BaseException:
+        """Return ``exc``, or for a ``SpillError`` of a store with a run directory, the same
+        error naming the run's latest complete checkpoint (intact: it holds every row)."""
+        spill_mod = sys.modules.get("recsys.store.spill")
+        if (spill_mod is None or not isinstance(exc, spill_mod.SpillError) or self.run_dir is None
+                or getattr(exc, "explained", False)):
+            return exc
+        from recsys import checkpoint_files
+
+        try:
+            latest = checkpoint_files.latest(self.run_dir / "checkpoints")
+            step = checkpoint_files.load_meta(latest)["step"] if latest is not None else None
+        except Exception:  # noqa: BLE001 - the note is best effort; the error stands
+            latest = step = None
+        if latest is not None:
+            note = (f"The latest complete checkpoint, {latest} (step {step}), is intact and holds every spilled "
+                    f"row: once Redis is back, train again with --run-dir {self.run_dir} to resume from it.")
+        else:
+            note = f"No checkpoint of the run {self.run_dir} was written yet: once Redis is back, the run starts over."
+        out = spill_mod.SpillError(f"{str(exc).rstrip('.')}. {note}", transient=exc.transient)
+        out.explained = True
+        out.__cause__ = exc
+        return out
+
     def _shard_spec(self, spec: TableSpec) -> TableSpec:
         """Return the spec of this rank's shard: its share of the capacity plus hashing slack.
 
@@ -297,9 +369,23 @@ class ShardedEmbeddingStore:
         self._submit(("push", lookup.step, (lookup, g_rows, g_pooled)))
 
     def cancel(self, lookup: Lookup) -> None:
-        """Withdraw the push a training lookup promised (e.g. a look-ahead never trained on)."""
+        """Withdraw the push a training lookup promised (e.g. a look-ahead never trained on).
+
+        With admission (``min_count > 1``), a lookup of the same step made later counts the
+        sightings this one counted once in all (``EmbeddingTable.arm_admission_replay``)."""
         self._fulfil(lookup)
         self._submit(("push", lookup.step, None))
+        if self.cfg.min_count > 1 and lookup.step is not None:
+            step = lookup.step
+
+            def arm() -> None:
+                for table in self.tables.values():
+                    host = getattr(table, "host", table)  # a DeviceCache's host table
+                    arm_replay = getattr(host, "arm_admission_replay", None)
+                    if arm_replay is not None:
+                        arm_replay(step)
+
+            self._submit(("call", arm))
 
     def flush(self, through_step: int | None = None) -> None:
         """Apply every queued push of steps ``<= through_step`` (all when None) now."""
@@ -316,6 +402,11 @@ class ShardedEmbeddingStore:
         if self._worker is not None and self._worker.is_alive():
             self._ops.put(None)
             self._worker.join()
+        if self._failure is not None:
+            # the failure was raised to the caller already; the checkpoint holds the truth,
+            # so buffered spill writes are dropped instead of waited for
+            for spill in self._spill_tiers():
+                spill.abandon()
         errors: list[BaseException] = []
         try:
             if self._failure is None:
@@ -329,8 +420,10 @@ class ShardedEmbeddingStore:
                     close()
                 except BaseException as exc:  # noqa: BLE001
                     errors.append(exc)
-        if errors:
-            raise errors[0]
+        if errors and self._failure is None:
+            raise self._explain(errors[0])
+        for exc in errors:
+            log.warning("closing the store after an earlier failure: %s", exc)
 
     def peek_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return this shard's float32 rows of ``keys`` in ``table`` (zeros where absent)."""
@@ -344,11 +437,12 @@ class ShardedEmbeddingStore:
         """Return this shard's rows per table (``flush`` first for a consistent snapshot)."""
         return self._call(lambda: {name: table.state_dict() for name, table in self.tables.items()})
 
-    def load_state_dict(self, state: dict[str, pa.Table]) -> None:
+    def load_state_dict(self, state: dict[str, pa.Table], admission: dict | None = None) -> None:
         """Load rows saved at any world size: this rank keeps the rows it owns.
 
         The saved rows are the whole truth: rows this shard spilled to Redis earlier (say,
         after the checkpoint was taken) are deleted first, so none comes back stale.
+        ``admission``: ``admission_state_dict()["admission"]`` of the same checkpoint (see there).
         """
         unknown = sorted(set(state) - set(self.tables))
         if unknown:
@@ -361,8 +455,80 @@ class ShardedEmbeddingStore:
                 keys = rows.column("key").to_numpy()
                 mine = hashing.owner_of(keys, self.world_size) == self.rank
                 self.tables[name].load_state_dict(rows.filter(pa.array(mine)))
+            if admission is not None and self.cfg.min_count > 1:
+                self._load_admission(admission)
 
         self._call(load)
+
+    def admission_state_dict(self) -> dict:
+        """Return ``{"admission": ...}``, every shard's admission state (``min_count > 1``),
+        for the checkpoint's dense state (tensors and plain data: ``torch.load(weights_only)``
+        reads it); ``{}`` on ranks other than 0 and without admission. Collective.
+
+        ``admission``: ``format``, ``world_size``, ``min_count`` and per table ``cells``
+        uint8 [world, depth, width], ``recorded`` and ``step`` int64 [world], ``step_keys``
+        (one int64 tensor per rank): ``EmbeddingTable.admission_state`` of every shard.
+        ``load_state_dict(..., admission=...)`` restores it: at the same world size (and
+        table capacity and min_count) each rank takes its own shard's state, exactly; else
+        every rank takes the saturating sum of all shards' sketches folded to its width
+        (``keymap.merge_sketch_states``), which never undercounts a key: a key is admitted
+        no later than after a run that was never resized, possibly earlier.
+        """
+        if self.cfg.min_count <= 1:
+            return {}
+
+        def gather() -> list[dict] | None:
+            mine = {}
+            for name, table in self.tables.items():
+                state = table.admission_state() if hasattr(table, "admission_state") else None
+                if state is not None:
+                    mine[name] = state
+            if self.world_size == 1:
+                return [mine]
+            shards = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, shards, group=self.group, group_dst=0)
+            return shards
+
+        shards = self._call(gather)
+        if self.rank != 0:
+            return {}
+        tables = {}
+        for name in shards[0]:
+            per = [s[name] for s in shards]
+            tables[name] = {
+                "cells": torch.from_numpy(np.stack([np.asarray(p["cells"], dtype=np.uint8) for p in per])),
+                "recorded": torch.tensor([int(p["recorded"]) for p in per], dtype=torch.int64),
+                "step": torch.tensor([int(p["step"]) for p in per], dtype=torch.int64),
+                "step_keys": [torch.from_numpy(np.asarray(p["step_keys"], dtype=np.int64)) for p in per],
+            }
+        return {"admission": {"format": ADMISSION_FORMAT, "world_size": self.world_size,
+                              "min_count": self.cfg.min_count, "tables": tables}}
+
+    def _load_admission(self, payload: dict) -> None:
+        """Restore ``admission_state_dict()["admission"]`` (see there) into this shard's tables."""
+        from recsys.store.keymap import merge_sketch_states
+
+        if int(payload.get("format", 0)) != ADMISSION_FORMAT:
+            raise ValueError(f"admission state of format {payload.get('format')}, this store reads {ADMISSION_FORMAT}")
+        saved_world = int(payload["world_size"])
+        exact_config = saved_world == self.world_size and int(payload["min_count"]) == self.cfg.min_count
+        for name, entry in payload["tables"].items():
+            table = self.tables.get(name)
+            current = table.admission_state() if table is not None and hasattr(table, "admission_state") else None
+            if current is None:
+                continue
+            cells = entry["cells"].numpy()
+            states = [{"cells": cells[r], "recorded": int(entry["recorded"][r]), "step": int(entry["step"][r]),
+                       "step_keys": entry["step_keys"][r].numpy()} for r in range(cells.shape[0])]
+            if exact_config and cells.shape[1:] == current["cells"].shape:
+                state = states[self.rank]
+            else:
+                state = merge_sketch_states(states, current["cells"].shape[1], self.cfg.min_count)
+            table.load_admission_state(state)
+            # the resumed run redoes the checkpoint's look-ahead lookup: its sightings counted
+            host = getattr(table, "host", table)  # a DeviceCache's host table
+            if hasattr(host, "arm_admission_replay"):
+                host.arm_admission_replay(int(state["step"]))
 
     # ------------------------------------------------------------------ the schedule
 
@@ -416,6 +582,7 @@ class ShardedEmbeddingStore:
                 result = self._do_lookup(kjt, step, train)
             fut.set_result(result)
         except BaseException as exc:  # noqa: BLE001 - surfaced through the future
+            exc = self._explain(exc)
             if self._threaded:
                 self._failure = exc
             fut.set_exception(exc)
@@ -449,6 +616,7 @@ class ShardedEmbeddingStore:
                     try:
                         self._reserve(op[1], op[2], True)
                     except BaseException as exc:  # noqa: BLE001 - surfaced through the future
+                        exc = self._explain(exc)
                         self._failure = exc
                         waiting.popleft()
                         fut.set_exception(exc)

@@ -7,12 +7,15 @@ One ``SpillTier`` per table and shard (``EmbeddingTable`` drives it; see its mod
     table evicts rows ──► put(rows) ──► encode ──► buffer {key: bytes} ──► writer thread
                                                    │   (pending, then in flight)   │ pipelined MSET
                                                    │                               ▼ / UNLINK, B keys
-    table misses ──► fetch(keys) ──► buffer first ─┘  else MGET (chunks of B) ──► Redis
+    table misses ──► fetch(keys) ──► buffer first ─┤  else, keys in the index: MGET ──► Redis
+                                                   └─ else: not spilled (no round trip)
     rows restored ──► forget(keys) ──► buffer {key: None} (a tombstone) ──► writer: UNLINK
 
 Keys: ``<namespace>:spill:<table>:<key as 16 lowercase hex digits>`` (the key's uint64
 bits). Nothing about the shard or world size enters it, so a row spilled at one world size
-is found at any other.
+is found at any other. The namespace (``StoreConfig.spill_namespace``) belongs to one
+training run: ``<namespace>:owner`` names it (``claim``), and a run deletes its tables'
+rows at start (``clear_tables``): the checkpoint it resumes from holds every spilled row.
 
 Values: raw little-endian bytes, one fixed-size record per row, decoded with
 ``np.frombuffer`` (no pickle, no JSON)::
@@ -29,6 +32,15 @@ Values: raw little-endian bytes, one fixed-size record per row, decoded with
          …        optimizer state columns in ``optim.state_columns`` order:
                   per-dim ones D·4 (float32), row-wise ones 4 (float32) or 8 (adam_step, int64)
 
+The index: the exact set of keys this tier has in Redis (built by one SCAN on first use, or
+known empty after ``clear``; then kept by the writer: a confirmed SET adds a key, a confirmed
+UNLINK removes it). ~16-32 bytes of host memory per spilled row. It lets a miss of a key
+never spilled cost no round trip and no Redis at all, which is what lets training go on
+during an outage; and a key in the index that Redis no longer has is a lost row, reported
+(``SpillError``) instead of re-initialized. One writer per key: a namespace belongs to one
+run and a key to one shard; rows written by another tier after this one's index was built
+are not seen.
+
 Semantics, exactly:
 
 - ``put`` encodes at once and buffers the rows (the newest copy of a key wins); a writer
@@ -36,28 +48,44 @@ Semantics, exactly:
   confirmed it. While the buffer holds ``spill_queue_rows`` rows or more, ``put`` waits
   for the writer (back-pressure), never dropping rows.
 - ``fetch`` answers from the buffer first (pending, then in flight): a buffered value is
-  the newest copy, a buffered tombstone means "not spilled". Only keys the buffer does
-  not know are read from Redis (MGET, read-only). A value of another format raises.
+  the newest copy, a buffered tombstone means "not spilled". Keys the buffer does not know
+  are read from Redis (MGET, read-only) if the index has them, else are not spilled. A
+  value of another format raises; so does a key of the index that Redis does not have.
 - After the table restored rows it calls ``forget``: tombstones, written as UNLINK by the
   writer, after any in-flight SET of the same key (batches are written in order), so a
   later eviction's copy is the only one that counts.
 - Every Redis call is retried ``spill_retries`` times on connection errors and timeouts,
-  waiting ``spill_backoff_s`` and doubling; then ``SpillError`` (the URL, the operation,
-  the table, what to do). A failed read leaves the table unchanged. A failed background
-  write keeps its rows buffered (still served by ``fetch``) and raises ``SpillError`` on
-  the next call of this tier (``check`` at every table call); the writer then tries again.
-- ``flush`` waits until the buffer is written; ``close`` flushes and stops the writer.
-- Enumeration (``rows``, ``clear``) uses ``SCAN`` and ``UNLINK``, never ``KEYS``.
+  waiting ``spill_backoff_s`` and doubling. Then, by ``spill_outage``:
+
+  - ``"fail"``: ``SpillError`` (the URL, the operation, the table, what to do). A failed
+    read leaves the table unchanged. A failed background write keeps its rows buffered
+    (still served by ``fetch``) and raises ``SpillError`` on the next call of this tier
+    (``check`` at every table call); the writer then tries again.
+  - ``"hold"``: an *outage* begins. The writer keeps its rows buffered (served by
+    ``fetch``) and tries again every ~1 s; ``put`` stops waiting for the writer (the buffer
+    may grow to ``spill_hold_max_rows``, then ``put`` raises, the rows kept); a miss of a
+    key the index does not have needs no Redis; a read that needs Redis (a key in the
+    index, ``rows``, ``clear``) and ``flush`` wait for it. The first Redis call that
+    succeeds ends the outage. Once it lasted ``spill_hold_timeout_s``, calls raise
+    ``SpillError`` as with ``"fail"``.
+- ``flush`` waits until the buffer is written; ``close`` flushes and stops the writer (and
+  deletes a temporary namespace's rows); ``abandon`` stops the writer without writing
+  (after a failure: the checkpoint, not this process, holds the truth).
+- Enumeration (``clear``, building the index) uses ``SCAN`` and ``UNLINK``, never ``KEYS``.
 
 Counters: ``spill_writes`` (rows confirmed written), ``spill_unlinks`` (tombstones
 applied), ``spill_hits`` / ``spill_misses`` (fetched keys found / not found),
 ``spill_buffer_hits`` (hits answered from the buffer), ``spill_errors`` (failed Redis
-attempts, retried ones included), ``spill_pending`` (rows and tombstones not yet written).
+attempts, retried ones included), ``spill_outages`` (outages begun, ``"hold"``),
+``spill_pending`` (rows and tombstones not yet written), ``spill_stored`` (keys in the
+index; -1 before it is built).
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import secrets
 import threading
 import time
 from typing import Callable
@@ -65,9 +93,12 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 import redis
+from numba import njit
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from recsys.errors import UserError
+from recsys.hashing import _fmix
 from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
 from recsys.store import optim
@@ -75,7 +106,8 @@ from recsys.store.config import StoreConfig
 from recsys.store.keymap import as_keys
 from recsys.store.table import RowBlock, _int64_column, _matrix_column, _vector_column, to_float16
 
-__all__ = ["SpillTier", "SpillError", "spill_key", "spill_prefix", "value_dtype", "FORMAT_VERSION"]
+__all__ = ["SpillTier", "SpillError", "spill_key", "spill_prefix", "owner_key", "value_dtype", "clear_tables",
+           "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _DTYPE_CODES = {"float32": 0, "float16": 1}
@@ -83,12 +115,22 @@ _OPTIMIZER_CODES = {"rowwise_adagrad": 0, "adagrad": 1, "adam": 2, "sgd": 3}
 _HEADER = np.dtype([("version", "u1"), ("dtype", "u1"), ("optimizer", "u1"), ("reserved", "u1"), ("dim", "<u4")])
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
 _BATCHES_PER_ROUND = 16  # commands per pipelined round trip of the writer
+_HOLD_MAX_DELAY_S = 1.0  # "hold": the longest wait between two tries during an outage
 _UNKNOWN = object()  # fetch: the buffer does not know the key
-COUNTERS = ("spill_writes", "spill_unlinks", "spill_hits", "spill_misses", "spill_buffer_hits", "spill_errors")
+COUNTERS = ("spill_writes", "spill_unlinks", "spill_hits", "spill_misses", "spill_buffer_hits", "spill_errors",
+            "spill_outages")
 
 
-class SpillError(RuntimeError):
-    """Redis, as the spill tier, failed past the bounded retry (or holds unreadable values)."""
+class SpillError(UserError, RuntimeError):
+    """Redis, as the spill tier, failed past the bounded retry (or holds unreadable values,
+    lost spilled rows, or the namespace belongs to another run).
+
+    A ``UserError`` (the environment, not the code, is at fault): commands print its one
+    line. ``transient``: a connection error or timeout that outlasted the retries."""
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 # --------------------------------------------------------------------------- keys and values
@@ -104,6 +146,11 @@ def spill_key(namespace: str, table: str, key: int) -> str:
     return f"{spill_prefix(namespace, table)}{key & 0xFFFFFFFFFFFFFFFF:016x}"
 
 
+def owner_key(namespace: str) -> str:
+    """Return the Redis key naming the run that owns ``namespace`` (JSON: run_dir, job)."""
+    return f"{namespace}:owner"
+
+
 def value_dtype(dim: int, cfg: StoreConfig) -> np.dtype:
     """Return the numpy record type of one spilled row (see the module doc)."""
     emb = "<f4" if cfg.dtype == "float32" else "<f2"
@@ -115,6 +162,107 @@ def value_dtype(dim: int, cfg: StoreConfig) -> np.dtype:
     return np.dtype(fields)
 
 
+# --------------------------------------------------------------------------- the index
+# An open-addressing set of int64 keys (linear probing; slot states 0 empty, 1 used,
+# 2 deleted), at most half full counting deleted slots, rebuilt when it would be fuller.
+
+_INDEX_TAG = np.uint64(0x2545F4914F6CDD1D)
+
+
+@njit(inline="always")
+def _slot_of(table, state, k):
+    """Return (slot holding k, or the slot to insert k at; whether k is there)."""
+    mask = np.uint64(table.shape[0] - 1)
+    j = np.int64(_fmix(np.uint64(k) ^ _INDEX_TAG) & mask)
+    free = np.int64(-1)
+    while True:
+        s = state[j]
+        if s == 0:
+            return (j if free < 0 else free), False
+        if s == 1 and table[j] == k:
+            return j, True
+        if s == 2 and free < 0:
+            free = j
+        j = np.int64((np.uint64(j) + np.uint64(1)) & mask)
+
+
+@njit(nogil=True, cache=True)
+def _index_add(table, state, items):
+    added = 0
+    reused = 0
+    for i in range(items.shape[0]):
+        j, there = _slot_of(table, state, items[i])
+        if there:
+            continue
+        if state[j] == 2:
+            reused += 1
+        table[j] = items[i]
+        state[j] = 1
+        added += 1
+    return added, reused
+
+
+@njit(nogil=True, cache=True)
+def _index_remove(table, state, items):
+    removed = 0
+    for i in range(items.shape[0]):
+        j, there = _slot_of(table, state, items[i])
+        if there:
+            state[j] = 2
+            removed += 1
+    return removed
+
+
+@njit(nogil=True, cache=True)
+def _index_contains(table, state, items, out):
+    for i in range(items.shape[0]):
+        _, out[i] = _slot_of(table, state, items[i])
+
+
+class _KeyIndex:
+    """The keys a tier has in Redis: add / remove / contains on int64 arrays."""
+
+    def __init__(self, keys: np.ndarray | None = None) -> None:
+        self._alloc(16)
+        self.size = 0
+        self._filled = 0  # used + deleted slots
+        if keys is not None:
+            self.add(keys)
+
+    def _alloc(self, capacity: int) -> None:
+        self._table = np.zeros(capacity, dtype=np.int64)
+        self._state = np.zeros(capacity, dtype=np.uint8)
+
+    def add(self, keys: np.ndarray) -> None:
+        keys = as_keys(keys)
+        if keys.shape[0] == 0:
+            return
+        if 2 * (self._filled + keys.shape[0]) > self._table.shape[0]:
+            live = self.keys()
+            need = 4 * (live.shape[0] + keys.shape[0])
+            self._alloc(1 << max(4, (need - 1).bit_length()))
+            self.size = self._filled = 0
+            self.add(live)
+        added, reused = _index_add(self._table, self._state, keys)
+        self.size += int(added)
+        self._filled += int(added) - int(reused)
+
+    def remove(self, keys: np.ndarray) -> None:
+        keys = as_keys(keys)
+        if keys.shape[0]:
+            self.size -= int(_index_remove(self._table, self._state, keys))
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        keys = as_keys(keys)
+        out = np.zeros(keys.shape[0], dtype=np.bool_)
+        if self.size and keys.shape[0]:
+            _index_contains(self._table, self._state, keys, out)
+        return out
+
+    def keys(self) -> np.ndarray:
+        return self._table[self._state == 1].copy()
+
+
 # --------------------------------------------------------------------------- the tier
 
 
@@ -123,7 +271,9 @@ class SpillTier:
 
     ``owns(keys) -> bool mask`` limits ``rows`` and ``clear`` to this shard's keys (None:
     all keys of the table). ``client``: a ready ``redis.Redis`` (tests); by default one
-    is made from ``cfg.spill_url`` with this module's retry policy and no other.
+    is made from ``cfg.spill_url`` with this module's retry policy and no other. An empty
+    ``cfg.spill_namespace`` gives the tier a temporary namespace of its own
+    (``recsys-tmp-<random>``, its rows deleted by ``close``).
     """
 
     def __init__(
@@ -141,9 +291,12 @@ class SpillTier:
         self.dim = int(dim)
         self.cfg = cfg
         self.url = _redact(cfg.spill_url) if cfg.spill_url else "<given client>"
-        self.prefix = spill_prefix(cfg.spill_namespace, table)
+        self.temporary = not cfg.spill_namespace
+        self.namespace = cfg.spill_namespace or f"recsys-tmp-{secrets.token_hex(8)}"
+        self.prefix = spill_prefix(self.namespace, table)
         self._prefix_b = self.prefix.encode()
         self._owns = owns
+        self._hold = cfg.spill_outage == "hold"
         self.dtype = value_dtype(self.dim, cfg)
         self._columns = optim.state_columns(cfg.optimizer)
         self._storage = np.dtype(cfg.dtype)
@@ -157,12 +310,19 @@ class SpillTier:
             retry=Retry(NoBackoff(), 0),  # the retries are ours (bounded, with backoff)
             health_check_interval=0,
         )
-        self._cond = threading.Condition()
+        self._cond = threading.Condition()  # re-entrant
         self._pending: dict[int, bytes | None] = {}  # newest wanted state per key, not yet taken
         self._inflight: dict[int, bytes | None] = {}  # the batch the writer is writing
+        self._index: _KeyIndex | None = None  # keys in Redis (None: not built yet)
         self._error: SpillError | None = None  # a failed write, not yet raised
         self._paused = False  # the writer waits until the error was raised
         self._closing = False
+        self._abandoned = False
+        self._used_redis = False  # wrote or deleted something (a temporary namespace is cleaned)
+        self._outage_since: float | None = None  # "hold": monotonic start of the current outage
+        self._outage_cause = ""
+        self._retry_at = 0.0  # "hold": the writer's next try during an outage
+        self._writer_delay = max(cfg.spill_backoff_s, 0.01)
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._write_gate: Callable[[], object] | None = None  # test hook: called per batch taken
         self._writer = threading.Thread(target=self._write_loop, name=f"spill-writer-{table}", daemon=True)
@@ -173,13 +333,20 @@ class SpillTier:
     def counters(self) -> dict[str, int]:
         """Return the counters (see the module doc)."""
         with self._cond:
-            return {**self._counters, "spill_pending": len(self._pending) + len(self._inflight)}
+            return {**self._counters, "spill_pending": len(self._pending) + len(self._inflight),
+                    "spill_stored": -1 if self._index is None else self._index.size}
 
     @property
     def write_failed(self) -> bool:
         """Return True while a failed background write waits to be raised by ``check``."""
         with self._cond:
             return self._error is not None
+
+    @property
+    def in_outage(self) -> bool:
+        """Return True while Redis is unreachable and ``spill_outage = "hold"`` holds rows."""
+        with self._cond:
+            return self._outage_since is not None
 
     def check(self) -> None:
         """Raise the ``SpillError`` of a failed background write once (the writer then retries)."""
@@ -204,10 +371,18 @@ class SpillTier:
             self._pending.update(zip(block.keys.tolist(), values))
             self._cond.notify_all()
             while (len(self._pending) + len(self._inflight) > limit and self._error is None
-                   and self._writer.is_alive()):
+                   and self._outage_since is None and self._writer.is_alive() and not self._abandoned):
                 self._cond.wait(timeout=1.0)
+            held = len(self._pending) + len(self._inflight)
+            over = self._outage_since is not None and held > self.cfg.spill_hold_max_rows
         self.check()
         self._check_writer()
+        if over:
+            raise SpillError(
+                f"spill tier of table {self.table!r}: Redis {self.url} is unreachable and {held} evicted rows "
+                f"and deletions are held in memory, more than StoreConfig.spill_hold_max_rows "
+                f"({self.cfg.spill_hold_max_rows}) allows (last error: {self._outage_cause}); they are not lost "
+                "while this process lives. Bring Redis back, or raise spill_hold_max_rows", transient=True)
 
     def forget(self, keys: np.ndarray) -> None:
         """Mark ``keys``' spilled copies as stale (restored into the table): they will be
@@ -222,34 +397,41 @@ class SpillTier:
     def fetch(self, keys_N: np.ndarray, count: bool = True) -> tuple[np.ndarray, RowBlock]:
         """Return (found mask [N], the found rows in input order) of ``keys_N``; read-only.
 
-        Raises ``SpillError`` if Redis cannot answer within the retry bound."""
+        Raises ``SpillError`` if Redis cannot answer within the retry bound (``"hold"``:
+        within ``spill_hold_timeout_s`` of the outage's start), or lost a spilled row."""
         keys = as_keys(keys_N)
         n = keys.shape[0]
         found = np.zeros(n, dtype=bool)
         values: list[bytes | None] = [None] * n
-        unknown: list[int] = []
+        if n == 0:
+            return found, self._decode([], keys[:0])
+        self._ensure_index()
         with self._cond:
             pending, inflight = self._pending, self._inflight
             if not pending and not inflight:
-                unknown = list(range(n))
+                unknown = np.arange(n)
             else:
+                rest = []
                 for i, k in enumerate(keys.tolist()):
                     v = pending.get(k, _UNKNOWN)
                     if v is _UNKNOWN:
                         v = inflight.get(k, _UNKNOWN)
                     if v is _UNKNOWN:
-                        unknown.append(i)
+                        rest.append(i)
                     elif v is not None:  # None: a tombstone, the key is not spilled
                         values[i] = v
                         found[i] = True
+                unknown = np.asarray(rest, dtype=np.int64)
+            ask = unknown[self._index.contains(keys[unknown])] if unknown.shape[0] else unknown
         n_buffer = int(found.sum())
-        if unknown:
-            idx = np.asarray(unknown, dtype=np.int64)
-            got = self._mget(self._names(keys[idx]), "read (MGET) of spilled rows")
-            for i, v in zip(unknown, got):
-                if v is not None:
-                    values[i] = v
-                    found[i] = True
+        if ask.shape[0]:
+            got = self._mget(self._names(keys[ask]), "read (MGET) of spilled rows")
+            lost = [i for i, v in zip(ask.tolist(), got) if v is None]
+            if lost:
+                raise self._lost_error(keys[np.asarray(lost)])
+            for i, v in zip(ask.tolist(), got):
+                values[i] = v
+                found[i] = True
         block = self._decode([v for v in values if v is not None], keys[found])
         if count:
             with self._cond:
@@ -264,18 +446,22 @@ class SpillTier:
         self.check()
         with self._cond:
             self._cond.notify_all()
-            while (self._pending or self._inflight) and self._error is None and self._writer.is_alive():
+            while ((self._pending or self._inflight) and self._error is None and self._writer.is_alive()
+                   and not self._abandoned):
                 self._cond.wait(timeout=1.0)
         self.check()
         self._check_writer()
 
     def close(self) -> None:
-        """Flush, stop the writer and close the connections. If the flush fails the rows
-        stay buffered in this object and ``SpillError`` is raised. Closing twice is a no-op."""
+        """Flush, stop the writer and close the connections; a temporary namespace's rows
+        are deleted. If the flush fails the rows stay buffered in this object and
+        ``SpillError`` is raised. Closing twice is a no-op."""
         if self._closing:
             return
         try:
             self.flush()
+            if self.temporary and self._used_redis:
+                self.clear()
         finally:
             with self._cond:
                 self._closing = True
@@ -284,29 +470,102 @@ class SpillTier:
             if self._own_client:
                 self._client.close()
 
-    def _spilled_keys(self) -> np.ndarray:
-        """Return the keys of this table's spilled rows (``owns``' keys only), after a flush."""
+    def abandon(self) -> None:
+        """Stop the writer without writing what is buffered and close the connections
+        (after a failure, when the checkpoint holds the truth). Idempotent."""
+        with self._cond:
+            self._abandoned = True
+            self._closing = True
+            self._cond.notify_all()
+        # a write in progress ends within its retry bound
+        self._writer.join(timeout=(self.cfg.spill_retries + 1) * (2 * self.cfg.spill_timeout_s)
+                          + self.cfg.spill_retry_budget_s() + 1)
+        if self._own_client:
+            self._client.close()
+
+    def rows(self) -> RowBlock:
+        """Return every row spilled by this table (``owns``' keys only), after a flush."""
+        self._ensure_index()
         self.flush()
+        with self._cond:
+            keys = self._index.keys()
+        values = self._mget(self._names(keys), "read (MGET) of spilled rows")
+        lost = np.array([v is None for v in values], dtype=bool)
+        if lost.any():
+            raise self._lost_error(keys[lost])
+        return self._decode(values, keys)
+
+    def clear(self) -> int:
+        """Delete this table's spilled rows (``owns``' keys only, found by SCAN, so rows
+        another process left are deleted too) after a flush; return how many Redis keys
+        were unlinked."""
+        self.flush()
+        keys = self._scan_keys()
+        n = self._unlink(self._names(keys))
+        with self._cond:
+            self._index = _KeyIndex()
+        return n
+
+    def mark_empty(self) -> None:
+        """Record that Redis holds none of this tier's keys (``clear_tables`` just deleted them)."""
+        with self._cond:
+            self._index = _KeyIndex()
+
+    def claim(self, owner: dict, takeover: bool = False) -> dict | None:
+        """Make the run described by ``owner`` (JSON-able: run_dir, job) the namespace's owner.
+
+        Refuses (``SpillError``) a namespace another run owns unless ``takeover``; returns
+        the owner taken over from (None: the namespace was free or already ours)."""
+        key = owner_key(self.namespace)
+        value = json.dumps(owner, sort_keys=True)
+
+        def op():
+            if takeover:
+                previous = self._client.get(key)
+                self._client.set(key, value)
+                return previous
+            self._client.set(key, value, nx=True)
+            return self._client.get(key)
+
+        got = self._redis(f"claim of the namespace (SET NX / GET {key})", op)
+        theirs = _parse_owner(got)
+        if theirs is None or theirs == json.loads(value):
+            return None
+        if takeover:
+            return theirs
+        raise SpillError(
+            f"spill namespace {self.namespace!r} at Redis {self.url} belongs to another run "
+            f"({_describe_owner(theirs)}), not to this one ({_describe_owner(owner)}): its rows are not this "
+            "run's. Leave store.spill_namespace empty (one namespace per run directory), choose another one, "
+            "or set store.spill_takeover = true to delete this job's rows in it and take it over"
+        )
+
+    # ------------------------------------------------------------------ the index
+
+    def _ensure_index(self) -> None:
+        """Build the index by one SCAN if it is not built yet (the buffer flushed first)."""
+        if self._index is not None:
+            return
+        self.flush()
+        keys = self._scan_keys()
+        with self._cond:
+            self._index = _KeyIndex(keys)
+
+    def _scan_keys(self) -> np.ndarray:
+        """Return the keys of this table's spilled rows in Redis (``owns``' keys only)."""
         match = _glob_escape(self.prefix) + "*"
-        names = self._retry("SCAN of spilled keys",
+        names = self._redis("SCAN of spilled keys",
                             lambda: list(self._client.scan_iter(match=match, count=self.cfg.spill_batch_rows)))
-        keys = self._parse_names(names)
+        return self._owned(self._parse_names(names))
+
+    def _owned(self, keys: np.ndarray) -> np.ndarray:
         if self._owns is not None and keys.shape[0]:
             keys = keys[np.asarray(self._owns(keys), dtype=bool)]
         return keys
 
-    def rows(self) -> RowBlock:
-        """Return every row spilled by this table (``owns``' keys only), after a flush."""
-        keys = self._spilled_keys()
-        values = self._mget(self._names(keys), "read (MGET) of spilled rows")
-        have = np.array([v is not None for v in values], dtype=bool)
-        return self._decode([v for v in values if v is not None], keys[have])
-
-    def clear(self) -> int:
-        """Delete this table's spilled rows (``owns``' keys only) and the buffer; return how
-        many Redis keys were unlinked (SCAN + UNLINK)."""
-        keys = self._spilled_keys()
-        names = self._names(keys)
+    def _unlink(self, names: list[str]) -> int:
+        if not names:
+            return 0
         B = self.cfg.spill_batch_rows
 
         def unlink():
@@ -315,7 +574,17 @@ class SpillTier:
                 pipe.execute_command("UNLINK", *names[start : start + B])
             return sum(pipe.execute())
 
-        return int(self._retry("UNLINK of spilled keys", unlink)) if names else 0
+        self._used_redis = True
+        return int(self._redis("UNLINK of spilled keys", unlink))
+
+    def _lost_error(self, keys: np.ndarray) -> SpillError:
+        return SpillError(
+            f"spill tier of table {self.table!r}: {keys.shape[0]} spilled row(s) are missing from Redis "
+            f"{self.url} (e.g. {spill_key(self.namespace, self.table, int(keys[0]))}): Redis lost them "
+            "(restarted without persistence, evicted under maxmemory, or deleted by someone else). No row was "
+            "re-initialized. Give Redis persistence (appendonly yes) and maxmemory-policy noeviction, then resume "
+            "from the latest checkpoint, which holds every spilled row"
+        )
 
     # ------------------------------------------------------------------ encoding
 
@@ -346,8 +615,8 @@ class SpillTier:
             bad = int(np.flatnonzero(rec["key"] != keys)[0])
             raise SpillError(
                 f"spill tier of table {self.table!r} at {self.url}: the value under "
-                f"{spill_key(self.cfg.spill_namespace, self.table, int(keys[bad]))} holds key "
-                f"{int(rec['key'][bad])}; the namespace {self.cfg.spill_namespace!r} is shared with "
+                f"{spill_key(self.namespace, self.table, int(keys[bad]))} holds key "
+                f"{int(rec['key'][bad])}; the namespace {self.namespace!r} is shared with "
                 "something else: use a namespace of its own (StoreConfig.spill_namespace)"
             )
         states = {}
@@ -358,7 +627,7 @@ class SpillTier:
 
     def _format_message(self, value: bytes, key: int) -> str:
         where = (f"spill tier of table {self.table!r} at {self.url}: the value under "
-                 f"{spill_key(self.cfg.spill_namespace, self.table, key)}")
+                 f"{spill_key(self.namespace, self.table, key)}")
         expected = (f"this store reads format version {FORMAT_VERSION}, {self.cfg.dtype}, "
                     f"{self.cfg.optimizer}, dim {self.dim}: {self.dtype.itemsize} bytes")
         if len(value) < _HEADER.itemsize:
@@ -411,7 +680,58 @@ class SpillTier:
                 pipe.execute_command("MGET", *names[start : start + B])
             return [v for chunk in pipe.execute() for v in chunk]
 
-        return self._retry(what, op)
+        return self._redis(what, op)
+
+    def _redis(self, what: str, op):
+        """Return ``op()`` run by ``_retry``; with ``spill_outage = "hold"`` an outage is
+        waited out (tries every <= 1 s) until ``spill_hold_timeout_s`` after its start."""
+        delay = max(self.cfg.spill_backoff_s, 0.01)
+        while True:
+            try:
+                out = self._retry(what, op)
+            except SpillError as exc:
+                if not (self._hold and exc.transient) or self._abandoned:
+                    raise
+                deadline = self._begin_outage(exc)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self._hold_expired(what) from exc
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, _HOLD_MAX_DELAY_S)
+                continue
+            self._end_outage()
+            return out
+
+    def _begin_outage(self, exc: BaseException) -> float:
+        """Record an outage (if none is on); return when holding it ends."""
+        with self._cond:
+            if self._outage_since is None:
+                self._outage_since = time.monotonic()
+                self._counters["spill_outages"] += 1
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            self._outage_cause = f"{type(cause).__name__}: {str(cause).rstrip('.')}"
+            return self._outage_since + self.cfg.spill_hold_timeout_s
+
+    def _end_outage(self) -> None:
+        with self._cond:
+            if self._outage_since is not None:
+                self._outage_since = None
+                self._retry_at = 0.0
+                self._writer_delay = max(self.cfg.spill_backoff_s, 0.01)
+                self._cond.notify_all()
+
+    def _hold_expired(self, what: str) -> SpillError:
+        with self._cond:
+            since = self._outage_since if self._outage_since is not None else time.monotonic()
+            held = len(self._pending) + len(self._inflight)
+            cause = self._outage_cause
+        return SpillError(
+            f"spill tier of table {self.table!r}: {what} at Redis {self.url}: Redis has been unreachable for "
+            f"{time.monotonic() - since:.1f}s, longer than StoreConfig.spill_hold_timeout_s "
+            f"({self.cfg.spill_hold_timeout_s:g}s) allows (spill_outage = 'hold'); last error: {cause}. No row was "
+            f"re-initialized; {held} evicted row(s) and deletions are still held in this process's memory",
+            transient=True,
+        )
 
     def _retry(self, what: str, op):
         """Return ``op()``, retried on transient Redis errors with exponential backoff."""
@@ -432,7 +752,7 @@ class SpillTier:
                 with self._cond:
                     self._counters["spill_errors"] += 1
                 raise SpillError(self._error_message(what, 1, time.monotonic() - t0, exc)) from exc
-        raise SpillError(self._error_message(what, attempts, time.monotonic() - t0, last)) from last
+        raise SpillError(self._error_message(what, attempts, time.monotonic() - t0, last), transient=True) from last
 
     def _error_message(self, what: str, attempts: int, elapsed: float, exc: BaseException) -> str:
         return (
@@ -440,7 +760,8 @@ class SpillTier:
             f"attempt(s) in {elapsed:.2f}s: {type(exc).__name__}: {str(exc).rstrip('.')}. No row was re-initialized: rows "
             "that could not be read were not touched and rows not yet written stay buffered in memory. "
             "Check that Redis is up and reachable at StoreConfig.spill_url (or raise spill_retries / "
-            "spill_backoff_s / spill_timeout_s), then retry the call"
+            "spill_backoff_s / spill_timeout_s, or set spill_outage = 'hold' to train through an outage), "
+            "then retry the call"
         )
 
     def _check_writer(self) -> None:
@@ -453,10 +774,18 @@ class SpillTier:
         round_rows = self.cfg.spill_batch_rows * _BATCHES_PER_ROUND
         while True:
             with self._cond:
-                while not self._pending or self._paused:
-                    if self._closing:
+                while True:
+                    if self._abandoned:
                         return
-                    self._cond.wait()
+                    if self._pending and not self._paused:
+                        wait = self._retry_at - time.monotonic()  # "hold": the next try of an outage
+                        if wait <= 0:
+                            break
+                        self._cond.wait(wait)
+                    elif self._closing:
+                        return
+                    else:
+                        self._cond.wait()
                 if len(self._pending) <= round_rows:
                     batch, self._pending = self._pending, {}
                 else:
@@ -468,7 +797,7 @@ class SpillTier:
             try:
                 if self._write_gate is not None:
                     self._write_gate()
-                n_set, n_unlink = self._write(batch)
+                set_keys, unlink_keys = self._write(batch)
             except SpillError as exc:
                 error = exc
             except BaseException as exc:  # noqa: BLE001 - surfaced by check(), never swallowed
@@ -476,18 +805,33 @@ class SpillTier:
                 error.__cause__ = exc
             with self._cond:
                 if error is None:
-                    self._counters["spill_writes"] += n_set
-                    self._counters["spill_unlinks"] += n_unlink
+                    self._counters["spill_writes"] += set_keys.shape[0]
+                    self._counters["spill_unlinks"] += unlink_keys.shape[0]
+                    if self._index is not None:
+                        self._index.add(set_keys)
+                        self._index.remove(unlink_keys)
+                    self._end_outage()
                 else:
                     for k, v in batch.items():  # back in the buffer unless a newer state came
                         self._pending.setdefault(k, v)
-                    self._error = error
-                    self._paused = True
+                    if self._hold and error.transient and not self._abandoned:
+                        deadline = self._begin_outage(error)
+                        if time.monotonic() >= deadline:
+                            self._error = self._hold_expired("a write (MSET / UNLINK) of evicted rows")
+                            self._paused = True
+                        else:
+                            self._retry_at = time.monotonic() + self._writer_delay
+                            self._writer_delay = min(2 * self._writer_delay, _HOLD_MAX_DELAY_S)
+                    else:
+                        self._error = error
+                        self._paused = True
                 self._inflight = {}
                 self._cond.notify_all()
 
-    def _write(self, batch: dict[int, bytes | None]) -> tuple[int, int]:
+    def _write(self, batch: dict[int, bytes | None]) -> tuple[np.ndarray, np.ndarray]:
+        """Write ``batch`` (SETs and UNLINKs); return the keys set and the keys unlinked."""
         keys = np.fromiter(batch.keys(), dtype=np.int64, count=len(batch))
+        is_set = np.fromiter((v is not None for v in batch.values()), dtype=bool, count=len(batch))
         names = self._names(keys)
         sets: list = []
         unlinks: list[str] = []
@@ -507,5 +851,54 @@ class SpillTier:
                 pipe.execute_command("UNLINK", *unlinks[start : start + B])
             pipe.execute()
 
+        self._used_redis = True
         self._retry(f"write (MSET of {len(sets) // 2} rows, UNLINK of {len(unlinks)} keys)", op)
-        return len(sets) // 2, len(unlinks)
+        return keys[is_set], keys[~is_set]
+
+
+# --------------------------------------------------------------------------- namespaces
+
+
+def _parse_owner(value: bytes | None) -> dict | None:
+    if value is None:
+        return None
+    try:
+        out = json.loads(value)
+    except ValueError:
+        return {"unreadable owner record": value[:200].decode("utf-8", "replace")}
+    return out if isinstance(out, dict) else {"owner record": out}
+
+
+def _describe_owner(owner: dict) -> str:
+    if set(owner) >= {"run_dir", "job"}:
+        return f"run directory {owner['run_dir']}, job {owner['job']!r}"
+    return ", ".join(f"{k} {v}" for k, v in sorted(owner.items()))
+
+
+def clear_tables(tiers: list[SpillTier]) -> int:
+    """Delete the spilled rows of ``tiers`` (tables of one namespace; each tier's ``owns``
+    keys only) with one SCAN of the namespace, and mark their indexes empty; return how
+    many Redis keys were unlinked. Keys of other tables under the namespace are left."""
+    if not tiers:
+        return 0
+    first = tiers[0]
+    if any(t.namespace != first.namespace for t in tiers):
+        raise ValueError("clear_tables: the tiers spill to different namespaces")
+    for t in tiers:
+        t.flush()
+    match = _glob_escape(f"{first.namespace}:spill:") + "*"
+    names = first._redis("SCAN of spilled keys",
+                         lambda: list(first._client.scan_iter(match=match, count=first.cfg.spill_batch_rows)))
+    by_prefix = {t._prefix_b: t for t in tiers}
+    per_tier: dict[bytes, list[bytes]] = {}
+    for name in names:
+        if len(name) > 16 and name[:-16] in by_prefix:
+            per_tier.setdefault(name[:-16], []).append(name)
+    doomed: list[str] = []
+    for prefix, found in per_tier.items():
+        t = by_prefix[prefix]
+        doomed += t._names(t._owned(t._parse_names(found)))
+    n = first._unlink(doomed)
+    for t in tiers:
+        t.mark_empty()
+    return n

@@ -32,7 +32,10 @@ is admitted no later than its ``min_count``-th sighting (earlier only on a full 
 collision, ~(keys per aging period / width)^4). A key is admitted on the lookup that brings
 its ``min_count``-th sighting and gets its row then. Before that, lookups return zeros and
 gradients for it are ignored. The sketch ages (halves) every ``10·W`` sightings and is
-not part of ``state_dict``: carry it with ``admission_state`` / ``load_admission_state``.
+not part of ``state_dict``: carry it with ``admission_state`` / ``load_admission_state``
+(the store saves it with every checkpoint). A training lookup redone for the same step —
+the look-ahead lookup a resumed run redoes, or one withdrawn and redone
+(``arm_admission_replay``) — counts each key's sighting of that step once.
 
 Spill tier (``spill``, a ``recsys.store.spill.SpillTier``; built from ``cfg.spill_url``
 unless given): evicted rows go to it with their optimizer state and last_seen, and a
@@ -291,6 +294,9 @@ class EmbeddingTable:
         self._sketch = (
             FrequencySketch(max(2 * self.capacity, 4096), cap=cfg.min_count) if cfg.min_count > 1 else None
         )
+        self._sighted_step = -1  # the step of the latest training lookup that ran admission
+        self._sighted_keys = np.empty(0, dtype=np.int64)  # sightings recorded at that step (sorted)
+        self._replay: tuple[int, np.ndarray] | None = None  # (step, keys) already counted
         self._salt = np.uint64(init_salt(name, cfg.seed))
         self._bound = float(cfg.init_bound(self.dim))
         self._counters = dict.fromkeys(COUNTERS, 0)
@@ -401,12 +407,13 @@ class EmbeddingTable:
             if self._sketch is None:
                 admit = np.ones(miss_keys.shape[0], dtype=bool)
             else:
-                admit = in_spill | (self._sketch.estimate_next(miss_keys) >= self.cfg.min_count)
+                counted = self._replayed(miss_keys, step)  # rejected at this step before: again
+                admit = in_spill | (~counted & (self._sketch.estimate_next(miss_keys) >= self.cfg.min_count))
             take = ~miss
             take[miss] = admit
             upd = self._map.lookup(keys[take], step)  # raises before anything is recorded
             if self._sketch is not None:
-                self._sketch.add(miss_keys[~in_spill])  # a spilled key had a row: not a sighting
+                self._record_sightings(miss_keys[~in_spill & ~counted], step)  # a spilled key had a row
             slots = np.full(keys.shape[0], -1, dtype=np.int64)
             slots[take] = upd.slots_N
             n_miss = miss_keys.shape[0]
@@ -555,11 +562,18 @@ class EmbeddingTable:
     # ------------------------------------------------------------------ admission state
 
     def admission_state(self) -> dict | None:
-        """Return the admission sketch's state (None when ``min_count`` is 1)."""
-        return None if self._sketch is None else self._sketch.state()
+        """Return the admission state (None when ``min_count`` is 1): the sketch (``cells``
+        [depth, width] uint8, ``recorded``), ``step``, the step of the latest training
+        lookup that ran admission (-1: none), and ``step_keys``, the keys whose sightings it
+        recorded (sorted int64), so a redone lookup of that step does not count them twice."""
+        if self._sketch is None:
+            return None
+        return {**self._sketch.state(), "step": int(self._sighted_step), "step_keys": self._sighted_keys.copy()}
 
     def load_admission_state(self, state: dict | None) -> None:
-        """Restore ``admission_state()`` of a table with the same capacity and config."""
+        """Restore ``admission_state()`` of a table with the same sketch shape (same capacity,
+        or ``keymap.merge_sketch_states`` of other shapes). A resumed run then calls
+        ``arm_admission_replay(state["step"])``: the look-ahead lookup it redoes was counted."""
         if (state is None) != (self._sketch is None):
             raise ValueError(
                 f"table {self.name!r}: admission state {'missing' if state is None else 'given'} "
@@ -567,6 +581,39 @@ class EmbeddingTable:
             )
         if state is not None:
             self._sketch.load_state(state)
+            step = int(state.get("step", -1))
+            keys = np.unique(as_keys(np.asarray(state.get("step_keys", np.empty(0)), dtype=np.int64)))
+            self._sighted_step, self._sighted_keys = (step, keys) if step >= 0 else (-1, keys[:0])
+            self._replay = None
+
+    def arm_admission_replay(self, step: int) -> None:
+        """The training lookup of ``step`` will be redone: it was withdrawn
+        (``ShardedEmbeddingStore.cancel``), or it is the look-ahead lookup of a checkpoint a
+        run resumes from (after ``load_admission_state``). If it ran admission here, the
+        redone lookup of ``step`` counts none of the sightings it counted again and rejects
+        those keys when they have no row (they were rejected then: an admitted key keeps its
+        row, in memory or spilled), so the redo changes nothing."""
+        if self._sketch is not None and self._sighted_step == int(step):
+            self._replay = (int(step), self._sighted_keys.copy())
+
+    def _replayed(self, miss_keys: np.ndarray, step: int) -> np.ndarray:
+        """Return which of ``miss_keys`` had their sighting at ``step`` counted already."""
+        r = self._replay
+        if r is None or r[0] != step or r[1].shape[0] == 0 or miss_keys.shape[0] == 0:
+            return np.zeros(miss_keys.shape[0], dtype=bool)
+        return np.isin(miss_keys, r[1])
+
+    def _record_sightings(self, keys: np.ndarray, step: int) -> None:
+        """Count one sighting of each of ``keys`` (distinct) at training ``step``."""
+        if self._replay is not None and step > self._replay[0]:
+            self._replay = None
+        if keys.shape[0]:
+            self._sketch.add(keys)
+        if step != self._sighted_step:
+            self._sighted_step = step
+            self._sighted_keys = np.sort(keys)
+        elif keys.shape[0]:
+            self._sighted_keys = np.union1d(self._sighted_keys, keys)
 
     # ------------------------------------------------------------------ internals
 

@@ -137,7 +137,8 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, self.total_steps))
         # the store's collectives run on its own thread: a group of their own, same timeout
         group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
-        self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True)
+        self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
+                                           run_dir=self.run_dir, job_name=job.name)
         self.reader = source or ParquetReader(job.data.train, schema, rank=env.rank, world_size=env.world_size)
         self.step = 0
         self.epoch = 0
@@ -185,7 +186,8 @@ class Trainer:
         meta = {"reader": type(self.reader).merge_states(states), "epoch": self.epoch,
                 "config": config_mod.dumps(self.job), "best": self.best,
                 "evals_without_improvement": self.evals_without_improvement}
-        path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(), dense=dense,
+        path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(),
+                         dense={**dense, **self.store.admission_state_dict()},
                          meta=meta, keep_last=self.job.train.keep_last)
         self.log.event("checkpoint", step=self.step, path=str(path))
         return path
@@ -198,7 +200,8 @@ class Trainer:
         self.opt.load_state_dict(dense["optimizer"])
         self.sched.load_state_dict(dense["scheduler"])
         torch.set_rng_state(dense["torch_rng"])
-        self.store.load_state_dict(ckpt.load_sparse(path, list(self.job.schema.tables)))
+        self.store.load_state_dict(ckpt.load_sparse(path, list(self.job.schema.tables)),
+                                   admission=dense.get("admission"))
         self.reader.load_state_dict(meta["reader"])
         self.step = int(meta["step"])
         # checkpoints before the trainer saved its epoch: the reader's (exact unless a rank

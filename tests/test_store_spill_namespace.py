@@ -1,0 +1,193 @@
+"""Spill namespaces belong to one run: derived from the run directory and job, claimed in
+Redis, refused to another run, emptied at start; a restore sees only its own rows.
+
+Legend: ``D`` dim.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import redis
+
+from recsys.schema import Schema, TableSpec, FeatureSpec
+from recsys.store.config import StoreConfig, run_namespace
+from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.store.spill import SpillError, owner_key, spill_key
+from recsys.store.table import EmbeddingTable, init_vectors
+
+pytestmark = pytest.mark.redis
+
+D = 4
+KEYS = np.arange(1, 13, dtype=np.int64)  # 12 keys through a 4-row table: 8 of them spill
+
+
+def schema(capacity: int = 4) -> Schema:
+    return Schema(dense=["d"], tables={"user": TableSpec(dim=D, capacity=capacity)}, sparse=[FeatureSpec(name="user")])
+
+
+def cfg_for(url: str, **kw) -> StoreConfig:
+    base = dict(optimizer="adagrad", lr=0.1, spill_url=url, spill_retries=1, spill_backoff_s=0.01, spill_timeout_s=2.0)
+    base.update(kw)
+    return StoreConfig(**base)
+
+
+def store_for(url: str, run_dir, job: str = "job", **kw) -> ShardedEmbeddingStore:
+    return ShardedEmbeddingStore(schema(), cfg_for(url, **kw), run_dir=run_dir, job_name=job)
+
+
+def train(store: ShardedEmbeddingStore, steps: int = 3, start: int = 0) -> None:
+    """Look up and update every key each step (most of them spill), then flush."""
+    table = store.tables["user"]
+    for step in range(start, start + steps):
+        for start in range(0, KEYS.shape[0], 4):
+            keys = KEYS[start : start + 4]
+            rows = table.lookup(keys, step)
+            table.apply_gradients(keys, np.ones_like(rows) + rows, step)
+    store.flush()
+    table.flush()
+
+
+def initial(keys: np.ndarray) -> np.ndarray:
+    return init_vectors(keys, D, "user", 0, StoreConfig().init_bound(D))
+
+
+def spilled_names(url: str, namespace: str) -> list[bytes]:
+    client = redis.Redis.from_url(url)
+    try:
+        return sorted(client.scan_iter(match=f"{namespace}:spill:*"))
+    finally:
+        client.close()
+
+
+def test_run_namespace_is_stable_per_run_directory_and_distinct_between_runs(tmp_path):
+    a = run_namespace(tmp_path / "a", "clicks")
+    assert a == run_namespace(str(tmp_path / "a"), "clicks")  # str or Path: the same run
+    assert a.startswith("recsys-clicks-") and len(a) == len("recsys-clicks-") + 12
+    assert a != run_namespace(tmp_path / "b", "clicks") != run_namespace(tmp_path / "a", "views")
+    assert run_namespace(tmp_path, "my job*") .startswith("recsys-my_job_-")  # no space, no glob character
+    cfg = StoreConfig()
+    assert cfg.spill_namespace == "" and cfg.spill_namespace_for(tmp_path / "a", "clicks") == a
+    assert StoreConfig(spill_namespace="mine").spill_namespace_for(tmp_path / "a", "clicks") == "mine"
+    for bad in ("a b", "a*", "x[1]"):
+        with pytest.raises(ValueError, match="spill_namespace"):
+            StoreConfig(spill_namespace=bad)
+
+
+def test_two_runs_with_the_same_tables_never_see_each_others_rows(redis_server, tmp_path):
+    """The defect: with one default namespace for every job, run B read run A's rows as its own."""
+    a = store_for(redis_server.url, tmp_path / "run-a")
+    try:
+        train(a)
+        a_rows = a.tables["user"].peek(KEYS)
+        assert a.counters()["user"]["evictions"] > 0
+        assert not np.array_equal(a_rows, initial(KEYS))
+        b = store_for(redis_server.url, tmp_path / "run-b")
+        try:
+            ns_a, ns_b = a.tables["user"].spill.namespace, b.tables["user"].spill.namespace
+            assert ns_a == run_namespace(tmp_path / "run-a", "job") != ns_b
+            got = b.tables["user"].lookup(KEYS[:4], 0)  # keys A trained and spilled
+            np.testing.assert_array_equal(got, initial(KEYS[:4]))  # B's own, new rows
+            assert b.counters()["user"]["spill_hits"] == 0
+        finally:
+            b.close()
+        # B's start and close left A's rows alone
+        np.testing.assert_array_equal(a.tables["user"].peek(KEYS), a_rows)
+    finally:
+        a.close()
+
+
+def test_a_fresh_start_of_a_run_deletes_rows_its_earlier_attempt_left(redis_server, tmp_path):
+    """A crash before the first checkpoint leaves spilled rows; the next start must not use them."""
+    first = store_for(redis_server.url, tmp_path / "run")
+    train(first)
+    ns = first.tables["user"].spill.namespace
+    first.tables["user"].flush()
+    left = spilled_names(redis_server.url, ns)
+    assert left, "nothing was spilled"
+    for t in first.tables.values():  # a crash: no close, the rows stay in Redis
+        t.spill.abandon()
+    again = store_for(redis_server.url, tmp_path / "run")  # same run directory: same namespace, ours
+    try:
+        assert again.tables["user"].spill.namespace == ns
+        assert spilled_names(redis_server.url, ns) == []
+        np.testing.assert_array_equal(again.tables["user"].lookup(KEYS[:4], 0), initial(KEYS[:4]))
+    finally:
+        again.close()
+
+
+def test_a_restore_sees_exactly_its_checkpoints_rows(redis_server, tmp_path):
+    """Rows spilled after the checkpoint (or by another run) never come back in a restore."""
+    run = tmp_path / "run"
+    store = store_for(redis_server.url, run)
+    train(store, steps=2)
+    saved = store.state_dict()  # the checkpoint: held and spilled rows
+    train(store, steps=1, start=2)  # more training after the checkpoint spills newer rows
+    newer = store.state_dict()
+    for t in store.tables.values():
+        t.spill.abandon()  # the process dies
+    other = store_for(redis_server.url, tmp_path / "other")  # another run trains the same keys meanwhile
+    train(other, steps=4)
+    restored = store_for(redis_server.url, run)
+    try:
+        restored.load_state_dict(saved)
+        assert restored.state_dict()["user"].equals(saved["user"])
+        assert not restored.state_dict()["user"].equals(newer["user"])
+        assert restored.state_dict()["user"].equals(saved["user"])  # reading twice changes nothing
+    finally:
+        restored.close()
+        other.close()
+
+
+def test_a_namespace_owned_by_another_run_is_refused_unless_taken_over(redis_server, tmp_path):
+    shared = dict(spill_namespace="team")
+    a = store_for(redis_server.url, tmp_path / "run-a", job="a", **shared)
+    train(a)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        owner = json.loads(client.get(owner_key("team")))
+        assert owner == {"run_dir": str((tmp_path / "run-a").resolve()), "job": "a"}
+        with pytest.raises(SpillError) as err:
+            store_for(redis_server.url, tmp_path / "run-b", job="b", **shared)
+        msg = str(err.value)
+        assert "\n" not in msg
+        for part in ("'team'", redis_server.url, str(tmp_path / "run-a"), "job 'a'", str(tmp_path / "run-b"),
+                     "spill_takeover"):
+            assert part in msg, part
+        assert spilled_names(redis_server.url, "team"), "the refused run deleted the owner's rows"
+        # the owner itself may restart: same run directory and job
+        a.close()
+        a = store_for(redis_server.url, tmp_path / "run-a", job="a", **shared)
+        train(a)
+        a.close()
+        # a foreign key in the namespace (not a table of this job) survives a takeover
+        client.set("team:spill:other:0000000000000001", b"x")
+        b = store_for(redis_server.url, tmp_path / "run-b", job="b", spill_takeover=True, **shared)
+        try:
+            assert json.loads(client.get(owner_key("team")))["job"] == "b"
+            assert spilled_names(redis_server.url, "team") == [b"team:spill:other:0000000000000001"]
+            np.testing.assert_array_equal(b.tables["user"].lookup(KEYS[:4], 0), initial(KEYS[:4]))
+        finally:
+            b.close()
+    finally:
+        client.close()
+
+
+def test_a_store_without_a_run_spills_to_a_temporary_namespace_deleted_at_close(redis_server):
+    store = ShardedEmbeddingStore(schema(), cfg_for(redis_server.url))
+    train(store)
+    ns = store.tables["user"].spill.namespace
+    assert ns.startswith("recsys-tmp-") and spilled_names(redis_server.url, ns)
+    store.close()
+    assert spilled_names(redis_server.url, ns) == []
+    # a bare table too: its rows are its own and go with it
+    t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url))
+    t.lookup(KEYS[:2], 0)
+    t.lookup(KEYS[2:4], 1)
+    t.flush()
+    assert len(spilled_names(redis_server.url, t.spill.namespace)) == 2
+    t.close()
+    assert spilled_names(redis_server.url, t.spill.namespace) == []
+    assert spill_key(t.spill.namespace, "user", 1).startswith("recsys-tmp-")
