@@ -28,6 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     add_job_arguments(parser)
     parser.add_argument("-v", "--verbose", action="store_true", help="tracebacks for user errors too")
     args = parser.parse_args(argv)
+    _forget_earlier_starts()
     sigterm = {"seen": False}
     previous = signal.signal(signal.SIGTERM, lambda *_: sigterm.update(seen=True))  # until the trainer's own
     try:
@@ -42,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args: argparse.Namespace, sigterm: dict) -> int:
     job = load_job_args(args)  # the job file and the checkpoint first: no torch needed to reject them
     check_resume(args.resume, args.run_dir)
+    _one_namespace_per_round(os.environ)
 
     import torch.distributed as dist
 
@@ -64,15 +66,45 @@ def _train(args: argparse.Namespace, sigterm: dict) -> int:
         (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
         print(json.dumps(result), flush=True)
         print(f"run directory: {run_dir}", flush=True)
-    # the launcher counts these after a SIGTERM: every rank saved (or finished) and exits 0
-    _leave(f"{'stopped' if result.get('stopped') else 'finished'}-rank-{env.rank}", str(result["step"]))
+    # the launcher counts these after a SIGTERM: every local worker saved (or finished) and exits 0
+    _leave(f"{'stopped' if result.get('stopped') else 'finished'}-{_local_rank()}", str(result["step"]))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 
 
+def _one_namespace_per_round(environ) -> None:
+    """Give every worker of a rendezvous round the same attempt number when the round's
+    rendezvous store is new (torchrun's ``TORCHELASTIC_USE_AGENT_STORE=False``, which
+    ``recsys train --nnodes`` sets up).
+
+    ``recsys.train.distributed`` puts an attempt's keys under ``TORCHELASTIC_RESTART_COUNT``,
+    but every node's agent counts its own restarts: a node that joined later, or whose
+    workers a membership change restarted (not counted), has another count than its peers,
+    and the ranks of one round would wait for each other under different names until the
+    collective timeout, round after round. Without the agent's store, rank 0 of every round
+    hosts a new store on a new port, so no round can read an earlier round's keys: one name
+    for all of them is safe. With the agent's store (one node) nothing changes."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") == "False" and "TORCHELASTIC_RESTART_COUNT" in environ:
+        environ["TORCHELASTIC_RESTART_COUNT"] = "0"
+
+
 def _rank() -> str:
     return os.environ.get("RANK", "0")
+
+
+def _local_rank() -> str:
+    return f"local-{os.environ.get('LOCAL_RANK', '0')}"
+
+
+def _forget_earlier_starts() -> None:
+    """Remove what this local worker's earlier start left for the launcher (torchrun restarts
+    workers after a failure or a membership change, and global ranks move between nodes):
+    the launcher must only count the stops of the workers running now."""
+    where = os.environ.get(LAUNCH_DIR_ENV)
+    if where:
+        for kind in ("stopped", "finished"):
+            (Path(where) / f"{kind}-{_local_rank()}").unlink(missing_ok=True)
 
 
 def _leave(name: str, text: str) -> bool:

@@ -9,9 +9,19 @@ rank; the launcher prints it once, as one line, and exits with 2.
 
 SIGTERM to the launcher (what Kubernetes and Slurm send): torchrun's agent forwards it to
 the workers, which checkpoint at the end of their current step and exit 0 (each writes
-``stopped-rank-<r>``); the launcher then exits 0 too, and the next ``recsys train`` with the
+``stopped-local-<local rank>``); the launcher then exits 0 too, and the next ``recsys train`` with the
 same run directory resumes from that checkpoint. Workers get
 ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` seconds (default 30 here too) before the agent kills them.
+
+Several machines (``--nnodes``, ``--rdzv-endpoint``, ``--rdzv-id``; ``multinode_args``): the
+same command on every node, with ``--nproc`` workers per node, joins torchrun's c10d
+rendezvous at the endpoint instead of ``--standalone``. With ``--nnodes MIN:MAX`` the job is
+elastic: when a node leaves, the others' workers fail their next collective and torchrun
+restarts them (one of ``--max-restarts``) at the smaller world size; when a node asks to join,
+torchrun stops the running workers with SIGTERM (they checkpoint at the end of their step)
+and starts them again with the newcomer (not counted as a restart). Every start resumes
+from the run directory's latest checkpoint, which restores at any world size, so the run
+directory must be one shared directory, at the same path on every node.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import dataclasses
 import datetime as _dt
 import logging
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -28,6 +39,9 @@ from pathlib import Path
 
 LAUNCH_DIR_ENV = "RECSYS_LAUNCH_DIR"
 """Set by the launcher for its workers: where they leave user errors and SIGTERM stops."""
+
+NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""torchrun's switch: set to 1 for several nodes (see ``_torchrun``)."""
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,12 +128,139 @@ def preflight(job, resume: Path | None, run_dir: Path) -> None:
         raise UserError(f"run directory {run_dir} is not writable: {exc.strerror or exc}") from None
 
 
+RDZV_CONF_KEYS = {
+    "join_timeout": "seconds a node waits for --nnodes MIN nodes (default 600)",
+    "last_call_timeout": "seconds to wait for more nodes once MIN joined (default 30)",
+    "close_timeout": "seconds to close the rendezvous at the end (default 30)",
+    "heartbeat_timeout": "seconds without a heartbeat before a node is dropped",
+    "keep_alive_interval": "seconds between a node's heartbeats (default 5)",
+    "keep_alive_max_attempt": "heartbeats a node may miss before it is dropped (default 3)",
+    "read_timeout": "seconds a rendezvous store read may take (default 60)",
+    "is_host": "true on the node that hosts the rendezvous, false elsewhere (default: the node whose "
+               "address is the endpoint's host)",
+}
+"""The ``--rdzv-conf`` keys (torchrun's c10d rendezvous settings): whole numbers of seconds
+> 0, except ``is_host`` (true/false)."""
+
+
+def add_multinode_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``recsys train``'s multi-node flags (torchrun's c10d rendezvous)."""
+    group = parser.add_argument_group(
+        "several machines", "the same command on every node (torchrun's c10d rendezvous); "
+        "--nproc is per node; the run directory must be shared")
+    group.add_argument("--nnodes", metavar="N|MIN:MAX",
+                       help="nodes of the job; MIN:MAX is elastic (nodes may leave down to MIN and join up to MAX)")
+    group.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                       help="where the nodes meet: a port on one of them (that node hosts the rendezvous "
+                            "and must stay up)")
+    group.add_argument("--rdzv-id", metavar="ID", help="the job's id, the same on every node (letters, digits, . _ -)")
+    group.add_argument("--rdzv-conf", metavar="KEY=VALUE,...",
+                       help="rendezvous settings: " + ", ".join(RDZV_CONF_KEYS))
+    group.add_argument("--local-addr", metavar="HOST",
+                       help="this node's address as the others reach it (default: its host name)")
+
+
+_HOST = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+)$")
+_RDZV_ID = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """Return (MIN, MAX) of ``--nnodes N`` or ``--nnodes MIN:MAX`` (raises ``UserError``)."""
+    from recsys.errors import UserError
+
+    parts = text.strip().split(":")
+    try:
+        if len(parts) not in (1, 2):
+            raise ValueError
+        low, high = int(parts[0]), int(parts[-1])
+    except ValueError:
+        raise UserError(f"train: --nnodes takes N or MIN:MAX (whole numbers), found {text!r}") from None
+    if not 1 <= low <= high:
+        raise UserError(f"train: --nnodes MIN:MAX needs 1 <= MIN <= MAX, found {text!r}")
+    return low, high
+
+
+def parse_endpoint(text: str) -> tuple[str, int]:
+    """Return (host, port) of ``--rdzv-endpoint HOST:PORT`` (raises ``UserError``)."""
+    from recsys.errors import UserError
+
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not _HOST.match(host) or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise UserError(f"train: --rdzv-endpoint takes HOST:PORT (an IPv6 host in brackets, a port "
+                        f"1-65535 the nodes can reach), found {text!r}")
+    return host.strip("[]"), int(port)
+
+
+def parse_rdzv_conf(text: str) -> dict[str, int | bool]:
+    """Return the settings of ``--rdzv-conf KEY=VALUE,...`` (raises ``UserError``)."""
+    from recsys.errors import UserError
+
+    out: dict[str, int | bool] = {}
+    for item in filter(None, (i.strip() for i in text.split(","))):
+        key, sep, value = item.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or key not in RDZV_CONF_KEYS:
+            raise UserError(f"train: --rdzv-conf takes KEY=VALUE,... with KEY one of "
+                            f"{', '.join(RDZV_CONF_KEYS)}, found {item!r}")
+        if key == "is_host":
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise UserError(f"train: --rdzv-conf is_host takes true or false, found {value!r}")
+            out[key] = value.lower() in ("true", "1")
+        elif not value.isdigit() or int(value) < 1:
+            raise UserError(f"train: --rdzv-conf {key} takes a whole number of seconds > 0, found {value!r}")
+        else:
+            out[key] = int(value)
+    return out
+
+
+def multinode_args(args: argparse.Namespace) -> list[str] | None:
+    """Return torchrun's rendezvous arguments for the multi-node flags, or None without them
+    (one machine: ``--standalone``). Checks the flags (raises ``UserError``)."""
+    from recsys.errors import UserError
+
+    nnodes = getattr(args, "nnodes", None)
+    endpoint = getattr(args, "rdzv_endpoint", None)
+    rdzv_id = getattr(args, "rdzv_id", None)
+    conf = getattr(args, "rdzv_conf", None)
+    local_addr = getattr(args, "local_addr", None)
+    if nnodes is None:
+        given = [flag for flag, value in (("--rdzv-endpoint", endpoint), ("--rdzv-id", rdzv_id),
+                                          ("--rdzv-conf", conf), ("--local-addr", local_addr)) if value is not None]
+        if given:
+            raise UserError(f"train: {' and '.join(given)} need(s) --nnodes N or MIN:MAX (a multi-node job)")
+        return None
+    low, high = parse_nnodes(nnodes)
+    if endpoint is None:
+        raise UserError("train: --nnodes needs --rdzv-endpoint HOST:PORT (where the nodes meet; "
+                        "the same on every node)")
+    parse_endpoint(endpoint)
+    if not rdzv_id:
+        raise UserError("train: --rdzv-endpoint needs --rdzv-id ID (the job's id, the same on every node)")
+    if not _RDZV_ID.match(rdzv_id):
+        raise UserError(f"train: --rdzv-id takes letters, digits, '.', '_' and '-', found {rdzv_id!r}")
+    if args.run_dir is None:
+        raise UserError("train: --nnodes needs --run-dir (one shared directory, the same path on every node: "
+                        "every start resumes from its latest checkpoint)")
+    out = ["--nnodes", f"{low}:{high}" if low != high else str(low), "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", endpoint.strip(), "--rdzv-id", rdzv_id]
+    if conf is not None:
+        settings = parse_rdzv_conf(conf)
+        if settings:
+            out += ["--rdzv-conf", ",".join(f"{k}={str(v).lower()}" for k, v in settings.items())]
+    if local_addr is not None:
+        if not _HOST.match(local_addr.strip()):
+            raise UserError(f"train: --local-addr takes a host name or address, found {local_addr!r}")
+        out += ["--local-addr", local_addr.strip().strip("[]")]
+    return out
+
+
 def launch(args: argparse.Namespace) -> int:
     """Run ``recsys train``: torchrun with ``--nproc`` workers and elastic restarts."""
     from recsys.errors import UserError
 
     if args.nproc < 1 or args.max_restarts < 0:
         raise UserError(f"train: need --nproc >= 1 and --max-restarts >= 0, found {args.nproc} and {args.max_restarts}")
+    rendezvous = multinode_args(args)  # before reading anything: the flags themselves
     verbose = bool(getattr(args, "verbose", False))
     job = load_job_args(args)
     run_dir = args.run_dir or new_run_dir(job.name)
@@ -133,19 +274,21 @@ def launch(args: argparse.Namespace) -> int:
         forwarded += ["--device", args.device]
     if verbose:
         forwarded.append("--verbose")
-    if args.nproc == 1 and args.max_restarts == 0:
+    if args.nproc == 1 and args.max_restarts == 0 and rendezvous is None:
         from recsys.train.__main__ import main
 
         return main(forwarded)
-    return _torchrun(args, forwarded, verbose)
+    return _torchrun(args, forwarded, verbose, rendezvous)
 
 
-def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool) -> int:
+def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool,
+              rendezvous: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import main as torchrun
 
     torchrun_args = [
-        "--standalone",  # one node; c10d rendezvous on a free local port
+        # one node: c10d rendezvous on a free local port; several: at --rdzv-endpoint
+        *(rendezvous if rendezvous is not None else ["--standalone"]),
         "--nproc-per-node", str(args.nproc),
         "--max-restarts", str(args.max_restarts),
         "-m", "recsys.train",
@@ -153,14 +296,20 @@ def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool) -> 
     ]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     launch_dir = Path(tempfile.mkdtemp(prefix="recsys-launch-"))
-    saved_env = os.environ.get(LAUNCH_DIR_ENV)
+    saved_env = {name: os.environ.get(name) for name in (LAUNCH_DIR_ENV, NO_SHARED_STORE_ENV)}
     os.environ[LAUNCH_DIR_ENV] = str(launch_dir)
+    if rendezvous is not None:
+        # torchrun's agent shares its rendezvous store with the workers only if rank 0 stays on
+        # one node (a node keeping rank 0 does not publish the store's address again to the next
+        # round: a joining node waits for it and fails); without sharing, rank 0 of every round
+        # hosts a new store on a new port, so no round can read an earlier round's keys
+        os.environ[NO_SHARED_STORE_ENV] = "1"
     saved_levels = {} if verbose else _quiet_torch_logs()
     try:
         try:
             torchrun(torchrun_args)
         except SignalException as exc:
-            stopped = sorted(launch_dir.glob("stopped-rank-*")) + sorted(launch_dir.glob("finished-rank-*"))
+            stopped = sorted(launch_dir.glob("stopped-local-*")) + sorted(launch_dir.glob("finished-local-*"))
             if len(stopped) == args.nproc and not _user_errors(launch_dir):
                 print(f"recsys train: stopped by {exc.sigval.name}; every worker saved a checkpoint "
                       f"(resume: the same command)", file=sys.stderr)
@@ -182,10 +331,11 @@ def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool) -> 
     finally:
         for logger, level in saved_levels.items():
             logger.setLevel(level)
-        if saved_env is None:
-            os.environ.pop(LAUNCH_DIR_ENV, None)
-        else:
-            os.environ[LAUNCH_DIR_ENV] = saved_env
+        for name, value in saved_env.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         shutil.rmtree(launch_dir, ignore_errors=True)
 
 
