@@ -1,4 +1,6 @@
-"""``recsys eval``: the trainer's own eval, slices, predictions, plots, compare, errors, --nproc."""
+"""``recsys eval``: the trainer's own eval, slices, predictions, plots, compare, errors.
+
+Several processes (--nproc): tests/test_eval_slices_nproc.py."""
 
 from __future__ import annotations
 
@@ -147,21 +149,3 @@ def test_too_many_rows_fall_back_to_a_binned_auc_with_its_bound(tiny_run):
     assert binned["rows"] == exact["rows"] and binned["log_loss"] == pytest.approx(exact["log_loss"], rel=1e-9)
     with pytest.raises(UserError, match="--slice needs every prediction"):
         run_eval(tiny_run, EvalOptions(max_exact_rows=500, slices=["c9"]))
-
-
-@pytest.mark.multiproc
-def test_two_processes_give_the_same_metrics_as_one(tiny_run, full, tmp_path):
-    one, _ = full
-    two = run_eval(tiny_run, EvalOptions(nproc=2, slices=["c17"], top_k=3, predictions=tmp_path / "p2.parquet"))
-    for key in ("rows", "positives", "auc", "log_loss", "normalized_entropy", "calibration", "ece", "ctr"):
-        assert two[key] == pytest.approx(one[key], rel=1e-9, abs=1e-12), key
-    assert sum(g["rows"] for g in two["slices"]["c17"]) == one["rows"]
-    pred2 = pq.read_table(tmp_path / "p2.parquet").sort_by("row_id")
-    pred1 = pq.read_table(Path(one["predictions"])).sort_by("row_id")
-    assert pred2.column("row_id").equals(pred1.column("row_id"))
-    np.testing.assert_allclose(pred2.column("score").to_numpy(), pred1.column("score").to_numpy(), atol=1e-6)
-
-
-def test_several_processes_refuse_a_slice_column_they_cannot_carry(tiny_run):
-    with pytest.raises(UserError, match=r"--slice c9 with --nproc 2: the column is string"):
-        run_eval(tiny_run, EvalOptions(nproc=2, slices=["c9"]))

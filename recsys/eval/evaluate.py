@@ -16,9 +16,13 @@ by default) so the AUC is exact. A single process evaluating more rows than that
 ``metrics.StreamingMetrics`` (binned AUC with its error bound stated in the result);
 slices, plots, comparison and several processes need every row and fail with a clear error.
 
-Slice columns: with one process any column of the data (any type, nulls are a value of
-their own), read next to the reader in file order. With several processes the reader
-carries them (passthrough), so they must be integer, boolean or float columns without nulls.
+Slice columns: any column of the data, of any type, nulls being a value of their own. With
+one process they are read next to the reader, in file order. With several processes each
+rank scores its own share of row groups, so the parent reads the slice columns with the
+job's passthrough id column(s) (``row_id``) from the files and joins them to the scored
+rows on the id (``RowIndex``: vectorized, the id must be unique). Without an id column the
+ranks carry integer, boolean or float slice columns without nulls through the reader; any
+other is refused with what to do.
 """
 
 from __future__ import annotations
@@ -82,34 +86,184 @@ def data_columns(paths: list[str]) -> tuple[list, dict]:
     return files, types
 
 
-def check_slices(slices: list[str], types: dict, nproc: int) -> None:
-    """Raise UserError naming a slice column the data lacks (or one several processes cannot carry)."""
-    import pyarrow as pa
-
+def check_slices(slices: list[str], types: dict) -> None:
+    """Raise UserError naming a slice column the data lacks."""
     for col in slices:
         if col not in types:
             shown = ", ".join(list(types)[:40])
             raise UserError(f"--slice {col}: no such column in the data (columns: {shown})")
-        t = types[col]
-        if nproc > 1 and not (pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t)):
-            raise UserError(f"--slice {col} with --nproc {nproc}: the column is {t}; several processes can slice "
-                            "only by integer, boolean or float columns without nulls (use --nproc 1 for any column)")
+
+
+def read_data(files, columns: list[str]):
+    """Return (``columns`` of ``files`` as one pyarrow Table in file order, first row of each file).
+
+    A file without one of the columns, or with a type that cannot be cast to the first file's,
+    is a UserError naming the file and the column.
+    """
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parts, starts, first = [], [0], {}
+    for sf in files:
+        try:
+            table = pq.read_table(sf.path, columns=columns, filesystem=sf.filesystem)
+        except (pa.ArrowException, KeyError) as exc:
+            raise UserError(f"{sf.display}: cannot read column(s) {', '.join(columns)}: "
+                            f"{' '.join(str(exc).split())}") from None
+        missing = [c for c in columns if c not in table.column_names]
+        if missing:
+            raise UserError(f"{sf.display}: no column {missing[0]} (expected in every file of the data)")
+        cols = []
+        for c in columns:
+            col = table.column(c)
+            want = first.setdefault(c, (col.type, sf.display))
+            if col.type != want[0]:
+                try:
+                    col = col.cast(want[0])
+                except pa.ArrowException:
+                    raise UserError(f"{sf.display}: column {c} is {col.type} but {want[0]} in {want[1]}; "
+                                    "cannot put them in one column") from None
+            cols.append(col)
+        parts.append(pa.table(cols, names=columns))
+        starts.append(starts[-1] + table.num_rows)
+    return pa.concat_tables(parts), np.asarray(starts, dtype=np.int64)
 
 
 def read_columns(files, columns: list[str], rows: int) -> dict:
     """Return ``columns`` of ``files`` concatenated in reader order (one process, no shuffle)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    table, _ = read_data(files, columns)
+    if table.num_rows != rows:
+        raise UserError(f"--slice {columns[0]}: the files hold {table.num_rows} rows but {rows} were scored "
+                        "(a bad file skipped by on_bad_file?); cannot line the column up with the rows")
+    return {c: table.column(c).combine_chunks() for c in columns}
 
-    out = {}
-    for col in columns:
-        parts = [pq.read_table(sf.path, columns=[col], filesystem=sf.filesystem).column(col) for sf in files]
-        arr = pa.chunked_array([c for p in parts for c in p.chunks], type=parts[0].type).combine_chunks()
-        if len(arr) != rows:
-            raise UserError(f"--slice {col}: the files hold {len(arr)} rows but {rows} were scored "
-                            "(a bad file skipped by on_bad_file?); cannot line the column up with the rows")
-        out[col] = arr
-    return out
+
+class RowIndex:
+    """Where each row of the data is, by its id columns: scored rows are joined back to the data.
+
+    With several processes the reader carries only numeric columns without nulls, and each
+    process reads its own share; any other slice column is read here from the files and
+    joined to the scored rows on the passthrough id column(s) (``row_id``). Vectorized: each
+    id column is factorized (``np.unique``), several are combined into one code (compressed
+    after each step, so it never overflows), and scored ids are found by binary search.
+    """
+
+    def __init__(self, table, starts: np.ndarray, files, id_cols: list[str], what: str) -> None:
+        import pyarrow as pa
+
+        self.table, self.id_cols, self.what = table, list(id_cols), what
+        self.steps: list[tuple[np.ndarray, np.ndarray | None]] = []  # (uniques of the column, combined codes)
+        code = None
+        for c in self.id_cols:
+            col = table.column(c)
+            if col.null_count:
+                row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+                raise UserError(f"{what}: {_where(files, starts, row)}: the id column {c} is null; "
+                                "the rows cannot be joined back to their slice values")
+            if not (pa.types.is_integer(col.type) or pa.types.is_boolean(col.type)
+                    or pa.types.is_floating(col.type)):
+                raise UserError(f"{what}: the id column {c} is {col.type}; expected an integer, boolean or float "
+                                "column (the reader carries only those)")
+            values = _id_numpy(col.to_numpy(zero_copy_only=False))
+            uniq, inv = np.unique(values, return_inverse=True)
+            inv = inv.reshape(-1).astype(np.int64)
+            if code is None:
+                code, comb = inv, None
+            else:
+                comb, code = np.unique(code * len(uniq) + inv, return_inverse=True)
+                code = code.reshape(-1).astype(np.int64)
+            self.steps.append((uniq, comb))
+        n = table.num_rows
+        if code is not None and code.size and int(code.max()) + 1 != n:  # some rows share an id
+            order = np.argsort(code, kind="stable")
+            same = np.flatnonzero(code[order][1:] == code[order][:-1])
+            i, j = int(order[same[0]]), int(order[same[0] + 1])
+            key = ", ".join(f"{c}={table.column(c)[i].as_py()!r}" for c in self.id_cols)
+            raise UserError(f"{what}: the id column(s) {', '.join(self.id_cols)} do not identify the rows: {key} "
+                            f"is in {_where(files, starts, i)} and in {_where(files, starts, j)} "
+                            f"({same.size:,} repeated in all); make the id unique or use --nproc 1")
+        self.row_of = np.empty(n, dtype=np.int64)
+        if code is not None:
+            self.row_of[code] = np.arange(n, dtype=np.int64)
+
+    def locate(self, ids: dict[str, np.ndarray]) -> np.ndarray:
+        """Return the data row of each scored row, given the scored rows' id columns."""
+        code = None
+        for c, (uniq, comb) in zip(self.id_cols, self.steps):
+            inv = _find(uniq, _id_numpy(np.asarray(ids[c])))
+            if code is not None:
+                inv = _find(comb, np.where((code < 0) | (inv < 0), -1, code * len(uniq) + inv))
+            code = inv
+        missing = np.flatnonzero(code < 0)
+        if missing.size:
+            key = ", ".join(f"{c}={_jsonable(ids[c][missing[0]])!r}" for c in self.id_cols)
+            raise UserError(f"{self.what}: {missing.size:,} scored row(s) have ids the data files do not hold "
+                            f"(first: {key}); were the files changed during the evaluation?")
+        return self.row_of[code]
+
+    def columns(self, names: list[str], ids: dict[str, np.ndarray]) -> dict:
+        """Return ``names`` (pyarrow Arrays) lined up with the scored rows whose ids are ``ids``."""
+        rows = self.locate(ids)
+        return {c: self.table.column(c).take(rows).combine_chunks() for c in names}
+
+
+def _id_numpy(values: np.ndarray) -> np.ndarray:
+    """Ids as the reader carries them: int64, bool or float64."""
+    if values.dtype.kind in "iu":
+        return values.astype(np.int64, copy=False)
+    if values.dtype.kind == "f":
+        return values.astype(np.float64, copy=False)
+    return values
+
+
+def _find(sorted_values: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Return the index of each value in ``sorted_values`` (unique, sorted), -1 when absent."""
+    if sorted_values.size == 0:
+        return np.full(values.shape, -1, dtype=np.int64)
+    pos = np.minimum(np.searchsorted(sorted_values, values), sorted_values.size - 1)
+    return np.where(sorted_values[pos] == values, pos, -1).astype(np.int64)
+
+
+def _where(files, starts: np.ndarray, row: int) -> str:
+    """Name a row of data read by ``read_data``: its file and row in that file."""
+    f = int(np.searchsorted(starts, row, side="right")) - 1
+    return f"{files[f].display} row {row - int(starts[f])}"
+
+
+def _cannot_carry(col: str, nproc: int, reason: str, passthrough: list[str]) -> UserError:
+    return UserError(f"--slice {col} with --nproc {nproc}: {reason}, and the data has no id column to join the "
+                     f"slice values back to the scored rows on (the job's [data.eval] passthrough: {passthrough}); "
+                     "use --nproc 1, or give the data a unique integer id column listed in passthrough "
+                     "(e.g. row_id)")
+
+
+def plan_slices(slices: list[str], files, types: dict, id_cols: list[str], passthrough: list[str], nproc: int):
+    """Return (RowIndex or None, slice columns the processes carry) for ``--slice`` with several processes.
+
+    With an id column every slice column is read here and joined on the id (any type; a null
+    is a value, as with one process). Without one, the processes can carry only integer,
+    boolean or float columns without nulls; any other slice column is a UserError saying why
+    and what to do. Runs before any scoring, so a bad id fails fast.
+    """
+    import pyarrow as pa
+
+    if not slices:
+        return None, []
+    if id_cols:
+        table, starts = read_data(files, id_cols + [c for c in slices if c not in id_cols])
+        return RowIndex(table, starts, files, id_cols, f"--slice with --nproc {nproc}"), []
+    for col in slices:
+        t = types[col]
+        if not (pa.types.is_integer(t) or pa.types.is_boolean(t) or pa.types.is_floating(t)):
+            raise _cannot_carry(col, nproc, f"the column is {t} and the processes carry only integer, boolean or "
+                                "float columns", passthrough)
+    table, starts = read_data(files, list(slices))
+    for col in slices:
+        if table.column(col).null_count:
+            row = int(np.flatnonzero(table.column(col).is_null().to_numpy(zero_copy_only=False))[0])
+            raise _cannot_carry(col, nproc, f"the column has nulls (first in {_where(files, starts, row)}) and the "
+                                "processes carry only columns without nulls", passthrough)
+    return None, list(slices)
 
 
 # --------------------------------------------------------------------------- scoring
@@ -192,29 +346,43 @@ def score_one_process(checkpoint, paths, id_cols, passthrough, opts: EvalOptions
                   {k: extra[k] for k in passthrough if k not in id_cols}), None, str(path), meta["step"]
 
 
+# An evaluation of many rows may take hours; a rank that hangs fails its collectives after the
+# process group's own timeout, so this is only the last resort.
+RANKS_TIMEOUT_S = 24 * 3600
+
+
 def _rank_scores(rank: int, world_size: int, checkpoint: str, paths: list[str], passthrough: list[str], device: str):
-    """One rank of ``--nproc``: score this rank's share; rank 0 returns everyone's rows."""
+    """One rank of ``--nproc``: score this rank's share; rank 0 returns everyone's rows.
+
+    Bad input (a UserError: the reader's ReadError...) is returned as ``("error", message,
+    raised_here)`` rather than raised, so the parent shows the rank's one-line message, not
+    the traceback of a peer that saw the connection close. ``iter_predictions`` stops every
+    rank in the same step when one meets bad data, so no rank is left in a collective.
+    """
     import torch.distributed as dist
 
-    from recsys.eval.run import iter_predictions, load_trained
+    from recsys.eval.run import PeerStopped, iter_predictions, load_trained
 
-    job, store, model, path, meta = load_trained(checkpoint, device)
     try:
-        parts = list(iter_predictions(job, store, model, paths, device=device, passthrough=passthrough,
-                                      rank=rank, world_size=world_size))
-    finally:
-        store.close()
+        job, store, model, path, meta = load_trained(checkpoint, device)
+        try:
+            parts = list(iter_predictions(job, store, model, paths, device=device, passthrough=passthrough,
+                                          rank=rank, world_size=world_size))
+        finally:
+            store.close()
+    except UserError as exc:
+        return "error", str(exc), not isinstance(exc, PeerStopped)
     cat = lambda xs: np.concatenate(xs) if xs else np.empty(0)  # noqa: E731
     mine = (cat([a for a, _, _ in parts]), cat([b for _, b, _ in parts]),
             {k: cat([e[k] for _, _, e in parts]) for k in passthrough})
-    gathered = [None] * world_size
-    dist.all_gather_object(gathered, mine)
+    gathered = [None] * world_size if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
-        return None
+        return "ok", None
     y = np.concatenate([g[0] for g in gathered])
     p = np.concatenate([g[1] for g in gathered])
     extra = {k: np.concatenate([g[2][k] for g in gathered]) for k in passthrough}
-    return str(path), meta["step"], y, p, extra
+    return "ok", (str(path), meta["step"], y, p, extra)
 
 
 def score_processes(checkpoint, paths, id_cols, passthrough, opts: EvalOptions) -> Scored:
@@ -222,8 +390,11 @@ def score_processes(checkpoint, paths, id_cols, passthrough, opts: EvalOptions) 
     from recsys.spawn import run_gloo
 
     results = run_gloo(_rank_scores, opts.nproc, str(checkpoint), list(paths), list(passthrough), opts.device,
-                       error=UserError)
-    path, step, y, p, extra = results[0]
+                       error=UserError, timeout=RANKS_TIMEOUT_S)
+    errors = sorted((not r[2], rank, r[1]) for rank, r in enumerate(results) if r[0] == "error")
+    if errors:  # the rank that met the bad input first, else any
+        raise UserError(f"--nproc {opts.nproc}: rank {errors[0][1]}: {errors[0][2]}")
+    path, step, y, p, extra = results[0][1]
     if y.size > opts.max_exact_rows:
         raise UserError(f"more than {opts.max_exact_rows:,} rows: --nproc needs every prediction in memory; "
                         "raise --max-exact-rows or use --nproc 1 (binned AUC)")
@@ -291,7 +462,7 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
     if opts.nproc < 1:
         raise UserError(f"--nproc must be at least 1, found {opts.nproc}")
     files, types = data_columns(paths)
-    check_slices(opts.slices, types, opts.nproc)
+    check_slices(opts.slices, types)
     id_cols = [c for c in job.data.eval.passthrough if c in types]
     need = [flag for flag, on in (("--slice", opts.slices), ("--plots", opts.plots), ("--compare", opts.compare))
             if on]
@@ -301,9 +472,11 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
         if scored is not None and opts.slices:
             scored.slices = read_columns(files, opts.slices, scored.labels.size)
     else:
-        passthrough = id_cols + [c for c in opts.slices if c not in id_cols]
-        scored = score_processes(path, paths, id_cols, passthrough, opts)
-        scored.slices = {c: (scored.ids[c] if c in id_cols else scored.slices[c]) for c in opts.slices}
+        index, carried = plan_slices(opts.slices, files, types, id_cols, list(job.data.eval.passthrough),
+                                     opts.nproc)
+        scored = score_processes(path, paths, id_cols, id_cols + carried, opts)
+        if index is not None:
+            scored.slices = index.columns(opts.slices, scored.ids)
         stream, ck, step = None, scored.checkpoint, scored.step
         if opts.predictions is not None:
             write, close = _predictions_writer(opts.predictions)

@@ -16,7 +16,12 @@ import numpy as np
 import torch
 
 from recsys import config as config_mod
+from recsys.errors import UserError
 from recsys.eval.metrics import evaluate_predictions
+
+
+class PeerStopped(UserError):
+    """This rank stopped because another rank of ``iter_predictions`` met bad input."""
 
 
 def load_trained(checkpoint: str | Path, device: str = "cpu"):
@@ -52,7 +57,8 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
     One process reads every row in file order. With ``world_size`` > 1 (a process group
     is up and ``store`` is sharded over it) this rank reads its exactly-once share and the
     ranks stay in step (a rank whose data ran out feeds empty batches to the store's
-    collectives until every rank is done).
+    collectives until every rank is done). A rank meeting bad input (UserError) stops every
+    rank in the same step: it raises its error, the others ``PeerStopped``.
     """
     import torch.distributed as dist
 
@@ -67,11 +73,20 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
     with ParquetReader(cfg, job.schema, rank=rank, world_size=world_size) as reader:
         it = iter(reader)
         while True:
-            batch = next(it, None)
+            try:
+                batch, bad = next(it, None), None
+            except UserError as exc:  # bad data in this rank's share
+                if world_size == 1:
+                    raise
+                batch, bad = None, exc
             if world_size > 1:
-                flag = torch.tensor([int(batch is not None)], dtype=torch.int64)
+                flag = torch.tensor([int(batch is not None), int(bad is not None)], dtype=torch.int64)
                 dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-                if not flag.item():
+                if bad is not None:
+                    raise bad
+                if flag[1].item():
+                    raise PeerStopped("another rank stopped on bad input")
+                if not flag[0].item():
                     break
                 cur = batch or empty_batch(job.schema, extra_cols)
             elif batch is None:
