@@ -2,8 +2,15 @@
 
 Metric keys are grouped by prefix: ``loss/train``, ``throughput/samples_per_s``,
 ``time/<phase>_ms`` (mean per step over the window), ``time/<phase>_pct``,
-``store/hit_rate``, ``store/evictions``, ``store/staleness``, ``lr``. Store counters are
-rank 0's shard's (each shard sees a similar mix of keys).
+``store/hit_rate``, ``store/evictions``, ``store/staleness``, ``store/rows``, ``lr``; every
+line also has ``step`` and ``epoch``. Store counters are rank 0's shard's (each shard sees a
+similar mix of keys). Event lines have ``event`` (``eval``, ``checkpoint``, ``resumed``,
+``best``) and the event's fields.
+
+TensorBoard (``RUN_DIR/tensorboard``) gets every numeric field under the same tag; an
+event's numeric fields under ``<event>/<field>`` (``eval/auc``...). The event file is
+flushed at every checkpoint, so a run killed later still has every scalar up to its
+last checkpoint there (``metrics.jsonl`` is written line by line).
 """
 
 from __future__ import annotations
@@ -93,13 +100,15 @@ class MetricsLog:
     def event(self, name: str, **fields) -> None:
         """Write one event line (eval results, checkpoints, resumes)."""
         self._write({"event": name, **fields})
+        if name == "checkpoint" and self._tb is not None:
+            self._tb.flush()  # what a resume from this checkpoint would not write again
 
     def _write(self, record: dict) -> None:
         if not self.enabled:
             return
         self._fh.write(json.dumps(record) + "\n")
         step = record.get("step", 0)
-        prefix = "eval/" if record.get("event") == "eval" else ""
+        prefix = f"{record['event']}/" if "event" in record else ""
         for k, v in record.items():
             if k not in ("step", "epoch", "event") and isinstance(v, (int, float)):
                 self._tb.add_scalar(prefix + k, v, step)
