@@ -4,8 +4,9 @@ A converted unit (``UnitData``; ``n`` rows, ``D`` dense columns, ``F1`` single-h
 ``F2`` multi-hot features), column-major so every conversion pass writes contiguously::
 
     dense        float32 [D, n]      nulls filled, transformed, checked finite
-    labels       float32 [n]
-    single_keys  int64   [F1, n]     hashed (and folded) key per row; anything if null
+    labels       float32 [n]         checked: 0/1, or in [0, 1] (schema.label_kind); never null
+    single_keys  int64   [F1, n]     hashed (and folded) key per row; anything if null. Ids are
+                                     checked: uint64 within int64, string columns UTF-8
     single_len   uint8   [F1, n]     1 = the row has an id, 0 = null (empty bag)
     multi_offs   int64   [F2, n+1]   bag (f, r) = multi_vals[multi_offs[f, r] : multi_offs[f, r+1]]
     multi_vals   int64   [V]         hashed keys, feature-major, null lists/elements dropped

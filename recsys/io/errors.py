@@ -1,4 +1,8 @@
-"""The reader's one error type: bad input, named by file, row group, column and row."""
+"""The reader's one error type: bad input, named by file, row group, column and row.
+
+Which input is an error, which is skipped (``on_bad_file = "skip"``) and which is read
+past, with the counter each lands in: the table in docs/data.md.
+"""
 
 from __future__ import annotations
 
