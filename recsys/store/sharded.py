@@ -557,11 +557,23 @@ class ShardedEmbeddingStore:
         fut: Future = Future()
         if self._threaded:
             if self._failure is not None:
-                raise RuntimeError("the store worker failed earlier") from self._failure
+                raise self._failed_earlier()
             self._ops.put((op, fut))
         else:
             self._run(op, fut)
         return fut
+
+    def _failed_earlier(self) -> BaseException:
+        """Return what a call after the worker's failure raises: the failure itself when it
+        is the user's to read (a ``UserError``, e.g. ``SpillError``: one line), else a
+        ``RuntimeError`` caused by it."""
+        from recsys.errors import UserError
+
+        if isinstance(self._failure, UserError):
+            return self._failure
+        err = RuntimeError("the store worker failed earlier")
+        err.__cause__ = self._failure
+        return err
 
     def _run(self, op, fut: Future) -> None:
         try:
@@ -631,7 +643,7 @@ class ShardedEmbeddingStore:
                     break
                 waiting.popleft()
                 if self._failure is not None:
-                    fut.set_exception(RuntimeError("the store worker failed earlier"))
+                    fut.set_exception(self._failed_earlier())
                 else:
                     self._run(op, fut)
 
