@@ -14,6 +14,10 @@ real processes, and checks what the project promises (RELIABILITY.md):
   (20 s here) and exits; torchrun kills the stopped one and restarts both from the last
   checkpoint. Passed as above. Figures: seconds from SIGSTOP to the peer's exit (detection)
   and to the first step after the restart.
+- ``checkpoint_crash``: a worker is SIGKILLed at a point of a checkpoint write (the
+  checkpoint module's ``RECSYS_FAULT_CHECKPOINT`` hook). Passed when the job resumes once,
+  from a complete checkpoint, leaves no temp or half-deleted directory behind and ends
+  exactly like the uninterrupted run. Figure: the step it resumed from.
 - ``preemption``: SIGTERM to the launcher (what Kubernetes and Slurm send). Passed when it
   exits 0 with a checkpoint of every worker, and the same command resumes and ends exactly
   like the uninterrupted run. Figure: seconds from SIGTERM to the launcher's exit.
@@ -159,6 +163,8 @@ class TrainJob:
     max_restarts: int = 2
     tag: str = field(default_factory=lambda: uuid.uuid4().hex)
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment of the launcher (and so of its workers)."""
 
     @property
     def log_path(self) -> Path:
@@ -175,7 +181,7 @@ class TrainJob:
         self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "a") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                         env={**os.environ, TAG_ENV: self.tag})
+                                         env={**os.environ, **self.env, TAG_ENV: self.tag})
         return self
 
     def wait(self, timeout: float = DEADLINE_S) -> int:
@@ -385,6 +391,27 @@ class Scenarios:
         return {"name": f"preemption[seed={seed}]", "passed": passed,
                 "figure": {"sigterm_to_exit_s": round(exited, 2)}, "details": details}
 
+    def checkpoint_crash(self, point: str, at_step: int = 2 * EVERY) -> dict:
+        """A worker SIGKILLs itself at ``point`` of the save of ``at_step`` (the checkpoint
+        module's test hook, first attempt only); torchrun restarts the job, which must resume
+        from a complete checkpoint and end exactly like the uninterrupted run."""
+        from recsys import checkpoint_files
+        from recsys.train.checkpoint import FAULT_ENV
+
+        rank = 0 if point in ("after-marker", "before-latest", "after-latest", "prune") else 1  # rank 0's steps
+        self.reference(0)
+        job = TrainJob(self.out / f"ckpt-crash-{point}", self.overrides("train.keep_last=1"),
+                       env={FAULT_ENV: f"{point}:step={at_step}:rank={rank}"})
+        details: dict = {"point": point, "step": at_step, "rank": rank}
+        passed = self._finish(job.start(), 0, details)
+        resumed = details.get("resumed", [])
+        leftovers = sorted(p.name for p in (job.run_dir / "checkpoints").glob(".*-step-*"))
+        latest = checkpoint_files.latest(job.run_dir / "checkpoints")
+        details.update(leftovers=leftovers, latest=latest.name if latest else None)
+        passed = passed and len(resumed) == 1 and resumed[0] in (at_step - EVERY, at_step) and not leftovers
+        return {"name": f"checkpoint_crash[{point}]", "passed": passed,
+                "figure": {"resumed_from_step": resumed[0] if resumed else None}, "details": details}
+
     def clear_errors(self) -> dict:
         run_dir = self.out / "clear-errors"
         job = TrainJob(run_dir, self.overrides(f"data.train.paths=['{self.data / 'no-such-dir'}']"),
@@ -415,6 +442,9 @@ def measure(quick: bool, data: Path | None) -> dict:
     plan += [("killed_worker", (seed, 1)) for seed in seeds[:1 if quick else 3]]
     plan += [("hung_worker", (seed,)) for seed in seeds[:1 if quick else 2]]
     plan += [("preemption", (seed,)) for seed in seeds[:1 if quick else 2]]
+    points = ["before-latest"] if quick else ["before-sparse", "mid-sparse", "after-sparse", "after-marker",
+                                                 "before-latest", "after-latest", "prune"]
+    plan += [("checkpoint_crash", (point,)) for point in points]
     plan += [("clear_errors", ())]
     scenarios = []
     for name, args in plan:
