@@ -69,3 +69,27 @@ def test_a_training_run_records_every_row_once(tiny_data, tmp_path):
     run(tiny_data, tmp_path / "run", "train.record_rows=true", "data.train.passthrough=['row_id']", "train.epochs=2")
     report = assert_exactly_once(tmp_path / "run", tiny_data, epochs=2)
     assert report["epochs"][0]["rows"] == report["epochs"][1]["rows"] > 0
+
+
+def test_a_skipped_file_is_counted_and_the_other_rows_train_once(tiny_data, tmp_path):
+    """on_bad_file = "skip": the truncated file is read past, counted in every epoch_end event,
+    and the rows of the other files are each trained once per epoch."""
+    import json
+    import shutil
+
+    from recsys.bench.faults import train_row_ids_of
+    from recsys.train.rows import check_exactly_once
+    from test_train import run
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    files = sorted((data / "train").glob("*.parquet"))
+    files[0].write_bytes(files[0].read_bytes()[:1000])
+    run(data, tmp_path / "run", "train.record_rows=true", "data.train.passthrough=['row_id']", "train.epochs=2",
+        "data.train.on_bad_file='skip'")
+    ends = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+            if '"epoch_end"' in line]
+    assert [(e["epoch"], e["skipped_files"], e["skipped_row_groups"]) for e in ends] == [(0, 1, 0), (1, 1, 0)]
+    good = np.concatenate([train_row_ids_of(f) for f in files[1:]])
+    report = check_exactly_once(tmp_path / "run", good, epochs=2)
+    assert report["ok"], report

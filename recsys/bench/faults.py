@@ -21,6 +21,9 @@ real processes, and checks what the project promises (RELIABILITY.md):
 - ``preemption``: SIGTERM to the launcher (what Kubernetes and Slurm send). Passed when it
   exits 0 with a checkpoint of every worker, and the same command resumes and ends exactly
   like the uninterrupted run. Figure: seconds from SIGTERM to the launcher's exit.
+- ``bad_data``: a truncated training file: by default one line naming it (exit 2); with
+  ``on_bad_file = "skip"`` the job trains on the other files, each of their rows exactly
+  once per epoch, and counts the skipped file in its ``epoch_end`` events.
 - ``clear_errors``: a missing data path under ``--nproc 2``: exit code 2 and one line.
 
 A job's processes carry ``RECSYS_TEST_TAG=<tag>`` in their environment, so its workers are
@@ -249,6 +252,12 @@ def train_row_ids(data: Path) -> np.ndarray:
     return ds.dataset(Path(data) / "train").to_table(columns=["row_id"]).column("row_id").to_numpy()
 
 
+def train_row_ids_of(path: Path) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    return pq.read_table(path, columns=["row_id"]).column("row_id").to_numpy()
+
+
 def final_rows(run_dir: Path) -> dict[str, dict[int, bytes]]:
     """Return ``{table: {key: embedding bytes}}`` of the run's latest checkpoint."""
     from recsys import checkpoint_files
@@ -412,6 +421,46 @@ class Scenarios:
         return {"name": f"checkpoint_crash[{point}]", "passed": passed,
                 "figure": {"resumed_from_step": resumed[0] if resumed else None}, "details": details}
 
+    def bad_data(self) -> dict:
+        """One training file truncated (a copy of the data): by default the job stops before
+        training with one line naming the file (exit 2); with ``data.train.on_bad_file =
+        "skip"`` it trains on the other files, every one of their rows exactly once per
+        epoch, and its ``epoch_end`` events count the skipped file."""
+        import shutil
+
+        from recsys.train.rows import check_exactly_once
+
+        bad = self.out / "bad-data"
+        shutil.copytree(self.data, bad)
+        files = sorted((bad / "train").glob("*.parquet"))
+        victim = files[len(files) // 2]
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+        good = np.concatenate([train_row_ids_of(f) for f in files if f != victim])
+
+        stop = TrainJob(self.out / "bad-data-error", job_overrides(bad, epochs=self.epochs)).start()
+        code = stop.wait()
+        lines = [ln for ln in stop.log_tail().splitlines() if ln.strip()]
+        stopped = code == 2 and len(lines) == 1 and victim.name in lines[0]
+
+        skip = TrainJob(self.out / "bad-data-skip",
+                        job_overrides(bad, "data.train.on_bad_file='skip'", epochs=self.epochs)).start()
+        details: dict = {"file": victim.name, "error_exit_code": code, "error_output": lines[:3],
+                         "skip_exit_code": skip.wait()}
+        ends = [r for r in skip.records() if r.get("event") == "epoch_end"]
+        details["epoch_end"] = ends
+        skipped = details["skip_exit_code"] == 0 and len(ends) == self.epochs and all(
+            e["skipped_files"] == 1 for e in ends)
+        if details["skip_exit_code"] == 0:
+            report = check_exactly_once(skip.run_dir, good, self.epochs)
+            details["rows"] = {"ok": report["ok"], "epochs": {str(e): v for e, v in report["epochs"].items()}}
+            skipped = skipped and report["ok"]
+        else:
+            details["log_tail"] = skip.log_tail(1500)
+        return {"name": "bad_data[truncated file: error, then skip]", "passed": stopped and skipped,
+                "figure": {"skipped_files": ends[-1]["skipped_files"] if ends else None,
+                           "rows_trained_per_epoch": int(good.size)},
+                "details": details}
+
     def clear_errors(self) -> dict:
         run_dir = self.out / "clear-errors"
         job = TrainJob(run_dir, self.overrides(f"data.train.paths=['{self.data / 'no-such-dir'}']"),
@@ -445,7 +494,7 @@ def measure(quick: bool, data: Path | None) -> dict:
     points = ["before-latest"] if quick else ["before-sparse", "mid-sparse", "after-sparse", "after-marker",
                                                  "before-latest", "after-latest", "prune"]
     plan += [("checkpoint_crash", (point,)) for point in points]
-    plan += [("clear_errors", ())]
+    plan += [("bad_data", ()), ("clear_errors", ())]
     scenarios = []
     for name, args in plan:
         t0 = time.monotonic()

@@ -254,6 +254,7 @@ class Trainer:
                         [nxt is not None, self._stop, self._checkpoint_due(last_ckpt)], env)
                     if not has_data:  # every rank finished the epoch
                         self.store.cancel(future.result())
+                        self._log_epoch_end(epoch)
                         self.epoch += 1
                         if tc.eval_every_epochs and self.epoch % tc.eval_every_epochs == 0:
                             self.store.flush()
@@ -326,6 +327,24 @@ class Trainer:
         finally:
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
+
+    def _log_epoch_end(self, epoch: int) -> None:
+        """Write the ``epoch_end`` event: what the reader skipped or read past (docs/data.md),
+        over all ranks (files are listed by every rank alike; row groups are dealt), counted
+        since this process started (a resumed run counts again from 0)."""
+        stats = getattr(self.reader, "stats", None)
+        if stats is None:
+            return
+        summed = ("skipped_row_groups", "skipped_rows", "dropped_rows")
+        shared = ("skipped_files", "empty_files", "empty_row_groups")
+        added = [int(stats.get(k, 0)) for k in summed]
+        same = _all_max([int(stats.get(k, 0)) for k in shared], self.env)
+        if self.env.world_size > 1:
+            t = torch.tensor(added, dtype=torch.int64)
+            dist.all_reduce(t)
+            added = t.tolist()
+        values = added + same
+        self.log.event("epoch_end", step=self.step, epoch=epoch, **dict(zip(summed + shared, values)))
 
     def _validate(self, lookahead: bool) -> dict:
         """Run a periodic evaluation; track the best one, keep its checkpoint, count patience."""
