@@ -43,38 +43,52 @@ POINTS = {
     "prune": (6, ".del-step-00000002"),  # moved aside and partly deleted
 }
 
-# Runs each job of argv[1] (a JSON list) in a process forked from this one, one after the
-# other: {"run_dir", "args", "fault", "snapshot"}; writes {"status": [...]} to argv[2].
+# Runs the jobs of argv[1] (a JSON list of {"run_dir", "args", "fault", "snapshot", "wave"}),
+# each in a process forked from this one: wave after wave, two at a time within a wave (the
+# jobs of a wave use different run directories); writes {"status": [...]} to argv[2].
 DRIVER = r"""
 import json, os, shutil, sys
 import recsys.train.__main__ as entry
 import recsys.train.loop  # noqa: F401 - imported once, before any fork
 
 jobs, out = json.loads(sys.argv[1]), sys.argv[2]
-status = []
-for job in jobs:
-    log = os.open(job["run_dir"] + ".log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+status = [None] * len(jobs)
+
+
+def start(job):
+    log = os.open(job["run_dir"] + ".log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     pid = os.fork()
-    if pid == 0:
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.environ.pop("RECSYS_FAULT_CHECKPOINT", None)
-        if job["fault"]:
-            os.environ["RECSYS_FAULT_CHECKPOINT"] = job["fault"]
-        try:
-            code = entry.main(job["args"])
-        except BaseException:
-            import traceback
-            traceback.print_exc()
-            code = 99
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    os.close(log)
-    _, raw = os.waitpid(pid, 0)
-    status.append(-os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw))
-    if job["snapshot"]:  # the run directory as the kill left it, before the resume changes it
-        shutil.copytree(job["run_dir"], job["snapshot"], symlinks=True)
+    if pid:
+        os.close(log)
+        return pid
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.environ.pop("RECSYS_FAULT_CHECKPOINT", None)
+    if job["fault"]:
+        os.environ["RECSYS_FAULT_CHECKPOINT"] = job["fault"]
+    try:
+        code = entry.main(job["args"])
+    except BaseException:
+        import traceback
+        traceback.print_exc()
+        code = 99
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+for wave in sorted({job["wave"] for job in jobs}):
+    todo = [i for i, job in enumerate(jobs) if job["wave"] == wave]
+    running = {}
+    while todo or running:
+        while todo and len(running) < 2:
+            i = todo.pop(0)
+            running[start(jobs[i])] = i
+        pid, raw = os.wait()
+        i = running.pop(pid)
+        status[i] = -os.WTERMSIG(raw) if os.WIFSIGNALED(raw) else os.WEXITSTATUS(raw)
+        if jobs[i]["snapshot"]:  # the run directory as the kill left it, before the resume changes it
+            shutil.copytree(jobs[i]["run_dir"], jobs[i]["snapshot"], symlinks=True)
 with open(out, "w") as fh:
     json.dump({"status": status}, fh)
 """
@@ -93,12 +107,13 @@ def killed_runs(tiny_data, tmp_path_factory):
     """Run the reference job, then per point: the job killed there, and the same command again."""
     base = tmp_path_factory.mktemp("crash")
     jobs = [{"run_dir": str(base / "reference"), "args": _args(tiny_data, base / "reference"), "fault": None,
-             "snapshot": None}]
+             "snapshot": None, "wave": 0}]
     for point in POINTS:
         run_dir = base / point
         jobs.append({"run_dir": str(run_dir), "args": _args(tiny_data, run_dir), "fault": f"{point}:step={KILLED_AT}",
-                     "snapshot": str(base / f"{point}-killed")})
-        jobs.append({"run_dir": str(run_dir), "args": _args(tiny_data, run_dir), "fault": None, "snapshot": None})
+                     "snapshot": str(base / f"{point}-killed"), "wave": 0})
+        jobs.append({"run_dir": str(run_dir), "args": _args(tiny_data, run_dir), "fault": None, "snapshot": None,
+                     "wave": 1})
     out = base / "status.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs), str(out)], cwd=ROOT, env=env,
