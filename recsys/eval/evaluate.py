@@ -494,16 +494,17 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
     if opts.predictions is not None:
         result["predictions"] = str(opts.predictions)
     if opts.compare is not None:
-        result["compare"] = compare(scored, opts, paths, types)
+        result["compare"], scored_b = compare(scored, opts, paths, types)
     if opts.plots is not None:
         from recsys.eval.plots import write_plots
 
-        result["plots"] = [str(p) for p in write_plots(opts.plots, scored, result)]
+        other = scored_b if opts.compare is not None else None
+        result["plots"] = [str(p) for p in write_plots(opts.plots, scored, result, other)]
     return result
 
 
-def compare(a: Scored, opts: EvalOptions, paths, types) -> dict:
-    """Score the same rows with ``opts.compare``; return its metrics, the deltas and the DeLong CI."""
+def compare(a: Scored, opts: EvalOptions, paths, types) -> tuple[dict, Scored]:
+    """Score the same rows with ``opts.compare``; return (its metrics, the deltas and the DeLong CI; its rows)."""
     from recsys import checkpoint_files
 
     path_b = checkpoint_files.resolve(opts.compare)
@@ -527,7 +528,7 @@ def compare(a: Scored, opts: EvalOptions, paths, types) -> dict:
         out["auc_diff"] = M.delong_auc_diff(a.labels, a.scores, b.scores)
     except ValueError as exc:
         out["auc_diff"] = {"error": str(exc)}
-    return out
+    return out, b
 
 
 def _job_of(path: Path):

@@ -3,7 +3,7 @@
     roc.png                ROC curve (and the compared checkpoint's, when there is one)
     calibration.png        predicted vs observed CTR per score bin, bin sizes below
     score_hist.png         score histogram per label (density)
-    slice_auc_<col>.png    AUC per slice value of each --slice column
+    slice_auc_<col>.png    AUC (and rows) per slice value of each --slice column, the whole set's AUC dashed
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def roc_curve(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.nd
     return np.r_[0.0, fp / max(fp[-1], 1)], np.r_[0.0, tp / max(tp[-1], 1)]
 
 
-def write_plots(out: Path, scored, result: dict) -> list[Path]:
-    """Write the PNGs of ``result`` (scores in ``scored``) to ``out``; return their paths."""
+def write_plots(out: Path, scored, result: dict, other=None) -> list[Path]:
+    """Write the PNGs of ``result`` (scores in ``scored``; ``other``: the compared checkpoint's) to ``out``."""
     plt = _pyplot()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -44,7 +44,12 @@ def write_plots(out: Path, scored, result: dict) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
     fpr, tpr = roc_curve(y, p)
-    ax.plot(fpr, tpr, label=f"step {result['step']} (AUC {result.get('auc', float('nan')):.4f})")
+    name = "A: " if other is not None else ""
+    ax.plot(fpr, tpr, label=f"{name}step {result['step']} (AUC {result.get('auc', float('nan')):.4f})")
+    if other is not None:
+        fpr_b, tpr_b = roc_curve(other.labels, other.scores)
+        auc_b = result.get("compare", {}).get("metrics", {}).get("auc", float("nan"))
+        ax.plot(fpr_b, tpr_b, label=f"B: step {other.step} (AUC {auc_b:.4f})")
     ax.plot([0, 1], [0, 1], "--", color="grey", linewidth=0.8, label="chance")
     ax.set(xlabel="false positive rate", ylabel="true positive rate", title="ROC", xlim=(0, 1), ylim=(0, 1))
     ax.legend(loc="lower right")
@@ -74,17 +79,31 @@ def write_plots(out: Path, scored, result: dict) -> list[Path]:
     written.append(_save(fig, out / "score_hist.png", plt))
 
     for col, groups in result.get("slices", {}).items():
-        names = [str(g["value"]) for g in groups]
-        aucs = [g.get("auc", np.nan) for g in groups]
-        fig, ax = plt.subplots(figsize=(max(5, 0.5 * len(groups) + 2), 4), dpi=100)
-        ax.bar(range(len(groups)), np.nan_to_num(aucs, nan=0.0), color="tab:blue")
-        if "auc" in result:
-            ax.axhline(result["auc"], color="tab:red", linestyle="--", label=f"all rows ({result['auc']:.4f})")
-            ax.legend(loc="lower right")
-        ax.set_xticks(range(len(groups)), names, rotation=45, ha="right")
-        ax.set(ylabel="AUC", title=f"AUC by {col} (top values by rows)", ylim=(0, 1))
-        written.append(_save(fig, out / f"slice_auc_{_safe(col)}.png", plt))
+        written.append(_slice_plot(plt, out / f"slice_auc_{_safe(col)}.png", col, groups, result.get("auc")))
     return written
+
+
+def _slice_plot(plt, path: Path, col: str, groups: list[dict], overall: float | None) -> Path:
+    """AUC per slice value as bars, each labelled with its AUC and rows; the y axis spans the
+    AUCs shown (it says where it starts), so differences of a few thousandths are visible."""
+    names = [str(g["value"]) for g in groups]
+    aucs = np.array([np.nan if g.get("auc") is None else g["auc"] for g in groups], dtype=np.float64)
+    shown = aucs[np.isfinite(aucs)].tolist() + ([overall] if overall is not None else [])
+    lo = max(0.0, min(shown, default=0.0) - 0.02)
+    hi = min(1.0, max(shown, default=1.0) + 0.03)
+    fig, ax = plt.subplots(figsize=(max(5, 0.8 * len(groups) + 1.5), 4), dpi=100)
+    bars = ax.bar(range(len(groups)), np.where(np.isfinite(aucs), aucs - lo, 0.0), bottom=lo, color="tab:blue")
+    for bar, g, a in zip(bars, groups, aucs):
+        text = f"{a:.4f}" if np.isfinite(a) else "n/a"
+        ax.annotate(f"{text}\n{g['rows']:,} rows", (bar.get_x() + bar.get_width() / 2, lo),
+                    xytext=(0, 3), textcoords="offset points", ha="center", va="bottom", fontsize=7,
+                    color="white" if np.isfinite(a) and a - lo > 0.3 * (hi - lo) else "black")
+    if overall is not None:
+        ax.axhline(overall, color="tab:red", linestyle="--", label=f"all rows ({overall:.4f})")
+        ax.legend(loc="upper right")
+    ax.set_xticks(range(len(groups)), names, rotation=45, ha="right")
+    ax.set(ylabel=f"AUC (axis from {lo:.2f})", title=f"AUC by {col} (top values by rows)", ylim=(lo, hi))
+    return _save(fig, path, plt)
 
 
 def _safe(name: str) -> str:
