@@ -249,7 +249,7 @@ def test_every_documented_metrics_field_is_there_with_its_type(linear_run):
     assert sum(r["store/evictions"] for r in steps) > 0
     assert max(r["store/hit_rate"] for r in steps) > 0
     events = {r["event"] for r in recs if "event" in r}
-    assert {"checkpoint", "eval", "best"} <= events <= {"checkpoint", "eval", "best", "resumed"}
+    assert {"checkpoint", "eval", "best"} <= events <= {"checkpoint", "eval", "best", "resumed", "epoch_end"}
     for r in recs:
         if r.get("event") == "checkpoint":
             assert type(r["step"]) is int and Path(r["path"]).name == f"step-{r['step']:08d}"

@@ -5,7 +5,7 @@ Metric keys are grouped by prefix: ``loss/train``, ``throughput/samples_per_s``,
 ``store/hit_rate``, ``store/evictions``, ``store/staleness``, ``store/rows``, ``lr``; every
 line also has ``step`` and ``epoch``. Store counters are rank 0's shard's (each shard sees a
 similar mix of keys). Event lines have ``event`` (``eval``, ``checkpoint``, ``resumed``,
-``best``) and the event's fields.
+``best``, ``epoch_end``) and the event's fields.
 
 TensorBoard (``RUN_DIR/tensorboard``) gets every numeric field under the same tag; an
 event's numeric fields under ``<event>/<field>`` (``eval/auc``...). The event file is
