@@ -81,3 +81,57 @@ def test_keep_best_needs_periodic_evaluations():
 
     with pytest.raises((ValueError, ConfigError), match="eval_every"):
         load_job(JOB, ["train.keep_best='auc'"])
+
+
+# --------------------------------------------------------------------------- validation_fraction
+
+
+def _row_ids(data: Path, keys: list[str]) -> set[int]:
+    """Row ids of the row groups ``<file>#<row group>`` under ``data/train``."""
+    import pyarrow.parquet as pq
+
+    out: set[int] = set()
+    for key in keys:
+        name, rg = key.rsplit("#", 1)
+        table = pq.ParquetFile(data / "train" / name).read_row_group(int(rg), columns=["row_id"])
+        out |= set(table.column("row_id").to_pylist())
+    return out
+
+
+def test_held_out_row_groups_are_stable_whole_and_never_all():
+    from recsys.io.units import held_out
+
+    keys = [f"part-{f:05d}.parquet#{rg}" for f in range(4) for rg in range(3)]
+    mask = held_out(keys, 0.25, seed=0)
+    assert mask.sum() == 3
+    assert (held_out(list(reversed(keys)), 0.25, seed=0) == mask[::-1]).all()  # by key, not position
+    assert not (held_out(keys, 0.25, seed=1) == mask).all()  # the seed changes the choice
+    assert held_out(keys, 0.01, seed=0).sum() == 1  # at least one row group
+    assert not held_out(keys, 0.0, seed=0).any()
+
+
+def test_validation_fraction_never_trains_on_the_rows_it_validates_on(tiny, tmp_path):
+    import pyarrow.dataset as ds
+
+    from recsys.train.rows import consumed
+    from test_train import run
+
+    run_dir = tmp_path / "run"
+    run(tiny, run_dir, "train.validation_fraction=0.25", "train.eval_every_epochs=1", "train.epochs=2",
+        "train.record_rows=true", "data.train.passthrough=['row_id']")
+    record = json.loads((run_dir / "validation.json").read_text())
+    assert record["fraction"] == 0.25 and len(record["row_groups"]) == 3
+    held = _row_ids(tiny, record["row_groups"])
+    assert len(held) == record["rows"] > 0
+    everything = set(ds.dataset(tiny / "train").to_table(columns=["row_id"]).column("row_id").to_pylist())
+    for epoch, ids in consumed(run_dir).items():  # every other row, once per epoch; no held-out row
+        assert sorted(ids.tolist()) == sorted(everything - held), f"epoch {epoch}"
+    evals = _evals(run_dir)
+    assert len(evals) == 2 and all(e["rows"] == record["rows"] for e in evals)
+
+
+def test_validation_fraction_and_validation_paths_are_one_or_the_other(tiny, tmp_path):
+    from recsys.config import ConfigError
+
+    with pytest.raises(ConfigError, match="validation_fraction"):
+        _run(tiny, tmp_path / "run", "train.validation_fraction=0.25")

@@ -36,6 +36,14 @@ class ReaderConfig:
     nice: int = 10
     """Raise the reader's threads' (and worker processes') nice value by this much (Linux;
     0..19), so reading ahead only takes CPU the training step leaves idle."""
+    holdout_fraction: float = 0.0
+    """Hold out this fraction of the row groups (whole row groups, chosen by a stable hash of
+    each one's file key and index with ``holdout_seed``; the same choice on every host and
+    world size). ``train.validation_fraction`` sets it for the training and validation reads."""
+    holdout: Literal["exclude", "only"] = "exclude"
+    """With ``holdout_fraction``: read every row group but the held-out ones, or only them."""
+    holdout_seed: int = 0
+    """Seed of the held-out choice."""
     start_method: Literal["fork", "forkserver", "spawn"] = "fork"
     """How worker processes start (``num_workers > 0``). fork starts in ~0.1 s; forkserver and
     spawn re-import torch (seconds) but are safer if other threads of the process may hold
@@ -50,5 +58,7 @@ class ReaderConfig:
             raise ValueError(f"num_workers must be >= 0, found {self.num_workers}")
         if not 0 <= self.nice <= 19:
             raise ValueError(f"nice must be in 0..19, found {self.nice}")
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ValueError(f"holdout_fraction must be in [0, 1), found {self.holdout_fraction}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, found {self.prefetch}")

@@ -47,7 +47,7 @@ from recsys.io.errors import ReadError
 from recsys.io.inspect import describe
 from recsys.io.plan import ReadContext, SlotPlan, SlotRunner, background_priority, priority_target
 from recsys.io.state import STATE_VERSION, Progress, check_shape, merge_states, unit_index
-from recsys.io.units import build_units, expand_paths
+from recsys.io.units import build_units, expand_paths, hold_out
 from recsys.schema import Schema
 
 __all__ = ["ParquetReader", "ReadError", "describe", "STATE_VERSION"]
@@ -76,6 +76,10 @@ class ParquetReader:
         self._slots_per_rank = max(1, cfg.num_workers)
         files = expand_paths(cfg.paths, filesystem)
         table = build_units(files, schema, list(cfg.passthrough), cfg.on_bad_file)
+        row0 = _row0(table)  # row numbers within the files, before any unit is held out
+        if cfg.holdout_fraction:
+            table, kept = hold_out(table, cfg.holdout_fraction, cfg.holdout_seed, cfg.holdout)
+            row0 = row0[kept]
         self._table = table
         self._rows = table.unit_rows
         self._keys = table.unit_keys
@@ -92,7 +96,7 @@ class ParquetReader:
             arrow_threads=cfg.arrow_threads,
             nice=priority_target(cfg.nice),
             on_bad_file=cfg.on_bad_file,
-            unit_row0=_row0(table),
+            unit_row0=row0,
         )
         self._feature_names = schema.feature_names
         self.stats: dict = {

@@ -9,6 +9,8 @@ Legend: ``U`` units.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import posixpath
@@ -452,6 +454,34 @@ def build_units(
         empty_files=empty_files,
         empty_units=empty_units,
     )
+
+
+def held_out(unit_keys: list[str], fraction: float, seed: int) -> np.ndarray:
+    """Return a bool mask of the units held out: the ``round(fraction * U)`` (at least one)
+    with the smallest stable hash of (seed, unit key): whole row groups, the same choice on
+    every host, world size and run."""
+    if not fraction or not unit_keys:
+        return np.zeros(len(unit_keys), dtype=bool)
+    digests = np.array([int.from_bytes(hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest(), "little")
+                        for k in unit_keys], dtype=np.uint64)
+    count = max(1, round(fraction * len(unit_keys)))
+    mask = np.zeros(len(unit_keys), dtype=bool)
+    mask[np.argsort(digests, kind="stable")[:count]] = True
+    return mask
+
+
+def hold_out(table: UnitTable, fraction: float, seed: int, side: str) -> tuple[UnitTable, np.ndarray]:
+    """Return ``table`` with only the units on ``side`` ("exclude": all but the held-out
+    ones; "only": just them) and the indices of the units kept. Raises ``ReadError`` when a
+    side would be empty."""
+    mask = held_out(table.unit_keys, fraction, seed)
+    if mask.all():
+        raise ReadError(file=_common_display(table.files), expected=f"more than one row group to hold out "
+                        f"a fraction {fraction} for validation", found=f"{table.num_units} row group(s)")
+    keep = mask if side == "only" else ~mask
+    idx = np.flatnonzero(keep)
+    return dataclasses.replace(table, unit_file=table.unit_file[idx], unit_rg=table.unit_rg[idx],
+                               unit_rows=table.unit_rows[idx], unit_keys=[table.unit_keys[i] for i in idx]), idx
 
 
 def _common_display(files: list[SourceFile]) -> str:

@@ -48,6 +48,11 @@ class TrainConfig:
     early_stopping_patience: int = 0
     """Stop after this many periodic evaluations in a row without improvement (by ``keep_best``'s
     metric, AUC if unset). 0: off. A resume keeps the best so far and the count."""
+    validation_fraction: float = 0.0
+    """Carve the validation split out of the training files: this fraction of their row groups
+    (whole row groups, chosen by a stable hash: never trained on, the same at every world size
+    and on resume), read with ``data.validation``'s settings. Needs no ``data.validation``
+    paths. The row groups held out are listed in ``RUN_DIR/validation.json``. 0: off."""
     eval_max_rows: int = 0
     """Rows of the eval split used by periodic evaluations (0: all); the final one uses all."""
     checkpoint_every_steps: int = 0
@@ -87,5 +92,7 @@ class TrainConfig:
         if (self.keep_best or self.early_stopping_patience) and not (self.eval_every or self.eval_every_epochs):
             raise ValueError("keep_best and early_stopping_patience need periodic evaluations: "
                              "set eval_every (steps) or eval_every_epochs")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ValueError(f"validation_fraction must be in [0, 1), found {self.validation_fraction}")
         if self.checkpoint_every_minutes < 0 or self.clip_grad_norm < 0:
             raise ValueError("checkpoint_every_minutes and clip_grad_norm must be >= 0")

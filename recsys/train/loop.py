@@ -107,6 +107,42 @@ def lr_lambda(cfg, total_steps: int | None):
     return f
 
 
+def read_splits(job):
+    """Return the reader settings of the training split and of the validation split (None:
+    the job has none; periodic evaluations then read the eval split).
+
+    With ``train.validation_fraction`` both read the training files: training all row groups
+    but the held-out ones, validation only them, with ``data.validation``'s read settings."""
+    from recsys.config import ConfigError
+
+    data, fraction = job.data, job.train.validation_fraction
+    if not fraction:
+        return data.train, (data.validation if data.validation.paths else None)
+    if data.validation.paths:
+        raise ConfigError("train.validation_fraction carves the validation split out of the training files: "
+                          "remove data.validation.paths, or set train.validation_fraction = 0")
+    if data.train.holdout_fraction:
+        raise ConfigError("set train.validation_fraction or data.train.holdout_fraction, not both")
+    held = dict(holdout_fraction=fraction, holdout_seed=data.train.holdout_seed)
+    validation = dataclasses.replace(data.validation, paths=list(data.train.paths), on_bad_file=data.train.on_bad_file,
+                                     holdout="only", **held)
+    return dataclasses.replace(data.train, holdout="exclude", **held), validation
+
+
+def record_validation_split(cfg, schema, run_dir: Path) -> None:
+    """Write ``RUN_DIR/validation.json``: the row groups held out for validation."""
+    import json
+
+    from recsys.io.units import build_units, expand_paths, hold_out
+
+    table, _ = hold_out(build_units(expand_paths(cfg.paths), schema, list(cfg.passthrough), cfg.on_bad_file),
+                        cfg.holdout_fraction, cfg.holdout_seed, "only")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "validation.json").write_text(json.dumps({
+        "fraction": cfg.holdout_fraction, "seed": cfg.holdout_seed, "paths": list(cfg.paths),
+        "rows": int(table.unit_rows.sum()), "row_groups": table.unit_keys}, indent=1) + "\n")
+
+
 class Trainer:
     """Builds the components of a job and runs its training loop."""
 
@@ -119,6 +155,7 @@ class Trainer:
 
             raise ConfigError("train.record_rows needs the column row_id in data.train.passthrough, "
                               f"found passthrough = {list(job.data.train.passthrough)}")
+        self.train_cfg, self.validation_cfg = read_splits(job)  # config errors before any thread starts
         torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
         schema = job.schema
         dims = {t.dim for t in schema.tables.values()}
@@ -139,7 +176,9 @@ class Trainer:
         group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
         self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
                                            run_dir=self.run_dir, job_name=job.name)
-        self.reader = source or ParquetReader(job.data.train, schema, rank=env.rank, world_size=env.world_size)
+        self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size)
+        if tc.validation_fraction and env.is_main:
+            record_validation_split(self.validation_cfg, schema, self.run_dir)
         self.step = 0
         self.epoch = 0
         """The epoch every rank is training (a rank whose data ran out feeds empty batches)."""
@@ -388,9 +427,7 @@ class Trainer:
         """Return AUC / log loss on the eval split, or with ``split="validation"`` on the
         validation split when the job has one (all ranks take part; rank 0 reports)."""
         env, schema = self.env, self.job.schema
-        if split == "validation" and not self.job.data.validation.paths:
-            split = "eval"
-        cfg = self.job.data.validation if split == "validation" else self.job.data.eval
+        cfg = (self.validation_cfg or self.job.data.eval) if split == "validation" else self.job.data.eval
         if not cfg.paths:
             return {}
         reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size)
