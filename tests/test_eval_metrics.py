@@ -102,3 +102,24 @@ def test_delong_of_a_scoring_with_itself_is_zero():
     y, p = _data(6, n=300)
     got = M.delong_auc_diff(y, p, p)
     assert got["delta"] == 0 and got["ci_low"] <= 0 <= got["ci_high"] and got["p_value"] == 1.0
+
+
+def test_delong_p_value_of_a_clear_difference_is_small_not_zero():
+    """2·Φ(−|z|) from the tail: a difference of ~11 standard errors has p ≈ 1e-29, not 0."""
+    from scipy.stats import norm
+
+    rng = np.random.default_rng(11)
+    y, p = _data(7, n=4000)
+    q = np.clip(p + rng.normal(0, 0.2, p.size), 1e-6, 1 - 1e-6)  # a noisier scoring of the same rows
+    got = M.delong_auc_diff(y, p, q)
+    z = abs(got["delta"]) / got["se"]
+    assert z > 9, z  # the case this test is about
+    assert 0 < got["p_value"] < 1e-16
+    assert got["p_value"] == pytest.approx(2 * norm.sf(z), rel=1e-9)
+
+
+def test_calibration_table_edges_are_the_round_bin_edges():
+    y, p = _data(8)
+    table = M.calibration_table(y, p, bins=10)
+    assert [b["lo"] for b in table] == [k / 10 for k in range(len(table))]
+    assert sum(b["rows"] for b in table) == y.size

@@ -564,8 +564,12 @@ def format_tables(result: dict) -> str:
             lines.append(f"AUC difference: {d['error']}")
         else:
             lines.append(f"AUC difference B - A: {d['delta']:+.5f}, {d['level']:.0%} CI [{d['ci_low']:+.5f}, "
-                         f"{d['ci_high']:+.5f}] ({d['method']}, p = {d['p_value']:.3g})")
+                         f"{d['ci_high']:+.5f}] ({d['method']}, {_p_text(d['p_value'])})")
     return "\n".join(lines)
+
+
+def _p_text(p: float) -> str:
+    return "p < 1e-300" if p == 0 else f"p = {p:.3g}"
 
 
 def _cell(v) -> str:

@@ -6,6 +6,8 @@ so every AUC in the project is computed one way.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -94,7 +96,9 @@ def _table(edges, rows, positives, score_sums) -> list[dict]:
     out = []
     for b in np.flatnonzero(rows):
         n = int(rows[b])
-        out.append({"lo": float(edges[b]), "hi": float(edges[b + 1]), "rows": n, "positives": int(round(positives[b])),
+        # edges as written (0.3, not linspace's 0.30000000000000004); rows were binned by the exact edges
+        out.append({"lo": round(float(edges[b]), 12), "hi": round(float(edges[b + 1]), 12), "rows": n,
+                    "positives": int(round(positives[b])),
                     "predicted_ctr": float(score_sums[b] / n), "observed_ctr": float(positives[b] / n)})
     return out
 
@@ -220,7 +224,8 @@ def delong_auc_diff(labels: np.ndarray, scores_a: np.ndarray, scores_b: np.ndarr
     se = float(np.sqrt(max(var, 0.0)))
     delta = aucs[1] - aucs[0]
     z = NormalDist().inv_cdf(1 - alpha / 2)
-    p_value = 2 * (1 - NormalDist().cdf(abs(delta) / se)) if se > 0 else (1.0 if delta == 0 else 0.0)
+    # two-sided p = 2·Φ(−|z|) = erfc(|z|/√2): exact in the tail (1 − cdf rounds below ~1e-16 to 0)
+    p_value = math.erfc(abs(delta) / se / math.sqrt(2)) if se > 0 else (1.0 if delta == 0 else 0.0)
     return {"auc_a": aucs[0], "auc_b": aucs[1], "delta": delta, "se": se, "ci_low": delta - z * se,
             "ci_high": delta + z * se, "level": 1 - alpha, "p_value": float(p_value), "method": "DeLong"}
 
