@@ -330,7 +330,9 @@ def test_training_job_fails_in_one_line_and_resumes_exactly_from_the_intact_chec
         wait_until(lambda: checkpoint_files.latest(run_dir / "checkpoints") is not None or proc.poll() is not None,
                    180, "the first checkpoint")
         server.stop()
+        stopped = time.monotonic()
         out, err = proc.communicate(timeout=180)
+        exit_s = time.monotonic() - stopped
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -361,6 +363,7 @@ def test_training_job_fails_in_one_line_and_resumes_exactly_from_the_intact_chec
     for s in range(step + 1, STEPS + 1):
         assert got_losses[s] == want_losses[s], f"step {s}"
     assert_rows_equal(tt.final_rows(run_dir), want_rows)
+    print(json.dumps({"redis_stop_to_exit_s": round(exit_s, 2), "checkpoint_step": step}))
 
 
 class OutageSource:

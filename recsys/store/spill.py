@@ -757,11 +757,10 @@ class SpillTier:
     def _error_message(self, what: str, attempts: int, elapsed: float, exc: BaseException) -> str:
         return (
             f"spill tier of table {self.table!r}: {what} at Redis {self.url} failed after {attempts} "
-            f"attempt(s) in {elapsed:.2f}s: {type(exc).__name__}: {str(exc).rstrip('.')}. No row was re-initialized: rows "
-            "that could not be read were not touched and rows not yet written stay buffered in memory. "
-            "Check that Redis is up and reachable at StoreConfig.spill_url (or raise spill_retries / "
-            "spill_backoff_s / spill_timeout_s, or set spill_outage = 'hold' to train through an outage), "
-            "then retry the call"
+            f"attempt(s) in {elapsed:.2f}s: {type(exc).__name__}: {str(exc).rstrip('.')}. No row was re-initialized "
+            "(rows not yet written stay buffered in this process). Check that Redis is up and reachable at "
+            "store.spill_url (or raise store.spill_retries / spill_backoff_s / spill_timeout_s, or set "
+            "store.spill_outage = 'hold' to train through an outage)"
         )
 
     def _check_writer(self) -> None:
