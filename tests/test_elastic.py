@@ -273,11 +273,11 @@ def _staged_reference(data: Path, run_dir: Path, segments: list[tuple[int, int]]
 def _assert_same_training(reference: Path, run_dir: Path) -> None:
     """The same loss at every step of the final trajectory, the same final evaluation and rows."""
     a, b = losses(reference), losses(run_dir)  # a rolled-back step is logged again: the last one stays
-    assert sorted(a) == sorted(b)
+    final_step = json.loads((run_dir / "result.json").read_text())["step"]
+    assert sorted(b) == list(range(1, final_step + 1)) and sorted(a) == sorted(b), (len(a), len(b), final_step)
     different = {s: (a[s], b[s]) for s in a if a[s] != b[s]}
     assert not different, f"{len(different)} step(s) with another loss, first: {min(different.items())}"
-    result = {k: v for k, v in json.loads((run_dir / "result.json").read_text()).items()}
-    assert result == json.loads((reference / "result.json").read_text())
+    assert json.loads((run_dir / "result.json").read_text()) == json.loads((reference / "result.json").read_text())
     ra, rb = final_rows(reference), final_rows(run_dir)
     assert ra.keys() == rb.keys()
     for name in ra:
@@ -381,6 +381,109 @@ def test_nodes_leave_and_join_twice_exactly(tiny_data, tmp_path):
     _staged_reference(tiny_data, tmp_path / "reference", segments, *sets)
     _assert_same_training(tmp_path / "reference", run_dir)
     _report("leave-and-join-twice", **figures, rows=report["epochs"])
+
+
+def _wait_training(nodes: Nodes, run_dir: Path, what: str) -> None:
+    """Wait until two workers of world size 2 train past a checkpoint of theirs."""
+    def ready():
+        recs = records(run_dir)
+        since = recs[max((i for i, r in enumerate(recs) if r.get("event") == "resumed"), default=0):]
+        ckpt = [r["step"] for r in since if r.get("event") == "checkpoint"]
+        done = [name for name, proc in nodes.procs.items() if proc.poll() is not None]
+        return (nodes.world_sizes() == [2, 2] and ckpt and max(_steps(run_dir), default=0) >= max(ckpt) + 2) or done
+    wait_until(ready, DEADLINE, what)
+    assert all(proc.poll() is None for proc in nodes.procs.values()), "a node ended:\n" + nodes.logs()
+
+
+def _finish(nodes: Nodes, *names: str) -> None:
+    for name in names:
+        try:
+            code = nodes.procs[name].wait(timeout=DEADLINE)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"node {name} did not finish in {DEADLINE}s:\n" + nodes.logs())
+        assert code == 0, f"node {name} exited with {code}:\n" + nodes.logs()
+
+
+@pytest.mark.multiproc
+def test_too_few_nodes_is_one_line(tiny_data, tmp_path):
+    """--nnodes 2 and no second node: after join_timeout, one line naming the rendezvous."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--nproc", "1", "--nnodes", "2",
+           "--rdzv-endpoint", endpoint, "--rdzv-id", "alone", "--rdzv-conf", "join_timeout=3",
+           "--run-dir", str(tmp_path / "run"), *_sets(tiny_data)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=DEADLINE)
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("recsys train")]
+    assert lines == [f"recsys train: training failed: too few nodes joined the rendezvous at {endpoint} "
+                     "(--rdzv-id alone) in time (--nnodes 2; rendezvous timeouts: --rdzv-conf join_timeout=SECONDS); "
+                     f"{tmp_path / 'run'} keeps its checkpoints: the same commands resume from the latest complete "
+                     "one"], out.stderr[-3000:]
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_losing_the_rendezvous_host_ends_the_job_and_the_same_commands_resume(tiny_data, tmp_path):
+    """The node at the endpoint hosts the rendezvous: killing it ends the other node with one
+    line; starting both again resumes from the latest checkpoint, rows exactly once."""
+    run_dir = tmp_path / "elastic"
+    nodes = Nodes(tiny_data, run_dir, "data.train.batch_size=16", "train.epochs=1", "train.log_every=2",
+                  "train.checkpoint_every_steps=25")
+    try:
+        nodes.start("a", host=True)
+        nodes.start("b")
+        _wait_training(nodes, run_dir, "two nodes training past a checkpoint")
+        last = max(r["step"] for r in records(run_dir) if r.get("event") == "checkpoint")
+        nodes.kill("a")
+        code = nodes.procs["b"].wait(timeout=DEADLINE)
+        assert code == 1, nodes.logs()
+        said = [line for line in nodes.log("b").read_text().splitlines() if line.startswith("recsys train")]
+        assert said == [f"recsys train: training failed: lost the connection to the rendezvous at {nodes.endpoint} "
+                        f"(--rdzv-id {nodes.job_id}): the node hosting it stopped or cannot be reached (it must "
+                        f"stay up for the whole job); {run_dir} keeps its checkpoints: the same commands resume "
+                        "from the latest complete one"], nodes.logs()
+        assert not nodes.workers(), "workers outlived their nodes"
+        nodes.start("a2", host=True)
+        nodes.start("b2")
+        _finish(nodes, "a2", "b2")
+    finally:
+        nodes.close()
+    resumed = [r for r in _resumed(run_dir) if r["step"] >= last]
+    assert resumed and resumed[0]["step"] == max(_checkpoints_before(run_dir, resumed[0])), resumed
+    assert_exactly_once(run_dir, tiny_data, epochs=1)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_sigterm_to_every_node_checkpoints_and_the_same_commands_resume(tiny_data, tmp_path):
+    """What a scheduler does to a multi-node job: SIGTERM to each node's launcher. The first
+    stops the whole job at the end of a step with a checkpoint of every rank (the stop is
+    all-reduced); every launcher exits 0; the same commands resume, rows exactly once."""
+    run_dir = tmp_path / "elastic"
+    nodes = Nodes(tiny_data, run_dir, "data.train.batch_size=16", "train.epochs=1", "train.log_every=2",
+                  "train.checkpoint_every_steps=25")
+    try:
+        nodes.start("a", host=True)
+        nodes.start("b")
+        _wait_training(nodes, run_dir, "two nodes training past a checkpoint")
+        for name in ("b", "a"):
+            assert nodes.alive(name), f"node {name}'s launcher ended:\n" + nodes.logs()
+            nodes.procs[name].send_signal(signal.SIGTERM)
+            # the other node's worker stops too; its agent then waits for this one at the exit
+            wait_until(lambda: not any(env.get("RECSYS_TEST_TAG") == f"{nodes.tag}-{name}"
+                                       for env in nodes.workers().values()), DEADLINE, f"node {name}'s worker to stop")
+        _finish(nodes, "a", "b")
+        stopped = json.loads((run_dir / "result.json").read_text())
+        assert stopped["stopped"] == "SIGTERM", stopped
+        assert "every worker saved a checkpoint" in nodes.log("b").read_text()
+        nodes.start("a2", host=True)
+        nodes.start("b2")
+        _finish(nodes, "a2", "b2")
+    finally:
+        nodes.close()
+    resumed = _resumed(run_dir)[-1]
+    assert resumed["step"] == stopped["step"] and resumed["saved_world_size"] == 2, resumed
+    assert_exactly_once(run_dir, tiny_data, epochs=1)
 
 
 # --------------------------------------------------------------------------- stop and resume

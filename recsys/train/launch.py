@@ -325,7 +325,8 @@ def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool,
         except Exception as exc:  # noqa: BLE001 - torchrun's ChildFailedError carries the story
             if _report_user_errors(launch_dir, verbose):
                 return 2
-            print(f"recsys train: training failed: {exc}", file=sys.stderr)
+            why = _rendezvous_failure(exc, args) if rendezvous is not None else None
+            print(f"recsys train: training failed: {why or exc}", file=sys.stderr)
             return 1
         return 0
     finally:
@@ -337,6 +338,26 @@ def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool,
             else:
                 os.environ[name] = value
         shutil.rmtree(launch_dir, ignore_errors=True)
+
+
+def _rendezvous_failure(exc: Exception, args: argparse.Namespace) -> str | None:
+    """Return what a failed multi-node rendezvous means for the user, or None for another error."""
+    from torch.distributed.elastic.rendezvous.api import (RendezvousClosedError, RendezvousConnectionError,
+                                                          RendezvousError, RendezvousTimeoutError)
+
+    where = f"the rendezvous at {args.rdzv_endpoint} (--rdzv-id {args.rdzv_id})"
+    resume = f"{args.run_dir} keeps its checkpoints: the same commands resume from the latest complete one"
+    if isinstance(exc, RendezvousConnectionError):
+        return (f"lost the connection to {where}: the node hosting it stopped or cannot be reached "
+                f"(it must stay up for the whole job); {resume}")
+    if isinstance(exc, RendezvousTimeoutError):
+        return (f"too few nodes joined {where} in time (--nnodes {args.nnodes}; rendezvous timeouts: "
+                f"--rdzv-conf join_timeout=SECONDS); {resume}")
+    if isinstance(exc, RendezvousClosedError):
+        return f"{where} is closed (its job ended); a new job needs another --rdzv-id"
+    if isinstance(exc, RendezvousError):
+        return f"{where} failed: {exc}; {resume}"
+    return None
 
 
 def _quiet_torch_logs() -> dict:
