@@ -145,6 +145,7 @@ def test_too_many_rows_fall_back_to_a_binned_auc_with_its_bound(tiny_run):
     exact = run_eval(tiny_run, EvalOptions())
     binned = run_eval(tiny_run, EvalOptions(max_exact_rows=500))
     assert binned["auc_method"].startswith("binned") and exact["auc_method"] == "exact"
+    assert binned["auc_method"].endswith("more rows than 500)"), binned["auc_method"]
     assert abs(binned["auc"] - exact["auc"]) <= binned["auc_error_bound"]
     assert binned["rows"] == exact["rows"] and binned["log_loss"] == pytest.approx(exact["log_loss"], rel=1e-9)
     with pytest.raises(UserError, match="--slice needs every prediction"):

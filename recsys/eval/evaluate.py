@@ -285,7 +285,7 @@ def _collect(batches, max_rows: int, need_rows: str | None, calibration_bins: in
             if need_rows:
                 raise UserError(f"more than {max_rows:,} rows: {need_rows} needs every prediction in memory; "
                                 "raise --max-exact-rows or evaluate fewer rows")
-            stream = M.StreamingMetrics()
+            stream = M.StreamingMetrics(exact_rows=max_rows)
             for a, b in zip(ys, ps):
                 stream.add(a, b)
             ys = ps = ex = None

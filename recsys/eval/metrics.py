@@ -156,8 +156,9 @@ class StreamingMetrics:
     ``HISTOGRAM_BINS`` uniform score bins with the error bound of ``binned_auc``.
     """
 
-    def __init__(self, bins: int = HISTOGRAM_BINS) -> None:
+    def __init__(self, bins: int = HISTOGRAM_BINS, exact_rows: int = MAX_EXACT_ROWS) -> None:
         self.bins = bins
+        self.exact_rows = exact_rows  # the limit passed, named in ``auc_method``
         self.pos = np.zeros(bins, dtype=np.int64)
         self.neg = np.zeros(bins, dtype=np.int64)
         self.score_sum = np.zeros(bins, dtype=np.float64)
@@ -184,7 +185,7 @@ class StreamingMetrics:
                    calibration=float(self.score_sum.sum() / n / base) if base > 0 else float("nan"))
         if 0 < P < n:
             out["auc"], out["auc_error_bound"] = binned_auc(self.pos, self.neg)
-            out["auc_method"] = f"binned ({self.bins} uniform score bins; more rows than {MAX_EXACT_ROWS:,})"
+            out["auc_method"] = f"binned ({self.bins:,} uniform score bins; more rows than {self.exact_rows:,})"
             out["normalized_entropy"] = ll / float(-(base * np.log(base) + (1 - base) * np.log1p(-base)))
         # the calibration bins are unions of histogram bins (histogram bin i lies in [i/bins, (i+1)/bins))
         group = np.minimum(np.arange(self.bins) * calibration_bins // self.bins, calibration_bins - 1)
