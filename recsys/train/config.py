@@ -92,6 +92,9 @@ class TrainConfig:
         if (self.keep_best or self.early_stopping_patience) and not (self.eval_every or self.eval_every_epochs):
             raise ValueError("keep_best and early_stopping_patience need periodic evaluations: "
                              "set eval_every (steps) or eval_every_epochs")
+        if self.decay != "none" and not self.max_steps:
+            raise ValueError(f"decay = {self.decay!r} ends at lr * min_lr_ratio at the last step: set max_steps "
+                             "(the step count), or decay = 'none'")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ValueError(f"validation_fraction must be in [0, 1), found {self.validation_fraction}")
         if self.checkpoint_every_minutes < 0 or self.clip_grad_norm < 0:

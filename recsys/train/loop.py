@@ -15,14 +15,16 @@ Checkpoints flush the store first, so weights and optimizer state are from one s
 (no half-applied push). A checkpoint is also a synchronization point of the store: with
 ``staleness = s > 0`` the look-ahead lookup (which read its rows without the last ``s``
 pushes) is withdrawn and redone after the save, seeing every push, exactly as the first
-lookup of a run resumed from that checkpoint does. Its key work (touch, insert, evict,
-admission sightings) is done twice in both runs alike, so a resumed run equals the
-uninterrupted one at every staleness (tests/test_train.py).
+lookup of a run resumed from that checkpoint does. Its key work (touch, insert, evict)
+is done twice in both runs alike and its admission sightings count once in both (the
+store counts a redone step's sightings once), so a resumed run equals the uninterrupted
+one at every staleness (tests/test_train.py, tests/test_admission_resume.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import signal
@@ -77,6 +79,9 @@ def setup_env(device: str, collective_timeout_s: float = 300.0) -> Env:
         dev = torch.device("cuda", local_rank)
     else:
         dev = torch.device("cpu")
+    # torch's notice about its own API ("is_fx_tracing will return true...", reached through
+    # torchrec), printed by every process: nothing a user can act on
+    logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     if world > 1 and not dist.is_initialized():
         init_distributed("nccl" if device == "cuda" else "gloo", collective_timeout_s)
     return Env(rank, world, local_world, dev, collective_timeout_s)
@@ -94,11 +99,13 @@ def lr_lambda(cfg, total_steps: int | None):
     """Return the LR multiplier function: linear warm-up, then none/linear/cosine decay."""
 
     def f(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
+        k = step + 1  # LambdaLR's step counts from 0 at construction: the LR of training step k (1-based)
+        if cfg.warmup_steps and k <= cfg.warmup_steps:
+            return k / cfg.warmup_steps
         if cfg.decay == "none" or not total_steps or total_steps <= cfg.warmup_steps:
             return 1.0
-        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        # from lr after the warm-up down to lr * min_lr_ratio at the last step
+        frac = min(1.0, (k - cfg.warmup_steps) / (total_steps - cfg.warmup_steps))
         floor = cfg.min_lr_ratio
         if cfg.decay == "linear":
             return 1.0 - (1.0 - floor) * frac
@@ -319,6 +326,7 @@ class Trainer:
                     self.store.push(lookup)
                     if tc.clip_grad_norm:
                         torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_grad_norm)
+                    lr = self.opt.param_groups[0]["lr"]  # the LR this step trains with
                     self.opt.step()
                     self.sched.step()
                     self.step += 1
@@ -330,7 +338,7 @@ class Trainer:
                         self.step, epoch, loss_value, cur.size, env.world_size,
                         {"sparse_lookup_wait": t1 - t0, "data_wait": t2 - t1, "dense_fwd_bwd": t3 - t2,
                          "push_and_optimizer": t4 - t3},
-                        self.store, self.sched.get_last_lr()[0], log_every=tc.log_every,
+                        self.store, lr, log_every=tc.log_every,
                     )
                     progress.update(self.step, loss_value, self.log.samples_per_s)
                     if tc.eval_every and self.step % tc.eval_every == 0:
@@ -427,7 +435,9 @@ class Trainer:
         """Return AUC / log loss on the eval split, or with ``split="validation"`` on the
         validation split when the job has one (all ranks take part; rank 0 reports)."""
         env, schema = self.env, self.job.schema
-        cfg = (self.validation_cfg or self.job.data.eval) if split == "validation" else self.job.data.eval
+        if split == "validation" and self.validation_cfg is None:
+            split = "eval"
+        cfg = self.validation_cfg if split == "validation" else self.job.data.eval
         if not cfg.paths:
             return {}
         reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size)
