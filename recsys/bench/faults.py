@@ -21,6 +21,10 @@ real processes, and checks what the project promises (RELIABILITY.md):
 - ``preemption``: SIGTERM to the launcher (what Kubernetes and Slurm send). Passed when it
   exits 0 with a checkpoint of every worker, and the same command resumes and ends exactly
   like the uninterrupted run. Figure: seconds from SIGTERM to the launcher's exit.
+- ``spill_outage``: Redis under the spill tier (tables small enough to spill) stops after
+  the first checkpoint: the job exits 2 with one line naming the intact checkpoint; Redis
+  returns empty and the same command resumes to exactly the uninterrupted run's end.
+  Figure: seconds from the Redis stop to the job's exit.
 - ``bad_data``: a truncated training file: by default one line naming it (exit 2); with
   ``on_bad_file = "skip"`` the job trains on the other files, each of their rows exactly
   once per epoch, and counts the skipped file in its ``epoch_end`` events.
@@ -461,6 +465,60 @@ class Scenarios:
                            "rows_trained_per_epoch": int(good.size)},
                 "details": details}
 
+    def spill_outage(self) -> dict:
+        """Redis under the spill tier stops after the first checkpoint of a job whose tables
+        spill (``store.spill_outage = "fail"``): the job exits 2 with one line naming the
+        intact checkpoint; Redis comes back (empty: no persistence) and the same command
+        resumes to exactly the end of the uninterrupted run with the same spill tier."""
+        from recsys import checkpoint_files
+        from recsys.bench.serve import _start_redis
+
+        workdir = self.out / "spill-redis"
+        workdir.mkdir(parents=True, exist_ok=True)
+        server, url = _start_redis(workdir)
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        small = [f"schema.tables.{t}.capacity={300 if t[0] == 'c' else 1000}"
+                 for t in ("c3", "c4", "c7", "c10", "c12", "c15", "c16", "c21", "c24", "c26", "m1", "m2")]
+        extra = [f"store.spill_url='{url}'", "store.spill_retries=2", "store.spill_backoff_s=0.02",
+                 "store.spill_timeout_s=1.0", *small]
+        details: dict = {}
+        try:
+            ref = TrainJob(self.out / "spill-reference", self.overrides(*extra)).start()
+            if ref.wait() != 0:
+                raise RuntimeError(f"the uninterrupted spill run failed:\n{ref.log_tail()}")
+            job = TrainJob(self.out / "spill-outage", self.overrides(*extra)).start()
+            try:
+                wait_for(lambda: checkpoint_files.latest(job.run_dir / "checkpoints") is not None
+                         or job.proc.poll() is not None, DEADLINE_S, "the first checkpoint")
+                server.kill()
+                server.wait()
+                stopped = time.monotonic()
+                code = job.wait()
+                exit_s = time.monotonic() - stopped
+            except BaseException:
+                job.kill()
+                raise
+            lines = [ln for ln in job.log_tail().splitlines() if ln.startswith("recsys train:")]
+            latest = checkpoint_files.latest(job.run_dir / "checkpoints")
+            details.update(exit_code=code, output=lines[:3], latest=str(latest))
+            one_line = code == 2 and len(lines) == 1 and latest is not None and str(latest) in lines[0]
+            server, _ = _start_redis(workdir, port)  # back, empty
+            again = TrainJob(job.run_dir, job.overrides).start()
+            code2 = again.wait()
+            details["resume_exit_code"] = code2
+            exact = False
+            if code2 == 0:
+                details["rows"] = row_audit(job.run_dir, self.data, self.epochs)
+                details["result"] = compare_runs(ref.run_dir, job.run_dir, exact=True)
+                exact = details["rows"]["ok"] and details["result"]["ok"]
+            else:
+                details["log_tail"] = again.log_tail(1500)
+        finally:
+            server.kill()
+            server.wait()
+        return {"name": "spill_outage[fail, then resume]", "passed": one_line and exact,
+                "figure": {"redis_stop_to_exit_s": round(exit_s, 2)}, "details": details}
+
     def clear_errors(self) -> dict:
         run_dir = self.out / "clear-errors"
         job = TrainJob(run_dir, self.overrides(f"data.train.paths=['{self.data / 'no-such-dir'}']"),
@@ -494,7 +552,7 @@ def measure(quick: bool, data: Path | None) -> dict:
     points = ["before-latest"] if quick else ["before-sparse", "mid-sparse", "after-sparse", "after-marker",
                                                  "before-latest", "after-latest", "prune"]
     plan += [("checkpoint_crash", (point,)) for point in points]
-    plan += [("bad_data", ()), ("clear_errors", ())]
+    plan += [("spill_outage", ()), ("bad_data", ()), ("clear_errors", ())]
     scenarios = []
     for name, args in plan:
         t0 = time.monotonic()

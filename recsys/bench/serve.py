@@ -69,12 +69,13 @@ def _write_checkpoint(root: Path, rows: int) -> Path:
                      meta={"config": config_mod.dumps(job), "reader": {}}, keep_last=1)
 
 
-def _start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
+def _start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a redis-server without persistence on ``port`` (a free one by default)."""
     binary = shutil.which("redis-server")
     if binary is None:
-        raise RuntimeError("bench serve needs redis-server: `make test` installs it, or "
+        raise RuntimeError("this bench needs redis-server: `make test` installs it, or "
                            "`sudo apt-get install -y redis-server`")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
