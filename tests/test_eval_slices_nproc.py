@@ -198,3 +198,16 @@ def test_row_index_names_an_id_it_does_not_hold():
     with pytest.raises(UserError, match=r"test: 2 scored row\(s\) have ids the data files do not hold \(first: "
                                         r"row_id=9\)"):
         index.locate({"row_id": np.array([12, 9, 20])})
+
+
+def test_reading_slice_columns_names_a_file_without_one(tmp_path):
+    from recsys.eval.evaluate import data_columns, read_data
+
+    pq.write_table(pa.table({"row_id": [1, 2], "country": ["de", None]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"row_id": [3]}), tmp_path / "b.parquet")
+    files, _ = data_columns([str(tmp_path / "a.parquet")])
+    table, starts = read_data(files, ["country", "country", "row_id"])  # a repeated --slice is read once
+    assert table.column_names == ["country", "row_id"] and starts.tolist() == [0, 2]
+    files, _ = data_columns([str(tmp_path)])
+    with pytest.raises(UserError, match=r"b\.parquet: cannot read column\(s\) country, row_id"):
+        read_data(files, ["country", "row_id"])

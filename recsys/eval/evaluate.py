@@ -103,6 +103,7 @@ def read_data(files, columns: list[str]):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    columns = list(dict.fromkeys(columns))  # `--slice c9 c9` reads c9 once
     parts, starts, first = [], [0], {}
     for sf in files:
         try:
@@ -141,11 +142,12 @@ def read_columns(files, columns: list[str], rows: int) -> dict:
 class RowIndex:
     """Where each row of the data is, by its id columns: scored rows are joined back to the data.
 
-    With several processes the reader carries only numeric columns without nulls, and each
-    process reads its own share; any other slice column is read here from the files and
-    joined to the scored rows on the passthrough id column(s) (``row_id``). Vectorized: each
-    id column is factorized (``np.unique``), several are combined into one code (compressed
-    after each step, so it never overflows), and scored ids are found by binary search.
+    With several processes each rank scores its own share of row groups and carries only
+    numeric columns, so the slice columns are read here from the files and joined to the
+    scored rows on the passthrough id column(s) (``row_id``). Vectorized: each id column is
+    factorized (``np.unique``), several are combined into one code (compressed after each
+    step, so it never overflows int64), and scored ids are found by binary search. The ids
+    must identify the rows (no repeats, no nulls): a UserError names two rows sharing one.
     """
 
     def __init__(self, table, starts: np.ndarray, files, id_cols: list[str], what: str) -> None:
