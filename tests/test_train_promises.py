@@ -2,8 +2,9 @@
 warm-up and decay, gradient clipping, the ``metrics.jsonl`` fields and TensorBoard events,
 "only rank 0 prints", and that a checkpoint saved by 2 ranks continues exactly at 1 rank.
 
-A promise found false is a ``xfail(strict=True)`` test naming the defect: it fails (and so
-must be updated) the day the defect is fixed.
+Found false when these tests were written (strict xfails until fixed in recsys/train/loop.py):
+the LR decay was one step late, the logged ``lr`` was the next step's, a decay without
+``max_steps`` was silently none, and every rank printed a torch notice.
 """
 
 from __future__ import annotations
@@ -126,23 +127,6 @@ def test_the_lr_each_step_used_follows_the_documented_schedule(linear_run):
     assert seen["lr"] == pytest.approx(want, rel=1e-9)
 
 
-def _assert_decay_shape(lrs: list[float], decay: str, steps: int) -> None:
-    """``lrs`` (the steps after warm-up) lie on the decay curve from lr to lr * min_lr_ratio at
-    evenly spaced points 1/steps apart (whatever the end point; the xfail tests pin that)."""
-    v = np.asarray(lrs) / LR
-    assert np.all(v <= 1 + 1e-12) and np.all(v >= FLOOR - 1e-12) and np.all(np.diff(v) < 0)
-    if decay == "linear":
-        x = (1 - v) / (1 - FLOOR)
-    else:
-        x = np.arccos(np.clip(2 * (v - FLOOR) / (1 - FLOOR) - 1, -1, 1)) / np.pi
-    np.testing.assert_allclose(np.diff(x), 1 / steps, rtol=1e-6)
-
-
-def test_the_lr_each_step_used_decays_on_the_linear_curve(linear_run):
-    _, seen = linear_run
-    _assert_decay_shape(seen["lr"][WARMUP:], "linear", STEPS - WARMUP)
-
-
 def test_the_logged_lr_is_the_lr_the_step_used(linear_run):
     run_dir, seen = linear_run
     assert _logged_lr(run_dir) == {step: seen["lr"][step - 1] for step in range(1, STEPS + 1)}
@@ -194,9 +178,10 @@ def test_clipping_bounds_the_dense_gradient_norm(clip_runs):
 
 
 def test_the_lr_each_step_used_follows_the_documented_cosine(clip_runs):
-    _, free, _ = clip_runs
+    _, free, clipped = clip_runs
     want = [documented_lr(step, 6, 2, "cosine", FLOOR) for step in range(1, 7)]
     assert free["lr"] == pytest.approx(want, rel=1e-9)
+    assert clipped["lr"] == free["lr"]  # clipping leaves the schedule alone
 
 
 def test_the_logged_lr_decays_on_the_cosine_to_the_floor_at_the_last_step(clip_runs):
@@ -204,13 +189,6 @@ def test_the_logged_lr_decays_on_the_cosine_to_the_floor_at_the_last_step(clip_r
     logged = _logged_lr(base / "free")
     for step in range(2, 7):
         assert logged[step] == pytest.approx(documented_lr(step, 6, 2, "cosine", FLOOR), rel=1e-9), step
-
-
-def test_cosine_warmup_and_decay_follow_their_curves(clip_runs):
-    _, free, clipped = clip_runs
-    assert free["lr"] == clipped["lr"]  # clipping leaves the schedule alone
-    assert free["lr"][:2] == pytest.approx([LR / 2, LR], rel=1e-12)
-    _assert_decay_shape(free["lr"][2:], "cosine", 6 - 2)
 
 
 # --------------------------------------------------------------------------- metrics.jsonl and TensorBoard
@@ -276,7 +254,7 @@ def test_tensorboard_events_hold_the_same_scalars(linear_run):
 # --------------------------------------------------------------------------- only rank 0 prints
 
 # torch logs this WARNING once per process, on the first torch.fx.is_fx_tracing() call
-# (from torchrec's modules), whatever the rank
+# (from torchrec's modules), whatever the rank, unless the trainer quiets it
 TORCH_FX_NOTICE = "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"
 
 
@@ -302,20 +280,13 @@ def torchrun_run(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.multiproc
-def test_rank_0_prints_the_run_and_rank_1_nothing_of_its_own(torchrun_run):
+def test_rank_0_prints_the_run_and_rank_1_nothing(torchrun_run):
     run_dir, out = torchrun_run
     lines = out[0]["stdout"].splitlines()
     assert lines.count(f"run directory: {run_dir}") == 2
     assert [line.split()[1] for line in lines if line.startswith("step ")] == ["1", "2", "3", "4", "5"]
     assert json.loads(lines[-2])["step"] == 5
-    assert out[1]["stdout"] == ""
-    # rank 1's stderr: nothing but torch's one notice (see the xfail test below)
-    assert [line for line in out[1]["stderr"].splitlines() if TORCH_FX_NOTICE not in line] == []
-
-
-@pytest.mark.multiproc
-def test_rank_1_prints_nothing(torchrun_run):
-    _, out = torchrun_run
+    assert TORCH_FX_NOTICE not in out[0]["stderr"]  # torch's notice: on no rank
     assert out[1]["stdout"] == "" and out[1]["stderr"] == ""
 
 
