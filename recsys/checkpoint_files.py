@@ -116,9 +116,9 @@ def resolve(path: str | os.PathLike) -> Path:
         if why is not None:
             raise FileNotFoundError(f"{path} is not a complete checkpoint: {why}")
         return path
-    elif (path / "latest").is_file():
-        found = latest(path)
-    elif (path / "checkpoints" / "latest").is_file():
+    elif (path / "latest").is_file() or any(path.glob("step-*")):
+        found = latest(path)  # no pointer yet: a crash between the first rename and its write
+    elif (path / "checkpoints" / "latest").is_file() or any(path.glob("checkpoints/step-*")):
         found = latest(path / "checkpoints")
     elif not path.exists():
         raise FileNotFoundError(f"{path}: no such checkpoint, checkpoints/ directory or run directory")

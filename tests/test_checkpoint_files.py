@@ -165,3 +165,13 @@ def test_the_fault_hook_rejects_a_spec_it_does_not_know(tmp_path, monkeypatch):
         _save_marked(tmp_path / "checkpoints", 1, 1.0)
     monkeypatch.setenv(ckpt.FAULT_ENV, "prune:step=99")  # another step's save: no effect
     assert _value(_save_marked(tmp_path / "checkpoints", 1, 1.0)) == 1.0
+
+
+def test_a_run_whose_first_pointer_was_never_written_resolves_to_its_checkpoint(tmp_path):
+    """A crash between the first checkpoint's rename and its ``latest`` write: every
+    --checkpoint / --resume form still finds the complete checkpoint."""
+    root = tmp_path / "run" / "checkpoints"
+    _save(root, 4)
+    (root / "latest").unlink()
+    for form in (tmp_path / "run", root):
+        assert cf.resolve(form) == root / "step-00000004"
