@@ -383,16 +383,17 @@ def test_nodes_leave_and_join_twice_exactly(tiny_data, tmp_path):
     _report("leave-and-join-twice", **figures, rows=report["epochs"])
 
 
-def _wait_training(nodes: Nodes, run_dir: Path, what: str) -> None:
-    """Wait until two workers of world size 2 train past a checkpoint of theirs."""
+def _wait_training(nodes: Nodes, run_dir: Path, what: str, *names: str) -> None:
+    """Wait until the nodes ``names`` train as two workers of world size 2, past a checkpoint
+    of theirs."""
     def ready():
         recs = records(run_dir)
         since = recs[max((i for i, r in enumerate(recs) if r.get("event") == "resumed"), default=0):]
         ckpt = [r["step"] for r in since if r.get("event") == "checkpoint"]
-        done = [name for name, proc in nodes.procs.items() if proc.poll() is not None]
+        done = [name for name in names if not nodes.alive(name)]
         return (nodes.world_sizes() == [2, 2] and ckpt and max(_steps(run_dir), default=0) >= max(ckpt) + 2) or done
     wait_until(ready, DEADLINE, what)
-    assert all(proc.poll() is None for proc in nodes.procs.values()), "a node ended:\n" + nodes.logs()
+    assert all(nodes.alive(name) for name in names), "a node ended:\n" + nodes.logs()
 
 
 def _finish(nodes: Nodes, *names: str) -> None:
@@ -432,7 +433,7 @@ def test_losing_the_rendezvous_host_ends_the_job_and_the_same_commands_resume(ti
     try:
         nodes.start("a", host=True)
         nodes.start("b")
-        _wait_training(nodes, run_dir, "two nodes training past a checkpoint")
+        _wait_training(nodes, run_dir, "two nodes training past a checkpoint", "a", "b")
         last = max(r["step"] for r in records(run_dir) if r.get("event") == "checkpoint")
         nodes.kill("a")
         code = nodes.procs["b"].wait(timeout=DEADLINE)
@@ -455,35 +456,45 @@ def test_losing_the_rendezvous_host_ends_the_job_and_the_same_commands_resume(ti
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_sigterm_to_every_node_checkpoints_and_the_same_commands_resume(tiny_data, tmp_path):
-    """What a scheduler does to a multi-node job: SIGTERM to each node's launcher. The first
-    stops the whole job at the end of a step with a checkpoint of every rank (the stop is
-    all-reduced); every launcher exits 0; the same commands resume, rows exactly once."""
+def test_sigterm_to_one_node_is_a_graceful_leave_and_to_every_node_a_stop(tiny_data, tmp_path):
+    """SIGTERM to one node's launcher: every rank checkpoints at the end of the same step (the
+    stop is all-reduced), that node exits 0 and the others go on without it from that
+    checkpoint, nothing redone. SIGTERM to every node (what a scheduler does): all exit 0
+    and the same commands resume. Rows exactly once per epoch throughout."""
     run_dir = tmp_path / "elastic"
     nodes = Nodes(tiny_data, run_dir, "data.train.batch_size=16", "train.epochs=1", "train.log_every=2",
                   "train.checkpoint_every_steps=25")
     try:
         nodes.start("a", host=True)
         nodes.start("b")
-        _wait_training(nodes, run_dir, "two nodes training past a checkpoint")
-        for name in ("b", "a"):
-            assert nodes.alive(name), f"node {name}'s launcher ended:\n" + nodes.logs()
+        _wait_training(nodes, run_dir, "two nodes training past a checkpoint", "a", "b")
+        n = len(_resumed(run_dir)) + 1
+        nodes.procs["b"].send_signal(signal.SIGTERM)
+        _finish(nodes, "b")
+        assert "every worker saved a checkpoint" in nodes.log("b").read_text()
+        wait_until(lambda: _stepped_after_resume(run_dir, n) or not nodes.alive("a"), DEADLINE,
+                   "node a to go on alone")
+        left = _stepped_after_resume(run_dir, n)
+        assert left is not None, nodes.logs()
+        assert left["saved_world_size"] == 2 and nodes.world_sizes() == [1], (left, nodes.workers())
+        assert left["step"] == max(_checkpoints_before(run_dir, left)), left  # the stop's checkpoint
+
+        nodes.start("c")
+        _wait_training(nodes, run_dir, "node c to join", "a", "c")
+        for name in ("a", "c"):  # together, as a scheduler does
             nodes.procs[name].send_signal(signal.SIGTERM)
-            # the other node's worker stops too; its agent then waits for this one at the exit
-            wait_until(lambda: not any(env.get("RECSYS_TEST_TAG") == f"{nodes.tag}-{name}"
-                                       for env in nodes.workers().values()), DEADLINE, f"node {name}'s worker to stop")
-        _finish(nodes, "a", "b")
+        _finish(nodes, "a", "c")
         stopped = json.loads((run_dir / "result.json").read_text())
         assert stopped["stopped"] == "SIGTERM", stopped
-        assert "every worker saved a checkpoint" in nodes.log("b").read_text()
         nodes.start("a2", host=True)
-        nodes.start("b2")
-        _finish(nodes, "a2", "b2")
+        nodes.start("c2")
+        _finish(nodes, "a2", "c2")
     finally:
         nodes.close()
     resumed = _resumed(run_dir)[-1]
     assert resumed["step"] == stopped["step"] and resumed["saved_world_size"] == 2, resumed
     assert_exactly_once(run_dir, tiny_data, epochs=1)
+    assert [w for _, w in _trajectory(run_dir)][-4:] == [2, 1, 2, 2], _attempts(run_dir)
 
 
 # --------------------------------------------------------------------------- stop and resume

@@ -7,7 +7,10 @@ missing path...) ends the process with exit code 2 and one line, no traceback (`
 shows it). Under ``recsys train`` the line goes to the launcher (``RECSYS_LAUNCH_DIR``),
 which prints it once for all ranks; a rank that fails only because a peer left with a user
 error exits quietly. SIGTERM (also before training starts) makes the process save a
-checkpoint at the end of its current step and exit 0.
+checkpoint at the end of its current step and exit 0. The stop is all-reduced, so every
+rank saves at that step; in an elastic multi-node job (``--nnodes MIN:MAX``) a rank that
+stopped only because another node's launcher got SIGTERM exits with ``LEFT_BEHIND_EXIT``
+instead, and torchrun starts it again without that node (a graceful leave).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from recsys.train.launch import LAUNCH_DIR_ENV, add_job_arguments, check_resume, load_job_args, run_dir_for
+from recsys.train.launch import (LAUNCH_DIR_ENV, LEFT_BEHIND_EXIT, NNODES_ENV, add_job_arguments, check_resume,
+                                 load_job_args, run_dir_for)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,7 +74,22 @@ def _train(args: argparse.Namespace, sigterm: dict) -> int:
     _leave(f"{'stopped' if result.get('stopped') else 'finished'}-{_local_rank()}", str(result["step"]))
     if dist.is_initialized():
         dist.destroy_process_group()
+    if result.get("stopped") == "SIGTERM" and not trainer._stop and _elastic(os.environ):
+        # another node was stopped (its launcher got SIGTERM) and this one was not: the stop was
+        # all-reduced, so this rank checkpointed too. Exit 0 would end this node (torchrun's
+        # agent waits for the gone node at its exit barrier, then stops); a failure makes the
+        # agent start the workers again, which resume from that checkpoint without the node
+        # that left (or with the nodes waiting to join, when the stop was a membership change)
+        print(f"recsys train: rank {env.rank}: another node stopped; restarting without it", file=sys.stderr,
+              flush=True)
+        return LEFT_BEHIND_EXIT
     return 0
+
+
+def _elastic(environ) -> bool:
+    """Whether this worker belongs to a job whose node count may change (``--nnodes MIN:MAX``, MIN < MAX)."""
+    low, _, high = environ.get(NNODES_ENV, "").partition(":")
+    return low.isdigit() and high.isdigit() and int(low) < int(high)
 
 
 def _one_namespace_per_round(environ) -> None:

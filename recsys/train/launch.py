@@ -19,7 +19,10 @@ rendezvous at the endpoint instead of ``--standalone``. With ``--nnodes MIN:MAX`
 elastic: when a node leaves, the others' workers fail their next collective and torchrun
 restarts them (one of ``--max-restarts``) at the smaller world size; when a node asks to join,
 torchrun stops the running workers with SIGTERM (they checkpoint at the end of their step)
-and starts them again with the newcomer (not counted as a restart). Every start resumes
+and starts them again with the newcomer (not counted as a restart). SIGTERM to one node's
+launcher is a graceful leave: every rank checkpoints at the end of the same step, that node
+exits 0, and the others' workers exit with ``LEFT_BEHIND_EXIT`` so torchrun starts them again
+without it (one of ``--max-restarts``). Every start resumes
 from the run directory's latest checkpoint, which restores at any world size, so the run
 directory must be one shared directory, at the same path on every node.
 """
@@ -39,6 +42,13 @@ from pathlib import Path
 
 LAUNCH_DIR_ENV = "RECSYS_LAUNCH_DIR"
 """Set by the launcher for its workers: where they leave user errors and SIGTERM stops."""
+
+LEFT_BEHIND_EXIT = 75
+"""Exit code of a worker of an elastic job stopped by another node's SIGTERM: torchrun starts
+it again without that node (``recsys.train.__main__``)."""
+
+NNODES_ENV = "RECSYS_NNODES"
+"""Set by the launcher of a multi-node job for its workers: ``MIN:MAX`` of ``--nnodes``."""
 
 NO_SHARED_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """torchrun's switch: set to 1 for several nodes (see ``_torchrun``)."""
@@ -296,9 +306,11 @@ def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool,
     ]
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
     launch_dir = Path(tempfile.mkdtemp(prefix="recsys-launch-"))
-    saved_env = {name: os.environ.get(name) for name in (LAUNCH_DIR_ENV, NO_SHARED_STORE_ENV)}
+    saved_env = {name: os.environ.get(name) for name in (LAUNCH_DIR_ENV, NO_SHARED_STORE_ENV, NNODES_ENV)}
     os.environ[LAUNCH_DIR_ENV] = str(launch_dir)
     if rendezvous is not None:
+        low, high = parse_nnodes(args.nnodes)
+        os.environ[NNODES_ENV] = f"{low}:{high}"
         # torchrun's agent shares its rendezvous store with the workers only if rank 0 stays on
         # one node (a node keeping rank 0 does not publish the store's address again to the next
         # round: a joining node waits for it and fails); without sharing, rank 0 of every round
@@ -326,6 +338,10 @@ def _torchrun(args: argparse.Namespace, forwarded: list[str], verbose: bool,
             if _report_user_errors(launch_dir, verbose):
                 return 2
             why = _rendezvous_failure(exc, args) if rendezvous is not None else None
+            failures = getattr(exc, "failures", None) or {}
+            if failures and all(getattr(f, "exitcode", None) == LEFT_BEHIND_EXIT for f in failures.values()):
+                why = ("another node stopped (SIGTERM) and --max-restarts is used up, so this node stops too; "
+                       "every worker saved a checkpoint: the same command resumes")
             print(f"recsys train: training failed: {why or exc}", file=sys.stderr)
             return 1
         return 0
