@@ -440,8 +440,8 @@ def test_losing_the_rendezvous_host_ends_the_job_and_the_same_commands_resume(ti
         assert code == 1, nodes.logs()
         said = [line for line in nodes.log("b").read_text().splitlines() if line.startswith("recsys train")]
         assert said == [f"recsys train: training failed: lost the connection to the rendezvous at {nodes.endpoint} "
-                        f"(--rdzv-id {nodes.job_id}): the node hosting it stopped or cannot be reached (it must "
-                        f"stay up for the whole job); {run_dir} keeps its checkpoints: the same commands resume "
+                        f"(--rdzv-id {nodes.job_id}): the node hosting it stopped (or the job ended) or cannot be "
+                        f"reached (it must stay up for the whole job); {run_dir} keeps its checkpoints: the same commands resume "
                         "from the latest complete one"], nodes.logs()
         assert not nodes.workers(), "workers outlived their nodes"
         nodes.start("a2", host=True)

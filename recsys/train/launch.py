@@ -364,8 +364,8 @@ def _rendezvous_failure(exc: Exception, args: argparse.Namespace) -> str | None:
     where = f"the rendezvous at {args.rdzv_endpoint} (--rdzv-id {args.rdzv_id})"
     resume = f"{args.run_dir} keeps its checkpoints: the same commands resume from the latest complete one"
     if isinstance(exc, RendezvousConnectionError):
-        return (f"lost the connection to {where}: the node hosting it stopped or cannot be reached "
-                f"(it must stay up for the whole job); {resume}")
+        return (f"lost the connection to {where}: the node hosting it stopped (or the job ended) or "
+                f"cannot be reached (it must stay up for the whole job); {resume}")
     if isinstance(exc, RendezvousTimeoutError):
         return (f"too few nodes joined {where} in time (--nnodes {args.nnodes}; rendezvous timeouts: "
                 f"--rdzv-conf join_timeout=SECONDS); {resume}")
