@@ -5,7 +5,6 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,15 +14,10 @@ from recsys.spawn import free_port  # noqa: F401 - the tests import it from here
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes (then fail)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+    """Poll ``predicate`` until it returns a truthy value or ``timeout`` passes (then ``TimeoutError``)."""
+    from recsys.bench.faults import wait_for
+
+    return wait_for(predicate, timeout, what, interval)
 
 
 @dataclass

@@ -18,11 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from recsys import checkpoint_files as cf
-from test_train import JOB, ROOT, final_rows, overrides
+from test_faults import assert_same_end
+from test_train import JOB, ROOT, overrides
 
 pytestmark = pytest.mark.multiproc
 
@@ -141,14 +141,6 @@ def _assert_loads(path: Path) -> None:
     assert sorted(tables) == sorted(meta["tables"]) and all(t.num_rows > 0 for t in tables.values())
 
 
-def _assert_same_end(reference: Path, run_dir: Path) -> None:
-    assert json.loads((run_dir / "result.json").read_text()) == json.loads((reference / "result.json").read_text())
-    a, b = final_rows(reference), final_rows(run_dir)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].keys() == b[name].keys(), f"table {name}: different keys"
-        for key in a[name]:
-            np.testing.assert_array_equal(a[name][key], b[name][key], err_msg=f"table {name} key {key}")
 
 
 @pytest.mark.parametrize("point", list(POINTS))
@@ -181,7 +173,7 @@ def test_a_kill_during_a_checkpoint_write_leaves_latest_complete_and_resume_exac
     reference = base / "reference"
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == sorted(
         p.name for p in (reference / "checkpoints").iterdir())  # no .tmp-/.del- left, keep_last kept
-    _assert_same_end(reference, run_dir)
+    assert_same_end(reference, run_dir)
 
 
 # --------------------------------------------------------------------------- 2 ranks, torchrun
@@ -225,7 +217,7 @@ def _assert_killed_and_resumed(data: Path, reference: Path, run_dir: Path, point
     assert [r["step"] for r in recs[after:] if "loss/train" in r] == list(range(resumed_from + 1, 17))
     names = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
     assert names == sorted(p.name for p in (reference / "checkpoints").iterdir())  # nothing left over
-    _assert_same_end(reference, run_dir)
+    assert_same_end(reference, run_dir)
 
 
 def test_a_worker_killed_mid_write_under_torchrun_resumes_to_the_uninterrupted_result(tiny_data, torchrun_reference,
