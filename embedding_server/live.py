@@ -1,0 +1,246 @@
+"""Live rows: what a training job pushes to Redis while it trains, and how they are read.
+
+A job with a ``[publish]`` section writes, every ``every_s`` seconds, the current rows of the
+keys its owner shards updated since the last push into a *live namespace* (default
+``live``). ``recsys serve --follow NS`` overlays those rows on the published version it
+serves. Keys (``ns`` the live namespace)::
+
+    ns:live:manifest                 string (JSON): format, dtype, buckets, the tables' dims,
+                                     the hashing salts, the run that owns the namespace
+    ns:live:head                     hash: rank -> {"step", "time", "rows"} (JSON) of that
+                                     rank's newest completed push
+    ns:{live:table:bbbb}:kkkk...     string: one row (``layout.row_keys`` with the version
+                                     ``live``)
+
+A row value is the training step it reflects as 16 hex digits, then the row's numbers
+(little-endian float32 or float16, as a published row). The step travels with the row so
+that Redis itself refuses to go back: every write runs ``GUARDED_SET`` (Lua), which
+replaces a row only with one of a later step. Pushes of one rank are ordered; the guard
+also holds against a restarted job re-pushing a step it already pushed, and against any
+interleaving of concurrent writers.
+
+One ``EVALSHA`` per (table, bucket): the keys of a bucket share a hash slot, so a Redis
+Cluster runs each call on one node.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+
+from embedding_server import layout
+
+FORMAT = 1
+VERSION = "live"
+"""The version component of live row keys."""
+STEP_BYTES = 16
+"""Bytes of a live value's step prefix (hex digits)."""
+MAX_STEP = (1 << 52) - 1
+"""Steps must stay exact in Lua's numbers (doubles)."""
+
+GUARDED_SET = """
+local written = 0
+for i, key in ipairs(KEYS) do
+  local new = ARGV[i]
+  local old = redis.call('GET', key)
+  if (not old) or tonumber(string.sub(old, 1, 16), 16) < tonumber(string.sub(new, 1, 16), 16) then
+    redis.call('SET', key, new)
+    written = written + 1
+  end
+end
+return written
+"""
+"""Set each of KEYS to its ARGV value unless the row there reflects the same or a later step.
+Returns how many rows it replaced."""
+
+
+def manifest_key(ns: str) -> str:
+    return f"{ns}:live:manifest"
+
+
+def head_key(ns: str) -> str:
+    return f"{ns}:live:head"
+
+
+def row_keys(ns: str, table: str, keys_N: np.ndarray, buckets: int) -> list[bytes]:
+    """Return the Redis key of each live row of ``table``."""
+    return layout.row_keys(ns, VERSION, table, keys_N, buckets)
+
+
+def pattern(ns: str) -> str:
+    """Return the SCAN MATCH pattern of every live row key of ``ns``."""
+    return layout.version_pattern(ns, VERSION)
+
+
+def encode(step: int, rows_ND: np.ndarray, dtype: str) -> list[bytes]:
+    """Return one live value per row: ``step`` as 16 hex digits, then the row."""
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"a live row's step must be in [0, {MAX_STEP}], found {step}")
+    prefix = b"%016x" % step
+    return [prefix + v for v in layout.encode_rows(rows_ND, dtype)]
+
+
+def decode(values: list[bytes], dim: int, dtype: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Return (int64 [N] steps, float32 [N, dim] rows) of live values (all present)."""
+    try:
+        steps = np.array([int(v[:STEP_BYTES], 16) for v in values], dtype=np.int64)
+    except ValueError:
+        raise ValueError(f"{where}: a live value does not start with a 16-hex-digit step") from None
+    rows = layout.decode_rows([v[STEP_BYTES:] for v in values], dim, dtype, where)
+    return steps, rows
+
+
+def manifest(run: str, dtype: str, buckets: int, dims: dict[str, int], salts: dict) -> dict:
+    """Return the live namespace's manifest."""
+    if dtype not in layout.DTYPES:
+        raise ValueError(f"publish.dtype must be one of {sorted(layout.DTYPES)}, found {dtype!r}")
+    return {"format": FORMAT, "run": run, "dtype": dtype, "buckets": int(buckets),
+            "tables": {name: {"dim": int(dim)} for name, dim in sorted(dims.items())}, "salts": salts,
+            "started": time.time()}
+
+
+def parse_manifest(text: bytes | str, where: str) -> dict:
+    """Return a live manifest read from Redis (``ValueError`` naming ``where`` if it is not one)."""
+    try:
+        out = json.loads(text)
+        if out.get("format") != FORMAT:
+            raise ValueError(f"format {out.get('format')!r}, this code reads format {FORMAT}")
+        if out["dtype"] not in layout.DTYPES:
+            raise ValueError(f"dtype {out['dtype']!r}")
+        int(out["buckets"])
+        {name: int(t["dim"]) for name, t in out["tables"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{where}: not a live manifest: {exc}") from None
+    return out
+
+
+def head_steps(raw: dict) -> dict[str, dict]:
+    """Decode an ``HGETALL`` of the head hash: ``{rank: {"step", "time", "rows"}}``."""
+    out = {}
+    for rank, value in raw.items():
+        try:
+            out[rank.decode() if isinstance(rank, bytes) else rank] = json.loads(value)
+        except (ValueError, TypeError):
+            continue
+    return out
+
+
+def groups(buckets_N: np.ndarray, limit: int) -> list[np.ndarray]:
+    """Return row positions grouped by bucket (one hash slot each), each group at most ``limit`` rows."""
+    if buckets_N.shape[0] == 0:
+        return []
+    order = np.argsort(buckets_N, kind="stable")
+    out = []
+    for group in np.split(order, np.flatnonzero(np.diff(buckets_N[order])) + 1):
+        out += [group[s : s + limit] for s in range(0, group.shape[0], limit)]
+    return out
+
+
+class LiveWriter:
+    """Write live rows to one Redis (or Redis Cluster) through ``GUARDED_SET``; synchronous
+    (the trainer calls it from its push thread, never from a training step).
+
+    Errors are redis-py's (``redis.RedisError`` / ``OSError``): the caller retries.
+    """
+
+    def __init__(self, url: str, ns: str, buckets: int = 64, timeout_s: float = 5.0,
+                 max_keys_per_call: int = 512) -> None:
+        from recsys.redis_util import check_url
+
+        check_url(url, "publish.redis")
+        self.url, self.ns, self.buckets = url, layout.check_name(ns, "publish.namespace"), int(buckets)
+        self.timeout_s = timeout_s
+        self.max_keys_per_call = max_keys_per_call
+        self._client = None
+        self._sha: str | None = None
+
+    @property
+    def client(self):
+        if self._client is None:
+            from recsys.redis_util import connect
+
+            self._client = connect(self.url, self.timeout_s)
+        return self._client
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def reset(self) -> None:
+        """Drop the connection (after an error; the next call reconnects)."""
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - a broken connection may fail to close: it is dropped anyway
+            self._client = None
+
+    def write(self, parts: list[tuple[str, np.ndarray, np.ndarray]], step: int, dtype: str) -> int:
+        """Write ``(table, keys_N, float32 rows_ND)`` parts as rows of ``step`` in one pipelined
+        round trip; return how many rows replaced an older one (the others were as new)."""
+        import redis
+
+        pipe_args = []
+        for table, keys, rows in parts:
+            if keys.shape[0] == 0:
+                continue
+            names = row_keys(self.ns, table, keys, self.buckets)
+            values = encode(step, rows, dtype)
+            for group in groups(layout.buckets_of(keys, self.buckets), self.max_keys_per_call):
+                idx = group.tolist()
+                pipe_args.append(([names[i] for i in idx], [values[i] for i in idx]))
+        if not pipe_args:
+            return 0
+        client = self.client
+        if self._sha is None:
+            self._sha = client.script_load(GUARDED_SET)
+        for attempt in range(2):
+            pipe = client.pipeline(transaction=False)
+            for names, values in pipe_args:
+                pipe.evalsha(self._sha, len(names), *names, *values)
+            results = pipe.execute(raise_on_error=False)
+            missing = [r for r in results if isinstance(r, redis.exceptions.NoScriptError)]
+            if missing and attempt == 0:  # Redis restarted (or a new cluster node): load it again
+                self._sha = client.script_load(GUARDED_SET)
+                continue
+            for r in results:
+                if isinstance(r, Exception):
+                    raise r
+            return int(sum(results))
+        raise AssertionError("unreachable")
+
+    def read(self, table: str, keys_N: np.ndarray, dim: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Return (found [N], steps [N] (-1 where absent), float32 rows [N, dim]) of live rows."""
+        names = row_keys(self.ns, table, keys_N, self.buckets)
+        values = self.client.mget_nonatomic(names) if hasattr(self.client, "mget_nonatomic") \
+            else self.client.mget(names)
+        found = np.array([v is not None for v in values], dtype=bool)
+        steps = np.full(len(values), -1, dtype=np.int64)
+        rows = np.zeros((len(values), dim), dtype=np.float32)
+        if found.any():
+            s, r = decode([v for v in values if v is not None], dim, dtype, f"live namespace {self.ns!r} table {table!r}")
+            steps[found], rows[found] = s, r
+        return found, steps, rows
+
+    def write_manifest(self, value: dict) -> None:
+        self.client.set(manifest_key(self.ns), json.dumps(value))
+
+    def read_manifest(self) -> dict | None:
+        raw = self.client.get(manifest_key(self.ns))
+        return None if raw is None else parse_manifest(raw, f"{manifest_key(self.ns)} at {self.url}")
+
+    def write_head(self, rank: int, step: int, rows: int) -> None:
+        self.client.hset(head_key(self.ns), str(rank), json.dumps({"step": step, "time": time.time(), "rows": rows}))
+
+    def read_head(self) -> dict[str, dict]:
+        return head_steps(self.client.hgetall(head_key(self.ns)))
+
+    def clear(self) -> int:
+        """Delete every live row, the head and the manifest (SCAN + UNLINK); return rows deleted."""
+        from embedding_server.publish import _unlink_version
+
+        n = _unlink_version(self.client, self.ns, VERSION)
+        self.client.delete(manifest_key(self.ns))
+        self.client.delete(head_key(self.ns))
+        return n
