@@ -250,6 +250,7 @@ from recsys.model.config import ModelConfig  # noqa: E402
 from recsys.schema import Schema  # noqa: E402
 from recsys.store.config import StoreConfig  # noqa: E402
 from recsys.train.config import TrainConfig  # noqa: E402
+from recsys.train.publish import PublishConfig  # noqa: E402
 
 
 @dataclass(kw_only=True, slots=True)
@@ -284,6 +285,8 @@ class JobConfig:
     """Dense model."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     """Training loop, checkpoints, logging."""
+    publish: PublishConfig = dataclasses.field(default_factory=PublishConfig)
+    """Live pushes of fresh rows to the serving tier while training (``recsys serve --follow``)."""
 
 
 def load_job(path: str | os.PathLike, overrides: list[str] = ()) -> JobConfig:

@@ -149,16 +149,22 @@ class DeviceCache:
             self.host.write_back(wb)
         return rows
 
-    def peek(self, keys_U: np.ndarray, init_missing: bool = False) -> np.ndarray:
-        """Return float32 [U, D] rows of ``keys_U``, cached ones from the device; changes nothing."""
+    def peek(self, keys_U: np.ndarray, init_missing: bool = False, found_out: np.ndarray | None = None) -> np.ndarray:
+        """Return float32 [U, D] rows of ``keys_U``, cached ones from the device; changes
+        nothing. ``found_out``: as ``EmbeddingTable.peek``."""
         keys = as_keys(keys_U)
         slots = self._map.find(keys)
         cached = slots >= 0
         out = np.empty((keys.shape[0], self.dim), dtype=np.float32)
         if cached.any():
             out[cached] = self._gather(slots[cached]).cpu().numpy()
+        if found_out is not None:
+            found_out[cached] = True
         if not cached.all():
-            out[~cached] = self.host.peek(keys[~cached], init_missing=init_missing)
+            host_found = None if found_out is None else np.empty(int((~cached).sum()), dtype=bool)
+            out[~cached] = self.host.peek(keys[~cached], init_missing=init_missing, found_out=host_found)
+            if found_out is not None:
+                found_out[~cached] = host_found
         return out
 
     # ------------------------------------------------------------------ updates

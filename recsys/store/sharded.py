@@ -250,6 +250,7 @@ class ShardedEmbeddingStore:
         self._ops: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
+        self.publisher = None  # recsys.train.publish.LivePublisher: told of every applied push
         if threaded:
             self._ops = queue.Queue()
             self._worker = threading.Thread(target=self._work, name="store-worker", daemon=True)
@@ -424,6 +425,23 @@ class ShardedEmbeddingStore:
             raise self._explain(errors[0])
         for exc in errors:
             log.warning("closing the store after an earlier failure: %s", exc)
+
+    def attach_publisher(self, make: Callable) -> None:
+        """Attach ``make(read_rows)``'s live publisher (``recsys.train.publish``): told of
+        every applied push on the store's op sequence; ``read_rows(table, keys) -> (found,
+        rows)`` reads this shard's current rows there and changes nothing."""
+        def read_rows(table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            found = np.empty(keys.shape[0], dtype=bool)
+            rows = self.tables[table].peek(keys, found_out=found)
+            return found, rows
+
+        self.publisher = make(read_rows)
+
+    def finish_publisher(self, step: int) -> bool:
+        """Write the publisher's last snapshot (on the op sequence, after every queued push)."""
+        if self.publisher is None:
+            return True
+        return self._call(lambda: self.publisher.finish(step))
 
     def peek_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return this shard's float32 rows of ``keys`` in ``table`` (zeros where absent)."""
@@ -810,6 +828,8 @@ class ShardedEmbeddingStore:
             for p in lookup.parts:
                 if len(p.keys_U):
                     self._apply(p, p.keys_U, grads[p.base : p.base + len(p.keys_U)], lookup.step)
+            if self.publisher is not None:  # rows now reflect lookup.step + 1 optimizer steps (the trainer's count)
+                self.publisher.after_push(lookup.step + 1, [(p.name, p.keys_U) for p in lookup.parts])
             return
         W, D = self.world_size, self.dim
         send = np.ascontiguousarray(grads[lookup.dest]).reshape(-1)
@@ -822,6 +842,9 @@ class ShardedEmbeddingStore:
             # each rank's loss is a mean over its own rows: the gradients sum over ranks / W
             summed = scatter_add(p.served_inverse, g, np.zeros((len(p.served_U), D), dtype=np.float32), 1.0 / W)
             self._apply(p, p.served_U, summed, lookup.step)
+        if self.publisher is not None:  # this rank's owned keys the push updated; as above
+            self.publisher.after_push(lookup.step + 1, [(p.name, p.served_U) for p in lookup.parts
+                                                        if p.served_U is not None])
 
     def _apply(self, part: _TablePart, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
         table = self.tables[part.name]

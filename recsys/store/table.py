@@ -324,11 +324,12 @@ class EmbeddingTable:
             out.update(self.spill.counters())
         return out
 
-    def peek(self, keys_U: np.ndarray, init_missing: bool = False) -> np.ndarray:
+    def peek(self, keys_U: np.ndarray, init_missing: bool = False, found_out: np.ndarray | None = None) -> np.ndarray:
         """Return float32 [U, D] rows of ``keys_U``; changes nothing.
 
         Absent keys read zeros, or with ``init_missing`` the initial vector they would get
         if inserted now (what training would have fed the model for a new key).
+        ``found_out`` (bool [U]), if given, is set to whether each key has a row (held or spilled).
         """
         keys = as_keys(keys_U)
         slots = self._map.find(keys)
@@ -341,6 +342,8 @@ class EmbeddingTable:
             if block.num_rows:
                 rows[where[found]] = _as_float32(block.emb)
                 absent[where[found]] = False
+        if found_out is not None:
+            np.logical_not(absent, out=found_out)
         if init_missing and absent.any():
             rows[absent] = init_vectors(keys[absent], self.dim, self.name, self.cfg.seed, self._bound)
         return rows

@@ -201,6 +201,40 @@ class Trainer:
         if source is not None:
             self.restore(ckpt.resolve(source))
         self.rows = self._row_recorder() if tc.record_rows else None
+        if job.publish.enabled:
+            try:
+                self._start_publishing()
+            except BaseException:
+                self.close()  # a refused namespace: nothing left open
+                raise
+
+    def _start_publishing(self) -> None:
+        """Live pushes (``[publish]``; ``recsys.train.publish``): rank 0 claims the live
+        namespace, then every rank publishes the rows its shard owns."""
+        from recsys.store.config import run_namespace
+        from recsys.train.publish import LivePublisher, claim, live_manifest
+
+        cfg = self.job.publish
+        if self.env.is_main:
+            claim(cfg, live_manifest(cfg, run_namespace(self.run_dir, self.job.name), self.job.schema))
+        rank = self.env.rank
+        self.store.attach_publisher(lambda read_rows: LivePublisher(cfg, rank, read_rows))
+
+    def _finish_publishing(self) -> None:
+        """Write the last live rows (every rank), then log what the pushes did over all ranks."""
+        publisher = self.store.publisher
+        if publisher is None:
+            return
+        self.store.flush()
+        written = self.store.finish_publisher(self.step)
+        names = sorted(publisher.counters)
+        totals = [float(publisher.counters[n]) for n in names] + [0.0 if written else 1.0]
+        if self.env.world_size > 1:
+            t = torch.tensor(totals, dtype=torch.float64)
+            dist.all_reduce(t)
+            totals = t.tolist()
+        self.log.event("publish", step=self.step, **{n: int(v) for n, v in zip(names, totals)},
+                       ranks_unfinished=int(totals[-1]))
 
     def _row_recorder(self) -> RowRecorder:
         """Start this attempt's row audit (``train.record_rows``; see ``recsys.train.rows``)."""
@@ -357,12 +391,14 @@ class Trainer:
                             future = self._submit(nxt, self.step)
                         last_ckpt = time.monotonic()
                         if stop:
+                            self._finish_publishing()
                             return {"step": self.step, "stopped": "SIGTERM"}
                     if final_step or self._early_stop():
                         if future is not None:
                             self.store.cancel(future.result())
                         break
             self.store.flush()
+            self._finish_publishing()
             final = self.evaluate(max_rows=0)
             self.save(lookahead=False)
             out = {"step": self.step, "epoch": self.epoch, **final}
@@ -476,6 +512,8 @@ class Trainer:
     def close(self) -> None:
         if self.rows is not None:
             self.rows.close()
+        if self.store.publisher is not None:
+            self.store.publisher.close()
         self.store.close()
         self.reader.close()
         self.log.close()

@@ -93,6 +93,9 @@ class MetricsLog:
         record["store/hit_rate"] = delta.get("hits", 0) / lookups if lookups else 0.0
         record["store/evictions"] = delta.get("evictions", 0)
         record["store/rows"] = counters.get("rows", 0)
+        publisher = getattr(store, "publisher", None)
+        if publisher is not None:  # rank 0's live pushes (the ``publish`` event at the end sums the ranks)
+            record.update(publisher.metrics())
         self._write(record)
         self._window_start = now
         self._reset()

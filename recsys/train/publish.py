@@ -1,0 +1,314 @@
+"""Live pushes: fresh rows of the keys training touched, streamed to Redis while it trains.
+
+With a ``[publish]`` section (``redis`` set), every rank publishes the rows its owner shards
+hold (model-parallel by owner: no row is published twice, none is missed):
+
+- **On the store's op sequence** (where pushes are applied, in step order), after the push
+  of step t: the keys it updated join the *touched* set. When ``every_s`` seconds have passed
+  since the last snapshot, the current rows of every touched key are copied (a gather: no
+  Redis, no lock, nothing changed) and handed to the push thread as one snapshot tagged
+  with step t. Those rows are exactly the trainer's rows after the optimizer step t.
+- **On the push thread**: each snapshot is written with ``embedding_server.live.LiveWriter``
+  (a Lua guard in Redis never replaces a row with one of an earlier step), then the rank's
+  head ``{"step", "time", "rows"}``.
+- **Under pressure** the queue between them is bounded (``queue_snapshots``): when it is
+  full, no snapshot is taken; the touched set keeps growing, and the next snapshot writes
+  each key once, with its newest row (counted as ``publish/coalesced``).
+- **Redis unreachable**: the push thread retries with backoff (``retries``, ``backoff_s``);
+  a snapshot that still fails is dropped, its keys go back to the touched set (their rows
+  are read again, newer, at the next snapshot), and ``publish/errors`` counts it. Training
+  never waits for any of this.
+- **The end**: the last snapshot (every key touched since the previous one) is written
+  before training returns, within ``final_timeout_s``.
+
+A training step never waits on Redis: the only work on the training path is the touched-set
+bookkeeping per push and one gather of the touched rows per ``every_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True, slots=True)
+class PublishConfig:
+    """Live pushes of fresh rows to the serving tier while training (off unless ``redis`` is set)."""
+
+    redis: str = ""
+    """Redis (or Redis Cluster) URL to push live rows to; empty: no live pushes."""
+    every_s: float = 5.0
+    """Seconds between snapshots of the touched rows (per rank)."""
+    namespace: str = "live"
+    """Live namespace (``recsys serve --follow NAMESPACE`` overlays it)."""
+    dtype: str = "float32"
+    """Stored row type: ``float32`` or ``float16`` (half the bytes; served as float32)."""
+    max_rows_per_push: int = 1_000_000
+    """Most rows one snapshot writes (per rank); the rest stay touched for the next one."""
+    buckets: int = 64
+    """Hash-slot buckets per table (a Redis Cluster spreads a table over this many slots)."""
+    queue_snapshots: int = 2
+    """Snapshots waiting for the push thread; when full, pushes coalesce."""
+    retries: int = 3
+    """Attempts of one snapshot's write before it is dropped (its keys are published later)."""
+    backoff_s: float = 0.2
+    """First retry delay (doubles per attempt)."""
+    timeout_s: float = 5.0
+    """Socket timeout of one Redis call."""
+    final_timeout_s: float = 60.0
+    """How long the end of training waits for the last snapshot to be written."""
+    takeover: bool = False
+    """Start even when the namespace holds another run's live rows: delete them first (the
+    step guard would otherwise refuse this run's rows until its steps passed the old ones)."""
+
+    def __post_init__(self) -> None:
+        from embedding_server import layout
+
+        if self.redis:
+            from recsys.redis_util import check_url
+
+            check_url(self.redis, "publish.redis")
+        layout.check_name(self.namespace, "publish.namespace")
+        if self.dtype not in layout.DTYPES:
+            raise ValueError(f"publish.dtype must be one of {sorted(layout.DTYPES)}, found {self.dtype!r}")
+        if not self.every_s > 0:
+            raise ValueError(f"publish.every_s must be > 0, found {self.every_s}")
+        for name in ("max_rows_per_push", "buckets", "queue_snapshots", "retries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"publish.{name} must be >= 1, found {getattr(self, name)}")
+        for name in ("backoff_s", "timeout_s", "final_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"publish.{name} must be >= 0, found {getattr(self, name)}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.redis)
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """Rows of one rank's touched keys after the optimizer step ``step``."""
+
+    step: int
+    parts: list[tuple[str, np.ndarray, np.ndarray]]  # (table, keys, float32 rows)
+    taken: float  # time.time() when the rows were read
+
+    @property
+    def rows(self) -> int:
+        return sum(k.shape[0] for _, k, _ in self.parts)
+
+
+class LivePublisher:
+    """One rank's live pushes (see the module doc).
+
+    ``after_push`` and ``finish`` run on the store's op sequence (``ShardedEmbeddingStore``
+    calls them); the push thread owns the Redis connection. ``read_rows(table, keys) ->
+    (found, rows)`` reads this rank's current rows and changes nothing. ``clock`` is the
+    interval's clock (a test drives it by steps).
+    """
+
+    def __init__(self, cfg: PublishConfig, rank: int, read_rows: Callable, writer=None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        from embedding_server.live import LiveWriter
+
+        self.cfg, self.rank, self.read_rows, self.clock = cfg, rank, read_rows, clock
+        self.writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s)
+        self._touched: dict[str, list[np.ndarray]] = {}
+        self._returned: list[tuple[str, np.ndarray]] = []  # keys of failed snapshots (push thread -> store)
+        self._returned_lock = threading.Lock()
+        self._queue: queue.Queue = queue.Queue(maxsize=cfg.queue_snapshots)
+        self._last = clock()
+        self.snapshot_steps: list[int] = []  # steps of the snapshots taken (for tests and metrics)
+        self.counters = {"snapshots": 0, "pushes": 0, "rows": 0, "rows_replaced": 0, "coalesced": 0,
+                         "errors": 0, "retries": 0, "skipped_absent": 0}
+        self.last_pushed_step = -1
+        self.last_push_time = 0.0
+        self._thread = threading.Thread(target=self._run, name=f"live-push-{rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ store side
+
+    def after_push(self, step: int, parts: list[tuple[str, np.ndarray]]) -> None:
+        """Record the keys a push updated; snapshot when ``every_s`` has passed. ``step``: the
+        optimizer steps the rows now reflect (the trainer's step count, as in ``metrics.jsonl``
+        and checkpoint names)."""
+        for table, keys in parts:
+            if keys.shape[0]:
+                self._touched.setdefault(table, []).append(keys)
+        if self.clock() - self._last >= self.cfg.every_s:
+            self._snapshot(step)
+
+    def _snapshot(self, step: int) -> bool:
+        """Take a snapshot of the touched rows into the queue; False (coalesced) if it is full."""
+        if self._queue.full():
+            self.counters["coalesced"] += 1
+            return False
+        with self._returned_lock:
+            returned, self._returned = self._returned, []
+        for table, keys in returned:
+            self._touched.setdefault(table, []).append(keys)
+        budget = self.cfg.max_rows_per_push
+        parts, left = [], {}
+        for table, chunks in self._touched.items():
+            keys = np.unique(np.concatenate(chunks))
+            if budget <= 0:
+                left[table] = [keys]
+                continue
+            if keys.shape[0] > budget:
+                left[table] = [keys[budget:]]
+                keys = keys[:budget]
+            found, rows = self.read_rows(table, keys)
+            self.counters["skipped_absent"] += int((~found).sum())  # evicted without a spill tier
+            if found.any():
+                parts.append((table, keys[found], rows[found]))
+                budget -= int(found.sum())
+        self._touched = left
+        self._last = self.clock()
+        self.snapshot_steps.append(step)
+        self.counters["snapshots"] += 1
+        self._queue.put_nowait(Snapshot(step, parts, time.time()))
+        return True
+
+    def finish(self, step: int) -> bool:
+        """Snapshot what is left and wait (``final_timeout_s`` at most) until every snapshot
+        is written; stop the push thread. Returns whether all were written."""
+        deadline = time.monotonic() + self.cfg.final_timeout_s
+        while self._pending() and time.monotonic() < deadline:
+            if self._snapshot(step):
+                self._wait_idle(deadline)  # written, or its keys returned for another try
+            else:
+                time.sleep(0.01)
+        done = self._wait_idle(deadline) and not self._pending()
+        try:
+            self._queue.put(None, timeout=max(0.0, deadline - time.monotonic()) + 0.1)
+        except queue.Full:
+            pass  # the thread is stuck in a write; it is a daemon
+        self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 0.1)
+        if not done:
+            log.warning("live pushes: the last rows were not written within publish.final_timeout_s = %s s",
+                        self.cfg.final_timeout_s)
+        return done
+
+    def _pending(self) -> bool:
+        with self._returned_lock:
+            return bool(self._touched) or bool(self._returned)
+
+    def _wait_idle(self, deadline: float) -> bool:
+        """Wait until the push thread has handled every queued snapshot; False at ``deadline``."""
+        while self._queue.unfinished_tasks:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+        return True
+
+    def close(self) -> None:
+        """Stop the push thread without writing what is left (a failed job)."""
+        if self._thread.is_alive():
+            try:
+                self._queue.put(None, timeout=1.0)
+            except queue.Full:
+                pass
+            self._thread.join(timeout=5.0)
+        self.writer.reset()
+
+    # ------------------------------------------------------------------ push thread
+
+    def _run(self) -> None:
+        while True:
+            snap = self._queue.get()
+            try:
+                if snap is None:
+                    return
+                self._write(snap)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, snap: Snapshot) -> None:
+        delay = self.cfg.backoff_s
+        for attempt in range(self.cfg.retries):
+            try:
+                replaced = self.writer.write(snap.parts, snap.step, self.cfg.dtype)
+                self.writer.write_head(self.rank, snap.step, snap.rows)
+            except Exception as exc:  # noqa: BLE001 - Redis errors of any kind: retried, then counted
+                self.writer.reset()
+                if attempt + 1 < self.cfg.retries:
+                    self.counters["retries"] += 1
+                    time.sleep(delay)
+                    delay *= 2
+                    continue
+                self.counters["errors"] += 1
+                log.warning("live pushes: the rows of step %d were not written (%s: %s); they are pushed with "
+                            "the next snapshot", snap.step, type(exc).__name__, exc)
+                with self._returned_lock:
+                    self._returned += [(table, keys) for table, keys, _ in snap.parts]
+                return
+            self.counters["pushes"] += 1
+            self.counters["rows"] += snap.rows
+            self.counters["rows_replaced"] += replaced
+            self.last_pushed_step = snap.step
+            self.last_push_time = time.time()
+            return
+
+    def metrics(self) -> dict[str, float]:
+        """This rank's ``publish/*`` figures for ``metrics.jsonl``."""
+        out = {f"publish/{k}": v for k, v in self.counters.items()}
+        out["publish/last_step"] = self.last_pushed_step
+        out["publish/queued"] = self._queue.qsize()
+        return out
+
+
+def live_manifest(cfg: PublishConfig, run: str, schema) -> dict:
+    """Return the live namespace's manifest for a job of ``schema`` in the run ``run``."""
+    from embedding_server import live
+    from recsys import hashing
+
+    return live.manifest(run, cfg.dtype, cfg.buckets, {n: t.dim for n, t in schema.tables.items()},
+                         {n: f"{hashing.table_salt(n):016x}" for n in schema.tables})
+
+
+def claim(cfg: PublishConfig, manifest: dict, writer=None) -> bool:
+    """Make the live namespace this run's (rank 0, before training): write its manifest.
+
+    Refuses (``UserError``) a namespace whose live rows belong to another run, unless
+    ``takeover`` (then they are deleted first). Returns False, with a warning, when Redis
+    cannot be reached: training starts anyway and the push threads retry.
+    """
+    import redis
+
+    from embedding_server.live import LiveWriter
+    from recsys.errors import UserError
+    from recsys.redis_util import redact
+
+    writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s)
+    where = f"live namespace {cfg.namespace!r} at {redact(cfg.redis)}"
+    try:
+        try:
+            found = writer.read_manifest()
+        except ValueError as exc:
+            found = {"run": f"(unreadable manifest: {exc})"}
+        if found is not None and found.get("run") != manifest["run"]:
+            if not cfg.takeover:
+                heads = writer.read_head()
+                newest = max((h.get("step", -1) for h in heads.values()), default=-1)
+                raise UserError(
+                    f"publish: {where} holds the live rows of another run ({found.get('run')}, newest step "
+                    f"{newest}); this run's rows would be refused as older. Set publish.namespace to a name of "
+                    "its own, or publish.takeover = true to delete them first")
+            deleted = writer.clear()
+            log.warning("publish: took over %s: deleted %d live rows of run %s", where, deleted, found.get("run"))
+        writer.write_manifest(manifest)
+        return True
+    except (redis.RedisError, OSError) as exc:
+        log.warning("publish: %s cannot be reached (%s: %s); training starts, live pushes retry", where,
+                    type(exc).__name__, exc)
+        return False
+    finally:
+        writer.close()

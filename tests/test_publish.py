@@ -1,0 +1,303 @@
+"""Live pushes from training (``[publish]``, recsys/train/publish.py) against a real redis-server.
+
+- Every live row equals the trainer's row after the optimizer step it names: the pushes of a
+  real training run are compared with a checkpoint written at every step.
+- At the end the live namespace holds exactly the final checkpoint's rows, on 1 and 2 ranks
+  (each owner shard publishes its own keys).
+- ``every_s`` is honoured by steps (a clock driven by the pushes, not sleeps); a full queue
+  coalesces (a key pushed twice is written once, with its newest row) and says so.
+- A Redis outage loses no step and no row: training goes on, the failed snapshots' keys are
+  published once Redis is back. A paused Redis never makes a training step wait.
+- A namespace holding another run's rows is refused in one line, or taken over.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import wait_until
+from embedding_server import live
+from recsys.bench.faults import final_rows, records
+from test_train import build, overrides
+
+DIM = 16  # the tiny job's tables
+
+
+def _publish(redis_url: str, *extra: str) -> list[str]:
+    return [f"publish.redis='{redis_url}'", *extra]
+
+
+def _live_rows(url: str, rows: dict[str, dict[int, bytes]], ns: str = "live") -> dict[str, tuple]:
+    """{table: (found, steps, rows, wanted rows)} of the live namespace for the keys of ``rows``."""
+    w = live.LiveWriter(url, ns)
+    out = {}
+    try:
+        for table, kv in rows.items():
+            keys = np.fromiter(kv.keys(), dtype=np.int64, count=len(kv))
+            found, steps, got = w.read(table, keys, DIM, "float32")
+            want = np.stack([np.frombuffer(kv[k], dtype=np.float32) for k in kv])
+            out[table] = (found, steps, got, want)
+    finally:
+        w.close()
+    return out
+
+
+def _assert_live_equals_final(url: str, run_dir: Path, final_step: int) -> None:
+    for table, (found, steps, got, want) in _live_rows(url, final_rows(run_dir)).items():
+        assert found.all(), f"table {table}: {int((~found).sum())} trained keys have no live row"
+        np.testing.assert_array_equal(got, want, err_msg=f"table {table}")
+        assert steps.max() == final_step and steps.min() >= 1, (table, steps.min(), steps.max())
+
+
+def _train(data: Path, run_dir: Path, *extra: str) -> dict:
+    trainer = build(data, run_dir, *extra)
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def test_every_live_row_is_the_trainers_row_at_the_step_it_names(tiny_data, tmp_path, redis_server, monkeypatch):
+    """A checkpoint at every step; every snapshot's rows equal that step's checkpoint rows."""
+    from recsys.train import checkpoint as ckpt
+
+    written: list[tuple[int, list]] = []
+    real_write = live.LiveWriter.write
+
+    def recording(self, parts, step, dtype):
+        written.append((step, [(t, k.copy(), r.copy()) for t, k, r in parts]))
+        return real_write(self, parts, step, dtype)
+
+    monkeypatch.setattr(live.LiveWriter, "write", recording)
+    run_dir = tmp_path / "run"
+    result = _train(tiny_data, run_dir, "data.train.batch_size=512", "train.checkpoint_every_steps=1",
+                    "train.keep_last=100", *_publish(redis_server.url, "publish.every_s=1e-9"))
+    assert result["step"] == 12
+    # every_s tiny: one snapshot per push, each of exactly the keys that push updated
+    assert [s for s, _ in written] == list(range(1, 13)), [s for s, _ in written]
+    for step, parts in written:
+        path = ckpt.resolve(run_dir / "checkpoints" / f"step-{step:08d}")
+        for table, state in ckpt.load_sparse(path, [t for t, _, _ in parts]).items():
+            keys, rows = next((k, r) for t, k, r in parts if t == table)
+            at = dict(zip(state.column("key").to_pylist(), state.column("embedding").to_numpy(zero_copy_only=False)))
+            want = np.stack([np.asarray(at[k], dtype=np.float32) for k in keys.tolist()])
+            np.testing.assert_array_equal(rows, want, err_msg=f"step {step} table {table}")
+    _assert_live_equals_final(redis_server.url, run_dir, 12)
+    event = [r for r in records(run_dir) if r.get("event") == "publish"]
+    assert event and event[0]["pushes"] == 12 and event[0]["errors"] == 0 and event[0]["ranks_unfinished"] == 0
+
+
+@pytest.mark.multiproc
+def test_two_ranks_publish_their_own_shards(tiny_data, tmp_path, redis_server):
+    """recsys train --nproc 2: the live namespace ends with exactly the final rows, each rank's
+    head names the last step, and the serving manifest names the run."""
+    import subprocess
+    import sys
+
+    from recsys.store.config import run_namespace
+    from test_train import JOB, ROOT
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--nproc", "2", "--run-dir", str(run_dir)]
+    for o in overrides(tiny_data, "data.train.batch_size=128", "train.threads=1",
+                       *_publish(redis_server.url, "publish.every_s=0.05")):
+        cmd += ["--set", o]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    final = json.loads((run_dir / "result.json").read_text())["step"]
+    _assert_live_equals_final(redis_server.url, run_dir, final)
+    w = live.LiveWriter(redis_server.url, "live")
+    assert {r: h["step"] for r, h in w.read_head().items()} == {"0": final, "1": final}
+    assert w.read_manifest()["run"] == run_namespace(run_dir, "synthetic_tiny")
+
+
+def test_redis_outage_loses_no_step_and_recovers(tiny_data, tmp_path, redis_server):
+    """Redis stops after the first pushes and comes back while the job trains: every step is
+    trained, errors are counted, and the end holds exactly the final rows."""
+    run_dir = tmp_path / "run"
+    trainer = build(tiny_data, run_dir, "data.train.batch_size=64", "train.log_every=1",
+                    *_publish(redis_server.url, "publish.every_s=0.02", "publish.retries=2", "publish.backoff_s=0.01",
+                              "publish.timeout_s=0.5"))
+    publisher = trainer.store.publisher
+
+    def outage():
+        wait_until(lambda: publisher.counters["pushes"] >= 2, 120, "the first live pushes")
+        redis_server.stop()
+        wait_until(lambda: publisher.counters["errors"] >= 2, 120, "failed pushes while Redis is down")
+        redis_server.restart()
+
+    t = threading.Thread(target=outage)
+    t.start()
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+        t.join()
+    assert result["step"] == 94  # 6,000 rows / 64, every step trained
+    event = next(r for r in records(run_dir) if r.get("event") == "publish")
+    assert event["errors"] >= 2 and event["ranks_unfinished"] == 0, event
+    # the restarted Redis is empty: the manifest is gone, the rows published since are there;
+    # every key trained after the outage has its final row (keys not touched since are absent)
+    for table, (found, steps, got, want) in _live_rows(redis_server.url, final_rows(run_dir)).items():
+        np.testing.assert_array_equal(got[found], want[found], err_msg=table)
+        assert steps[found].max() == 94
+    assert sum(f.sum() for f, *_ in _live_rows(redis_server.url, final_rows(run_dir)).values()) > 0
+
+
+def test_a_paused_redis_never_makes_a_step_wait(tiny_data, tmp_path, redis_server):
+    """SIGSTOP redis-server before training: every step trains while every push hangs on it;
+    the end gives up on the last snapshot after final_timeout_s and says so."""
+    run_dir = tmp_path / "run"
+    trainer = build(tiny_data, run_dir, "data.train.batch_size=64",
+                    *_publish(redis_server.url, "publish.every_s=1e-9", "publish.timeout_s=600",
+                              "publish.final_timeout_s=0.5"))
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        result = trainer.train()
+        publisher = trainer.store.publisher
+        pushed = publisher.counters["pushes"]
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
+        trainer.close()
+    assert result["step"] == 94  # 6,000 rows / 64: all trained while Redis answered nothing
+    assert pushed == 0
+    event = next(r for r in records(run_dir) if r.get("event") == "publish")
+    assert event["ranks_unfinished"] == 1 and event["snapshots"] >= 2, event
+
+
+def test_another_runs_namespace_is_refused_or_taken_over(tiny_data, tmp_path, redis_server):
+    from recsys.errors import UserError
+
+    _train(tiny_data, tmp_path / "first", "train.max_steps=3", *_publish(redis_server.url))
+    with pytest.raises(UserError, match=r"live namespace 'live' at redis://127\.0\.0\.1:\d+/0 holds the live rows "
+                                        r"of another run \(recsys-synthetic_tiny-[0-9a-f]{12}, newest step 3\)"):
+        build(tiny_data, tmp_path / "second", *_publish(redis_server.url))
+    _train(tiny_data, tmp_path / "second", "train.max_steps=2", *_publish(redis_server.url, "publish.takeover=true"))
+    _assert_live_equals_final(redis_server.url, tmp_path / "second", 2)
+    # the same run again (a restart or resume) is its own: no refusal
+    _train(tiny_data, tmp_path / "second", "train.max_steps=4", *_publish(redis_server.url))
+
+
+@pytest.mark.parametrize("setting,message", [
+    ("publish.every_s=0", "publish.every_s must be > 0"),
+    ("publish.dtype='int8'", "publish.dtype must be one of"),
+    ("publish.namespace='a b'", "publish.namespace must match"),
+    ("publish.redis='http://x'", "publish.redis"),
+])
+def test_bad_publish_settings_are_one_line(tiny_data, setting, message):
+    from recsys.config import ConfigError, load_job
+    from test_train import JOB
+
+    with pytest.raises((ConfigError, ValueError), match=message):
+        load_job(JOB, overrides(tiny_data, setting))
+
+
+# --------------------------------------------------------------------------- the publisher alone
+
+
+class FakeWriter:
+    """Records writes; ``gate`` (an Event) holds them; ``fail`` makes them raise."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[int, list]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail = False
+
+    def write(self, parts, step, dtype):
+        self.gate.wait()
+        if self.fail:
+            raise ConnectionError("down")
+        self.writes.append((step, parts))
+        return sum(k.shape[0] for _, k, _ in parts)
+
+    def write_head(self, rank, step, rows):
+        pass
+
+    def reset(self):
+        pass
+
+
+class Rows:
+    """A table whose row of key k after step s is [k, s, ...]: the newest row is visible."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def __call__(self, table, keys):
+        rows = np.zeros((keys.shape[0], 4), dtype=np.float32)
+        rows[:, 0] = keys
+        rows[:, 1] = self.step
+        return np.ones(keys.shape[0], dtype=bool), rows
+
+
+def _publisher(writer, every_s=1.0, **kw):
+    from recsys.train.publish import LivePublisher, PublishConfig
+
+    clock = [0.0]
+    rows = Rows()
+    cfg = PublishConfig(redis="redis://127.0.0.1:1/0", every_s=every_s, backoff_s=0.0, **kw)
+    return LivePublisher(cfg, 0, rows, writer=writer, clock=lambda: clock[0]), clock, rows
+
+
+def test_every_s_is_honoured_by_steps():
+    """A clock advancing 0.25 s per push and every_s = 1: a snapshot every 4th push, exactly."""
+    writer = FakeWriter()
+    pub, clock, rows = _publisher(writer, every_s=1.0, queue_snapshots=8)  # room for all: none coalesce
+    for step in range(1, 21):
+        clock[0] += 0.25
+        rows.step = step
+        pub.after_push(step, [("t", np.array([step % 3], dtype=np.int64))])
+    assert pub.finish(20)
+    assert pub.snapshot_steps == [4, 8, 12, 16, 20] and pub.counters["coalesced"] == 0
+    assert [s for s, _ in writer.writes] == [4, 8, 12, 16, 20]
+
+
+def test_a_full_queue_coalesces_and_writes_each_key_once_with_its_newest_row():
+    writer = FakeWriter()
+    writer.gate.clear()  # the push thread hangs on its first write: Redis is slow
+    pub, clock, rows = _publisher(writer, every_s=1.0, queue_snapshots=1)
+    for step in range(1, 9):
+        clock[0] += 1.0
+        rows.step = step
+        pub.after_push(step, [("t", np.array([7, step], dtype=np.int64))])
+    # snapshot 1 is being written, snapshot 2 waits in the queue, 6 more pushes coalesced
+    assert pub.counters["coalesced"] >= 5, pub.counters
+    writer.gate.set()
+    assert pub.finish(8)
+    steps = [s for s, _ in writer.writes]
+    assert steps[0] == 1 and steps[-1] == 8 and len(steps) < 8, steps
+    last_keys, last_rows = writer.writes[-1][1][0][1], writer.writes[-1][1][0][2]
+    assert len(set(last_keys.tolist())) == len(last_keys)  # each key once
+    assert 7 in last_keys.tolist() and last_rows[last_keys.tolist().index(7), 1] == 8  # key 7: its newest row
+    written = sorted({k for _, parts in writer.writes for _, keys, _ in parts for k in keys.tolist()})
+    assert written == list(range(1, 9))  # no key lost
+
+
+def test_failed_snapshots_are_published_later():
+    writer = FakeWriter()
+    writer.fail = True
+    pub, clock, rows = _publisher(writer, every_s=1.0, retries=2)
+    for step in (1, 2):
+        clock[0] += 1.0
+        rows.step = step
+        pub.after_push(step, [("t", np.array([step], dtype=np.int64))])
+        pub._queue.join()
+    assert pub.counters["errors"] == 2 and pub.counters["retries"] == 2 and not writer.writes
+    writer.fail = False
+    clock[0] += 1.0
+    rows.step = 3
+    pub.after_push(3, [("t", np.array([3], dtype=np.int64))])
+    assert pub.finish(3)
+    (step, parts), = writer.writes
+    assert step == 3 and sorted(parts[0][1].tolist()) == [1, 2, 3] and (parts[0][2][:, 1] == 3).all()
