@@ -76,17 +76,25 @@ def buckets_of(keys_N: np.ndarray, buckets: int) -> np.ndarray:
 
 def row_keys(ns: str, version: str, table: str, keys_N: np.ndarray, buckets: int) -> list[bytes]:
     """Return the Redis key of each of ``keys_N`` (vectorized: no per-key formatting)."""
+    buf = row_key_bytes(ns, version, table, keys_N, buckets)
+    if buf.shape[0] == 0:
+        return []
+    return buf.view(f"S{buf.shape[1]}").reshape(buf.shape[0]).tolist()
+
+
+def row_key_bytes(ns: str, version: str, table: str, keys_N: np.ndarray, buckets: int) -> np.ndarray:
+    """Return uint8 [N, K]: the Redis key of each of ``keys_N``, one per row (all of one length)."""
     keys = np.ascontiguousarray(keys_N, dtype=np.int64)
     n = keys.shape[0]
-    if n == 0:
-        return []
     prefixes = _prefixes(ns, version, table, buckets)
     P = prefixes.shape[1]
     buf = np.empty((n, P + 16), dtype=np.uint8)
+    if n == 0:
+        return buf
     buf[:, :P] = prefixes[buckets_of(keys, buckets)]
     big_endian = keys.astype(">i8").view(np.uint8).reshape(n, 8)
     buf[:, P:] = _HEX[big_endian].reshape(n, 16)
-    return buf.view(f"S{P + 16}").reshape(n).tolist()
+    return buf
 
 
 @functools.lru_cache(maxsize=1024)

@@ -97,7 +97,8 @@ def _start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Pop
 def _start_service(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "recsys.cli", "serve", *args, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while True:

@@ -225,7 +225,7 @@ class Trainer:
         publisher = self.store.publisher
         if publisher is None:
             return
-        self.store.flush()
+        self.store.flush(through_step=self.step - 1)  # every trained step (not a look-ahead)
         written = self.store.finish_publisher(self.step)
         names = sorted(publisher.counters)
         totals = [float(publisher.counters[n]) for n in names] + [0.0 if written else 1.0]
