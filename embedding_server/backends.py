@@ -149,6 +149,7 @@ class RedisBackend:
         self._refused: dict[str, str] = {}  # version -> why its manifest cannot be served
         self._last_error = "not connected yet"
         self._task: asyncio.Task | None = None
+        self._closing = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -162,6 +163,7 @@ class RedisBackend:
 
     async def close(self) -> None:
         """Stop following the alias and close the connection pool."""
+        self._closing = True  # the follower also stops by itself should a Redis call swallow the cancel
         if self._task is not None:
             self._task.cancel()
             try:
@@ -183,7 +185,7 @@ class RedisBackend:
         return True, f"serving version {self._snap.version} from {redact(self.url)}{refused}"
 
     async def _follow(self) -> None:
-        while True:
+        while not self._closing:
             await asyncio.sleep(self.refresh_s)
             try:
                 await self.refresh()
