@@ -13,9 +13,11 @@ Routes (OpenAPI at /docs and /openapi.json):
 layout of ``embedding_server.wire``. Ids are raw ids, hashed exactly as training hashed
 them (``Catalog.keys``); an id never trained gets the vector ``recsys eval`` uses for an
 unseen key, with ``found: false``. Every response is read from one version (one snapshot
-per request). Errors: 4xx naming the request field (never 5xx for bad input), 401 without
-the bearer token when one is configured, 413 past the id or body limits, 503 when the
-backend cannot answer (the body says why; the service recovers by itself).
+per request); with ``--follow`` the live rows of a training job are overlaid on it and
+``version`` says so (``<version>+live@<step>``, ``embedding_server.overlay``). Errors: 4xx
+naming the request field (never 5xx for bad input), 401 without the bearer token when one
+is configured, 413 past the id or body limits, 503 when the backend cannot answer (the
+body says why; the service recovers by itself).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedding_server import wire
+from embedding_server import overlay, wire
 from embedding_server.backends import BackendUnavailable, Snapshot, backend_from_settings
 from embedding_server.catalog import IdError
 from embedding_server.metrics import Metrics
@@ -67,7 +69,8 @@ class BatchRequest(BaseModel):
 class LookupResponse(BaseModel):
     embeddings: list[list[float]] = Field(description="one vector per id, or one pooled vector")
     found: list[bool] = Field(description="per id: it has a trained row (false: the unseen-key vector)")
-    version: str = Field(description="the published version every vector comes from")
+    version: str = Field(description="the published version every vector comes from; '<version>+live@<step>' "
+                                     "when live rows (--follow) were served, step: the newest among them")
 
 
 class BatchResult(BaseModel):
@@ -228,8 +231,10 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         metrics.serving(snap.version)
         return snap
 
-    async def answer(snap: Snapshot, lookups: list[LookupRequest], batched: bool) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Return (vectors, found) per lookup, all read by ``snap`` in one backend call."""
+    async def answer(snap: Snapshot, lookups: list[LookupRequest],
+                     batched: bool) -> tuple[list[tuple[np.ndarray, np.ndarray]], str]:
+        """Return (vectors, found) per lookup, all read by ``snap`` in one backend call, and the
+        response's version string (naming the newest live step served, if any)."""
         total = sum(len(lk.ids) for lk in lookups)
         metrics.ids.observe(total)
         if total > settings.max_ids:
@@ -249,7 +254,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
                 raise _field_error(422, [*loc, "ids", exc.index], str(exc), "id_type") from None
             uniq, inverse = np.unique(keys, return_inverse=True)
             prepared.append((feat, uniq, inverse))
-        fetched = await backend.rows(snap, [(feat.table, uniq) for feat, uniq, _ in prepared])
+        fetched, live_step = await backend.rows(snap, [(feat.table, uniq) for feat, uniq, _ in prepared])
         out = []
         for lk, (feat, uniq, inverse), (vec, found) in zip(lookups, prepared, fetched):
             if not found.all():
@@ -261,7 +266,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
                     pooled /= np.float32(vec.shape[0])
                 vec = pooled
             out.append((vec, found))
-        return out
+        return out, overlay.version_string(snap.version, live_step)
 
     def wants_binary(request: Request) -> bool:
         return wire.MEDIA_TYPE in request.headers.get("accept", "")
@@ -272,10 +277,10 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         """Return the embeddings of raw ids of one feature."""
         body = await _parse(request, LookupRequest)
         snap = await snapshot()
-        ((vec, found),) = await answer(snap, [body], batched=False)
+        ((vec, found),), version = await answer(snap, [body], batched=False)
         if wants_binary(request):
-            return Response(wire.encode(snap.version, [(vec, found)]), media_type=wire.MEDIA_TYPE)
-        return Response(orjson.dumps({"embeddings": vec, "found": found, "version": snap.version},
+            return Response(wire.encode(version, [(vec, found)]), media_type=wire.MEDIA_TYPE)
+        return Response(orjson.dumps({"embeddings": vec, "found": found, "version": version},
                                      option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
     @app.post("/v1/lookup/batch", response_model=BatchResponse, dependencies=guarded,
@@ -284,11 +289,11 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         """Return the embeddings of several lookups, all from one version."""
         body = await _parse(request, BatchRequest)
         snap = await snapshot()
-        results = await answer(snap, body.lookups, batched=True)
+        results, version = await answer(snap, body.lookups, batched=True)
         if wants_binary(request):
-            return Response(wire.encode(snap.version, results), media_type=wire.MEDIA_TYPE)
+            return Response(wire.encode(version, results), media_type=wire.MEDIA_TYPE)
         payload = {"results": [{"feature": lk.feature, "embeddings": vec, "found": found}
-                               for lk, (vec, found) in zip(body.lookups, results)], "version": snap.version}
+                               for lk, (vec, found) in zip(body.lookups, results)], "version": version}
         return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
     @app.get("/v1/tables", response_model=TablesResponse, dependencies=guarded, responses=_ERRORS)

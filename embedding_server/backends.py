@@ -7,9 +7,12 @@ Both backends answer the same two questions, asynchronously:
 - ``snapshot()``: the version to serve now, with its ``Catalog``. A request takes one
   snapshot and reads every row by that version, so a response never mixes versions.
 - ``rows(snap, parts)``: for each ``(table, keys_U)`` part, float32 ``[U, D]`` rows and a
-  ``found`` mask (rows of keys not found are zeros; the app fills in the unseen-key vector).
+  ``found`` mask (rows of keys not found are zeros; the app fills in the unseen-key vector),
+  and the newest training step among the live rows served (None: no live row).
   The Redis backend reads all parts with one round trip (one MGET; per hash slot in a
-  cluster), through the LRU cache.
+  cluster), through the LRU cache. With ``follow`` (``recsys serve --follow NS``) the same
+  round trip reads the live rows of the keys (``embedding_server.overlay``): a key with a
+  live row is served that row, ``found``, whatever the version holds.
 
 ``BackendUnavailable`` (Redis unreachable, timed out, nothing published) becomes a 503.
 """
@@ -17,18 +20,20 @@ Both backends answer the same two questions, asynchronously:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import hiredis
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embedding_server import layout
+from embedding_server import layout, live, overlay
 from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
 from embedding_server.resp import RespPool
@@ -54,6 +59,8 @@ class Snapshot:
     buckets: int = 1
     cache: CacheBudget | None = None
     """The version's row caches (Redis backend)."""
+    live: overlay.Overlay | None = None
+    """The live namespace overlaid on the version (None: published rows only)."""
 
 
 # --------------------------------------------------------------------------- embedded
@@ -103,8 +110,9 @@ class EmbeddedBackend:
         """Return the one version this backend serves."""
         return self._snap
 
-    async def rows(self, snap: Snapshot, parts: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
-        """Return (float32 [U, D] rows, found [U]) per ``(table, keys_U)`` part."""
+    async def rows(self, snap: Snapshot,
+                   parts: list[tuple[str, np.ndarray]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], None]:
+        """Return (float32 [U, D] rows, found [U]) per ``(table, keys_U)`` part, and None (no live rows)."""
         out = []
         for table, keys in parts:
             sorted_keys = self._keys[table]
@@ -115,7 +123,7 @@ class EmbeddedBackend:
             vec = rows[pos].astype(np.float32) if sorted_keys.shape[0] else np.zeros((keys.shape[0], rows.shape[1]), np.float32)
             vec[~found] = 0.0
             out.append((vec, found))
-        return out
+        return out, None
 
 
 # --------------------------------------------------------------------------- Redis
@@ -127,25 +135,44 @@ class RedisBackend:
     A background task reads the alias every ``refresh_s`` seconds; a new version's manifest
     is loaded before it is served. Until Redis answers (at start, or after an outage) the
     backend is not ready and requests get 503; the client reconnects by itself.
+
+    ``follow``: a live namespace whose manifest is read at every refresh too, and whose rows
+    are overlaid on the version when compatible (``embedding_server.overlay``). Live rows
+    are cached ``live_ttl_s`` seconds by ``clock`` (0: not cached), in half of
+    ``cache_bytes``; the published rows' caches get the other half.
     """
 
     name = "redis"
 
     def __init__(self, url: str, namespace: str = "recsys", cache_bytes: int = 256 << 20,
-                 refresh_s: float = 1.0, timeout_s: float = 2.0) -> None:
+                 refresh_s: float = 1.0, timeout_s: float = 2.0, follow: str = "", live_ttl_s: float = 1.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.url = url
         self.ns = namespace
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
-        self.cache_bytes = cache_bytes
+        self.follow = follow
+        self.live_ttl_s = live_ttl_s
+        self.clock = clock
+        live_share = cache_bytes // 2 if follow and live_ttl_s > 0 else 0
+        self.cache_bytes = cache_bytes - live_share
+        self.live_cache_bytes = live_share
         self.hits = 0  # keys answered by the cache, over all versions
         self.misses = 0  # keys read from Redis
+        self.live_rows = 0  # distinct keys of a lookup answered with a live row
+        self.live_hits = 0  # keys whose live row (or its absence) came from the live cache
+        self.live_misses = 0  # keys whose live row was read from Redis
         self.errors = 0
         self._client = None
         self._cluster = False
         self._resp: RespPool | None = None  # row MGETs on a single node over plain TCP / Unix socket
-        self._snap: Snapshot | None = None
+        self._snap: Snapshot | None = None  # what requests are served: the version and its overlay
+        self._base: Snapshot | None = None  # the published version alone
         self._manifests: dict[str, Snapshot] = {}
+        self._overlay: overlay.Overlay | None = None
+        self._live_seen: tuple | None = None  # (version, live manifest text) the overlay was built for
+        self._live_note = "" if not follow else f"live namespace {follow!r} not read yet"
+        self._live_said: set[str] = set()  # reasons already logged
         self._refused: dict[str, str] = {}  # version -> why its manifest cannot be served
         self._last_error = "not connected yet"
         self._task: asyncio.Task | None = None
@@ -182,7 +209,8 @@ class RedisBackend:
             return False, self._last_error + refused
         if self._snap is None:
             return False, f"no version published under namespace {self.ns!r} at {redact(self.url)}{refused}"
-        return True, f"serving version {self._snap.version} from {redact(self.url)}{refused}"
+        note = f"; {self._live_note}" if self._live_note else ""
+        return True, f"serving version {self._snap.version} from {redact(self.url)}{note}{refused}"
 
     async def _follow(self) -> None:
         while not self._closing:
@@ -227,15 +255,28 @@ class RedisBackend:
     # ------------------------------------------------------------------ versions
 
     async def refresh(self) -> Snapshot | None:
-        """Read the alias now; load the manifest of a new version; return the served snapshot."""
+        """Read the alias now (and the live manifest when following); load the manifest of a
+        new version; return the served snapshot."""
+        base = await self._refresh_version()
+        if base is None:
+            self._snap = None
+            return None
+        live_now = await self._refresh_live(base) if self.follow else None
+        snap = self._snap
+        if snap is None or snap.version != base.version or snap.cache is not base.cache or snap.live is not live_now:
+            self._snap = dataclasses.replace(base, live=live_now)
+        return self._snap
+
+    async def _refresh_version(self) -> Snapshot | None:
+        """Read the alias; return the published version to serve (its snapshot without overlay)."""
         raw = await self._call("read of the current version", lambda c: c.get(layout.current_key(self.ns)))
         if raw is None:
-            self._snap = None
+            self._base = None
             return None
         version = raw.decode()
         if version in self._refused:  # keep serving what we serve (if anything)
-            return self._snap
-        if self._snap is None or self._snap.version != version:
+            return self._base
+        if self._base is None or self._base.version != version:
             snap = self._manifests.get(version)
             if snap is None:
                 text = await self._call("read of a manifest", lambda c: c.get(layout.manifest_key(self.ns, version)))
@@ -253,13 +294,49 @@ class RedisBackend:
                     # the version served now, say why in /readyz, do not try it again
                     self._refused[version] = f"{type(exc).__name__}: {exc}"
                     log.error("refusing version %s: %s", version, self._refused[version])
-                    return self._snap
+                    return self._base
                 cache = CacheBudget(self.cache_bytes, {n: (t.rows, t.dim) for n, t in catalog.tables.items()})
                 snap = Snapshot(version=version, dtype=dtype, buckets=buckets, catalog=catalog, cache=cache)
                 self._manifests = {version: snap}  # only the served one is needed again
-            self._snap = snap
+            self._base = snap
             log.info("serving version %s", version)
-        return self._snap
+        return self._base
+
+    async def _refresh_live(self, base: Snapshot) -> overlay.Overlay | None:
+        """Read the live manifest; return the overlay to serve on ``base`` (None: published only)."""
+        key = live.manifest_key(self.follow)
+        text = await self._call("read of the live manifest", lambda c: c.get(key))
+        if self._live_seen == (base.version, text):
+            return self._overlay
+        self._live_seen = (base.version, text)
+        previous, self._overlay = self._overlay, None
+        if text is None:
+            self._live_note = f"live namespace {self.follow!r} has no manifest ({key}): serving published rows only"
+            self._say(self._live_note, logging.INFO)
+            return None
+        try:
+            manifest = live.parse_manifest(text, key)
+            why = overlay.incompatibility(manifest, base.catalog)
+        except ValueError as exc:  # not a live manifest (parse_manifest names the key)
+            why = str(exc)
+        except (KeyError, TypeError) as exc:
+            why = f"{key}: not a live manifest: {type(exc).__name__}: {exc}"
+        if why is not None:
+            self._live_note = (f"live namespace {self.follow!r} not overlaid on version {base.version!r}, "
+                               f"serving published rows only: {why}")
+            self._say(self._live_note, logging.WARNING)
+            return None
+        self._overlay = overlay.build(self.follow, manifest, base.catalog, self.live_cache_bytes, self.live_ttl_s,
+                                      previous)
+        self._live_note = f"overlaying live namespace {self.follow!r} ({self._overlay.describe()})"
+        self._say(f"{self._live_note} on version {base.version!r}", logging.INFO)
+        return self._overlay
+
+    def _say(self, reason: str, level: int) -> None:
+        """Log ``reason`` once (a refresh every second must not repeat it)."""
+        if reason not in self._live_said:
+            self._live_said.add(reason)
+            log.log(level, "%s", reason)
 
     async def snapshot(self) -> Snapshot:
         """Return the version to serve now (``BackendUnavailable`` if none can be)."""
@@ -279,10 +356,23 @@ class RedisBackend:
         snap = self._snap
         return self.hits, self.misses, snap.cache.bytes if snap is not None and snap.cache is not None else 0
 
-    async def rows(self, snap: Snapshot, parts: list[tuple[str, np.ndarray]]) -> list[tuple[np.ndarray, np.ndarray]]:
+    def live_stats(self) -> tuple[bool, int, int, int, int] | None:
+        """Return (overlaying now, live rows served, live cache hits, misses, bytes); None without ``follow``."""
+        if not self.follow:
+            return None
+        ov = self._snap.live if self._snap is not None else None
+        size = ov.caches.bytes if ov is not None and ov.caches is not None else 0
+        return ov is not None, self.live_rows, self.live_hits, self.live_misses, size
+
+    async def rows(self, snap: Snapshot,
+                   parts: list[tuple[str, np.ndarray]]) -> tuple[list[tuple[np.ndarray, np.ndarray]], int | None]:
         """Return (float32 [U, D] rows, found [U]) per ``(table, keys_U)`` part: cached rows,
-        and one MGET round trip for all the others."""
-        plan, names = [], []
+        and one MGET round trip for all the others; with a live overlay, a key's live row
+        (cached or read in the same round trip) replaces the published one. Also return the
+        newest step among the live rows served (None: none)."""
+        ov = snap.live
+        now = self.clock() if ov is not None else 0.0  # before the read: a row is at least this fresh
+        plan, names, live_names = [], [], []
         for table, keys in parts:
             cache = snap.cache.get(table) if snap.cache is not None else None
             if cache is not None:
@@ -295,10 +385,25 @@ class RedisBackend:
             self.misses += miss.shape[0]
             self.hits += keys.shape[0] - miss.shape[0]
             names += layout.row_keys(self.ns, snap.version, table, keys[miss], snap.buckets)
-            plan.append((table, keys, vec, found, miss, cache))
-        values = await self._mget(names) if names else []
-        out, start = [], 0
-        for table, keys, vec, found, miss, cache in plan:
+            lplan = None
+            if ov is not None and table in ov.dims:
+                lcache = ov.caches.get(table) if ov.caches is not None else None
+                if lcache is not None:
+                    lhit, *lentry = lcache.get(keys, now)
+                else:
+                    n = keys.shape[0]
+                    lhit = np.zeros(n, dtype=bool)
+                    lentry = [np.zeros((n, vec.shape[1]), np.float32), np.zeros(n, dtype=bool),
+                              np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.float64)]
+                lmiss = np.flatnonzero(~lhit)
+                self.live_misses += lmiss.shape[0]
+                self.live_hits += keys.shape[0] - lmiss.shape[0]
+                live_names += live.row_keys(ov.ns, table, keys[lmiss], ov.buckets)
+                lplan = (lmiss, lentry, lcache)
+            plan.append((table, keys, vec, found, miss, cache, lplan))
+        values = await self._mget(names + live_names) if names or live_names else []
+        out, start, lstart, newest = [], 0, len(names), None
+        for table, keys, vec, found, miss, cache, lplan in plan:
             vals = values[start : start + miss.shape[0]]
             start += miss.shape[0]
             got = np.array([v is not None for v in vals], dtype=bool)
@@ -308,8 +413,27 @@ class RedisBackend:
             found[miss] = got
             if cache is not None:
                 cache.put(keys, vec, found)  # no await since the get: see embedding_server.cache
+            if lplan is not None:
+                lmiss, (lrows, lfound, lsteps, lstamps), lcache = lplan
+                lvals = values[lstart : lstart + lmiss.shape[0]]
+                lstart += lmiss.shape[0]
+                lgot = np.array([v is not None for v in lvals], dtype=bool)
+                if lgot.any():
+                    where = f"live namespace {ov.ns!r} table {table!r}"
+                    lsteps[lmiss[lgot]], lrows[lmiss[lgot]] = live.decode([v for v in lvals if v is not None],
+                                                                          vec.shape[1], ov.dtype, where)
+                lfound[lmiss] = lgot
+                lstamps[lmiss] = now
+                if lcache is not None:  # keeps a later step another request cached meanwhile
+                    lrows, lfound, lsteps, lstamps = lcache.put(keys, lrows, lfound, lsteps, lstamps)
+                if lfound.any():
+                    vec[lfound] = lrows[lfound]
+                    found |= lfound
+                    self.live_rows += int(lfound.sum())
+                    step = int(lsteps[lfound].max())
+                    newest = step if newest is None else max(newest, step)
             out.append((vec, found))
-        return out
+        return out, newest
 
     async def _mget(self, names: list[bytes]) -> list[bytes | None]:
         if self._cluster:  # one MGET per hash slot, pipelined per node (redis-py)
@@ -353,4 +477,4 @@ def backend_from_settings(settings) -> EmbeddedBackend | RedisBackend:
         log.info("loaded %s in %.1f s", backend.path, time.perf_counter() - t0)
         return backend
     return RedisBackend(settings.redis, settings.namespace, settings.cache_bytes, settings.refresh_s,
-                        settings.redis_timeout_s)
+                        settings.redis_timeout_s, follow=settings.follow, live_ttl_s=settings.live_ttl_s)

@@ -8,6 +8,15 @@
     recsys_serve_backend_errors_total            requests answered 503 (backend unavailable)
     recsys_serve_version_info{version}           1 for the version served now
 
+With ``--follow`` (live rows overlaid on the version):
+
+    recsys_serve_live_overlay                    1 while live rows are overlaid, 0 when not
+                                                 (no live manifest, or an incompatible one)
+    recsys_serve_live_rows_total                 rows answered from the live namespace (one
+                                                 per distinct key of a lookup)
+    recsys_serve_live_cache_hits_total / _misses_total  the live row cache (misses: read from Redis)
+    recsys_serve_live_cache_bytes                bytes the live row cache holds now
+
 With several workers (``PROMETHEUS_MULTIPROC_DIR`` set) every process writes its values
 to that directory and /metrics sums them over the workers.
 """
@@ -43,8 +52,17 @@ class Metrics:
         self.backend_errors = Counter("recsys_serve_backend_errors", "Requests answered 503", registry=r)
         self.version = Gauge("recsys_serve_version_info", "1 for the version served now", ["version"], registry=r,
                              multiprocess_mode="livemax")
+        self.live_overlay = Gauge("recsys_serve_live_overlay", "1 while live rows are overlaid on the version",
+                                  registry=r, multiprocess_mode="livemin")
+        self.live_rows = Counter("recsys_serve_live_rows", "Rows answered from the live namespace", registry=r)
+        self.live_hits = Counter("recsys_serve_live_cache_hits", "Live row cache hits", registry=r)
+        self.live_misses = Counter("recsys_serve_live_cache_misses", "Live row cache misses (read from Redis)",
+                                   registry=r)
+        self.live_bytes = Gauge("recsys_serve_live_cache_bytes", "Bytes held by the live row cache", registry=r,
+                                multiprocess_mode="livesum")
         self._version = None
         self._seen = (0, 0)
+        self._live_seen = (0, 0, 0)
         metrics = self
 
         class Middleware:
@@ -92,6 +110,16 @@ class Metrics:
         self.cache_misses.inc(misses - self._seen[1])
         self._seen = (hits, misses)
         self.cache_bytes.set(size)
+        live = getattr(backend, "live_stats", lambda: None)()
+        if live is None:
+            return
+        overlaid, rows, live_hits, live_misses, live_size = live
+        self.live_overlay.set(1 if overlaid else 0)
+        self.live_rows.inc(rows - self._live_seen[0])
+        self.live_hits.inc(live_hits - self._live_seen[1])
+        self.live_misses.inc(live_misses - self._live_seen[2])
+        self._live_seen = (rows, live_hits, live_misses)
+        self.live_bytes.set(live_size)
 
     def render(self) -> tuple[bytes, str]:
         """Return the exposition text (summed over workers in multiprocess mode) and its type."""

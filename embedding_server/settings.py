@@ -9,6 +9,7 @@ or the environment: only the path of the file holding it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass
@@ -47,6 +48,12 @@ class ServeSettings:
     """How often the Redis alias is read: a published version is served within this interval."""
     redis_timeout_s: float = 2.0
     """Socket timeout of one Redis call; past it the request gets 503."""
+    follow: str = ""
+    """Live namespace whose rows (pushed by a training job) are overlaid on the served version
+    (``recsys serve --follow``; empty: published rows only). Needs ``redis``."""
+    live_ttl_s: float = 1.0
+    """Seconds a worker caches a live row (or its absence) before reading it again; 0: no cache.
+    A served live row is at most the trainer's push interval plus this old."""
 
     def __post_init__(self) -> None:
         if bool(self.checkpoint) == bool(self.redis):
@@ -54,6 +61,13 @@ class ServeSettings:
         if self.redis:
             check_url(self.redis, "redis")
         layout.check_name(self.namespace, "namespace")
+        if self.follow:
+            if not self.redis:
+                raise ValueError("follow needs redis: live rows are read from the Redis that holds the published "
+                                 "versions")
+            layout.check_name(self.follow, "follow")
+        if not (math.isfinite(self.live_ttl_s) and self.live_ttl_s >= 0):
+            raise ValueError(f"live_ttl_s must be >= 0 (0: no live row cache), found {self.live_ttl_s}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], found {self.port}")
         if self.workers < 1:

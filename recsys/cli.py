@@ -144,12 +144,19 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from embedding_server.app import serve
     from embedding_server.settings import ServeSettings
 
+    if args.follow is not None and not args.redis:
+        raise UserError("serve: --follow needs --redis (live rows are read from the Redis that holds the published "
+                        "versions)")
     try:
+        if args.follow is not None:  # an explicit empty name is an error, not "no --follow"
+            from embedding_server.layout import check_name
+
+            check_name(args.follow, "--follow")
         settings = ServeSettings(checkpoint=str(args.checkpoint or ""), redis=args.redis or "",
                                  namespace=args.namespace, host=args.host, port=args.port, workers=args.workers,
                                  token_file=str(args.token_file or ""), max_ids=args.max_ids,
                                  max_body_bytes=args.max_body_bytes, cache_bytes=int(args.cache_mb * (1 << 20)),
-                                 refresh_s=args.refresh_s)
+                                 refresh_s=args.refresh_s, follow=args.follow or "", live_ttl_s=args.live_ttl_s)
         settings.token()  # a bad token file fails here, before the server starts
     except (ValueError, OSError) as exc:
         raise UserError(f"serve: {exc}") from None
@@ -294,6 +301,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body size limit (default 4 MiB)")
     p.add_argument("--cache-mb", type=float, default=256, help="row cache per worker, MiB (default 256; 0: none)")
     p.add_argument("--refresh-s", type=float, default=1.0, help="how often the `current` alias is read (default 1)")
+    p.add_argument("--follow", metavar="LIVE_NS",
+                   help="overlay the live rows a training job pushes to this namespace (needs --redis)")
+    p.add_argument("--live-ttl-s", type=float, default=1.0,
+                   help="seconds a live row is cached per worker (default 1; 0: read every request)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(
