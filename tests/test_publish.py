@@ -301,3 +301,64 @@ def test_failed_snapshots_are_published_later():
     assert pub.finish(3)
     (step, parts), = writer.writes
     assert step == 3 and sorted(parts[0][1].tolist()) == [1, 2, 3] and (parts[0][2][:, 1] == 3).all()
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path, redis_server):
+    """What the README shows: a published version, `recsys serve --follow live`, and a job
+    with live pushes; a client polling one raw id sees its vector change while the job runs
+    (each change named `<published>+live@<step>`), and after the job the trainer's final row."""
+    import http.client
+
+    import pyarrow.parquet as pq
+
+    from embedding_server import publish
+    from recsys.bench.serve import _start_service, _stop
+
+    _train(tiny_data, tmp_path / "published", "train.max_steps=1")
+    version = publish.export(tmp_path / "published", redis_server.url, progress=False)["version"]
+    first = sorted((tiny_data / "train").glob("*.parquet"))[0]
+    ids = pq.read_table(first, columns=["c1"]).column("c1").to_numpy()
+    values, counts = np.unique(ids, return_counts=True)
+    raw = int(values[counts.argmax()])  # the most frequent id: updated by almost every step
+    service, url = _start_service(["--redis", redis_server.url, "--follow", "live", "--live-ttl-s", "0",
+                                   "--refresh-s", "0.1"], tmp_path / "serve.log")
+    seen: list[tuple[str, tuple]] = []
+    done = threading.Event()
+
+    def poll():
+        conn = http.client.HTTPConnection(*url.removeprefix("http://").split(":"), timeout=10)
+        try:
+            while not done.is_set():
+                conn.request("POST", "/v1/lookup", json.dumps({"feature": "c1", "ids": [raw]}),
+                             {"Content-Type": "application/json"})
+                reply = json.loads(conn.getresponse().read())
+                entry = (reply["version"], tuple(reply["embeddings"][0]))
+                if not seen or seen[-1] != entry:
+                    seen.append(entry)
+        finally:
+            conn.close()
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        run_dir = tmp_path / "live"
+        result = _train(tiny_data, run_dir, "data.train.batch_size=128", "train.log_every=10",
+                        *_publish(redis_server.url, "publish.every_s=0.05"))
+        during = list(seen)
+        wait_until(lambda: seen and seen[-1][0] == f"{version}+live@{result['step']}", 30,
+                   "the service to serve the final live row")
+    finally:
+        done.set()
+        poller.join(timeout=30)
+        _stop(service)
+    live_steps = [int(v.rsplit("@", 1)[1]) for v, _ in during if "+live@" in v]
+    assert len(set(live_steps)) >= 3 and live_steps == sorted(live_steps), during[:5]
+    assert len({vec for v, vec in during if "+live@" in v}) >= 3  # the vector itself changed
+    from recsys import hashing
+
+    key = int(hashing.hash_int64(np.array([raw]), "c1")[0])
+    final = np.frombuffer(final_rows(run_dir)["c1"][key], dtype=np.float32)
+    np.testing.assert_allclose(np.array(seen[-1][1], dtype=np.float32), final, rtol=0, atol=1e-6)
