@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from embedding_server import live
 from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
 
