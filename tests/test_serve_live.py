@@ -29,7 +29,6 @@ from embedding_server.cache import LiveTableCache
 from embedding_server.catalog import Catalog, FeatureInfo, TableInfo
 from embedding_server.settings import ServeSettings
 from recsys import checkpoint_files, hashing
-from recsys.redis_util import connect
 from serving_data import UNSEEN_INT, UNSEEN_STR, LiveServer, start_cluster
 
 pytestmark = pytest.mark.redis
@@ -551,14 +550,14 @@ def test_the_reason_is_logged_once_and_a_missing_manifest_serves_published(tiny_
 # --------------------------------------------------------------------------- Redis Cluster
 
 
-def cluster_push(url: str, table: str, keys: np.ndarray, rows: np.ndarray, step: int, buckets: int = 8) -> None:
-    """Write live rows as LiveWriter.write does (same keys, values and Lua guard), one EVAL per
-    bucket: redis-py's cluster pipeline refuses the pipelined EVALSHA LiveWriter sends."""
-    client = connect(url)
-    names, values = live.row_keys(LIVE_NS, table, keys, buckets), live.encode(step, rows, "float32")
-    for group in live.groups(layout.buckets_of(keys, buckets), 512):
-        client.eval(live.GUARDED_SET, len(group), *[names[i] for i in group], *[values[i] for i in group])
-    client.close()
+def cluster_push(url: str, table: str, keys: np.ndarray, rows: np.ndarray, step: int, buckets: int = 8) -> int:
+    """Write live rows with the trainer's LiveWriter (the Lua guard, one call per bucket, each
+    sent to the node of its hash slot); return how many replaced an older row."""
+    w = live.LiveWriter(url, LIVE_NS, buckets=buckets)
+    try:
+        return w.write([(table, keys, rows)], step, "float32")
+    finally:
+        w.close()
 
 
 @pytest.mark.multiproc
@@ -572,9 +571,9 @@ def test_cluster_overlays_live_rows(tiny_run, tmp_path):
         live_part = np.arange(0, 60, 2)  # every other id gets a live row; the buckets spread over the nodes
         pushed = np.random.default_rng(1).standard_normal((live_part.shape[0], DIM)).astype(np.float32)
         writer_for(cluster.url).close()  # the manifest
-        cluster_push(cluster.url, "c1", keys[live_part], pushed, 12)
-        cluster_push(cluster.url, "c3", keys_of("c3", [f"{UNSEEN_STR}x"]), np.ones((1, DIM), np.float32), 13)
-        cluster_push(cluster.url, "c1", keys[live_part], np.zeros_like(pushed), 11)  # older: refused
+        assert cluster_push(cluster.url, "c1", keys[live_part], pushed, 12) == live_part.shape[0]
+        assert cluster_push(cluster.url, "c3", keys_of("c3", [f"{UNSEEN_STR}x"]), np.ones((1, DIM), np.float32), 13) == 1
+        assert cluster_push(cluster.url, "c1", keys[live_part], np.zeros_like(pushed), 11) == 0  # older: refused
         per_node = [len(list(redis.Redis(port=n.port).scan_iter(live.pattern(LIVE_NS)))) for n in cluster.nodes]
         assert sum(per_node) == live_part.shape[0] + 1 and sum(n > 0 for n in per_node) >= 2, per_node
         rows = published(ckpt, "c1")
