@@ -59,7 +59,7 @@ return #args / 2
 (one MGET and one MSET per call: a redis.call per key costs several times more). Returns
 how many rows it replaced. Keys of one call share a hash slot; at most ``MAX_KEYS_PER_CALL``
 (Lua's ``unpack`` limit is about 8,000 values)."""
-MAX_KEYS_PER_CALL = 2048
+MAX_KEYS_PER_CALL = 512
 
 
 def manifest_key(ns: str) -> str:
@@ -224,27 +224,33 @@ class LiveWriter:
         reads the slot map again."""
         import redis
 
-        commands: list[tuple[bytes, list[bytes]]] = []  # (RESP bytes, names for the cluster path)
+        client = self.client
+        cluster = hasattr(client, "get_primaries")
+        commands: list[tuple[np.ndarray, np.ndarray]] = []  # (key names, values) of one call each
         for table, keys, rows in parts:
             if keys.shape[0] == 0:
                 continue
-            buckets = layout.buckets_of(keys, self.buckets)
-            order = np.argsort(buckets, kind="stable")
-            names = layout.row_key_bytes(self.ns, VERSION, table, keys[order], self.buckets)
-            values = value_bytes(step, rows[order], dtype)
-            sorted_buckets = buckets[order]
-            cuts = np.flatnonzero(np.diff(sorted_buckets)) + 1
-            for lo, hi in zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(order)]]).tolist()):
+            if cluster:  # a call's keys must share a hash slot: one bucket per call
+                buckets = layout.buckets_of(keys, self.buckets)
+                order = np.argsort(buckets, kind="stable")
+                sorted_buckets = buckets[order]
+                cuts = np.flatnonzero(np.diff(sorted_buckets)) + 1
+                bounds = zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(order)]]).tolist())
+                keys, rows = keys[order], rows[order]
+            else:  # one Redis: any keys in one call (58 k rows: 113 calls instead of ~1,600)
+                bounds = [(0, keys.shape[0])]
+            names = layout.row_key_bytes(self.ns, VERSION, table, keys, self.buckets)
+            values = value_bytes(step, rows, dtype)
+            for lo, hi in bounds:
                 for s in range(lo, hi, self.max_keys_per_call):
                     e = min(hi, s + self.max_keys_per_call)
                     commands.append((names[s:e], values[s:e]))
         if not commands:
             return 0
-        client = self.client
         if self._sha is None:
             self._sha = client.script_load(GUARDED_SET)
         for attempt in range(2):
-            if hasattr(client, "get_primaries"):
+            if cluster:
                 # a cluster: the keys of one call share a hash slot; each node gets its calls,
                 # packed the same way, on its own connection (redis-py's cluster pipeline
                 # refuses EVALSHA)

@@ -15,10 +15,11 @@ after a settling period. It includes everything a ranker sees: the push interval
 snapshot, the Redis write, the service's TTL and refresh, and half a probe cycle on
 average (the cycle time is reported).
 
-**Cost**: the same job with live pushes (``every_s`` = 1) and without, run alternately as
+**Cost**: the same job with live pushes (``every_s`` = 1, then 5) and without, run alternately as
 ``recsys train`` processes (order swapped each pair), samples/s from their
 ``metrics.jsonl`` windows after a warm-up window; the ratio on/off per pair, its median
-and min–max.
+and min–max. Redis runs on the same machine, so its CPU (reported per run, CPU seconds per
+second) is part of the cost here; it would not be with Redis on its own host.
 
 Data: the bench train data (quick: the 160 k-row set; full: the ``small`` set). No
 assertions on timings.
@@ -204,23 +205,33 @@ def _throughput(metrics: Path, skip_steps: int, batch: int) -> float:
     return rows / seconds if seconds else float("nan")
 
 
-def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, window: int) -> dict:
+def _cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) a process used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, window: int,
+          redis_pid: int, every_s: float = 1.0) -> dict:
     runs: dict[str, list[float]] = {"on": [], "off": []}
+    redis_cpu: dict[str, list[float]] = {"on": [], "off": []}  # Redis CPU s per wall s of each run
     for p in range(pairs):
         for side in (("on", "off") if p % 2 == 0 else ("off", "on")):
-            run_dir = work / f"cost-{side}-{p}"
-            extra = [f"publish.redis='{url}'", "publish.every_s=1", "publish.namespace='live-cost'",
+            run_dir = work / f"cost-{every_s:g}-{side}-{p}"
+            extra = [f"publish.redis='{url}'", f"publish.every_s={every_s}", "publish.namespace='live-cost'",
                      "publish.takeover=true"] if side == "on" else []
             cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--run-dir", str(run_dir)]
             for o in _job_sets(root, batch, f"train.max_steps={steps}", f"train.log_every={window}",
                                "train.warmup_steps=0", *extra):
                 cmd += ["--set", o]
+            cpu0, t0 = _cpu_s(redis_pid), time.monotonic()
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            redis_cpu[side].append(round((_cpu_s(redis_pid) - cpu0) / (time.monotonic() - t0), 4))
             if out.returncode:
                 raise RuntimeError(f"the {side} run failed:\n{out.stderr[-3000:]}")
             runs[side].append(_throughput(run_dir / "metrics.jsonl", window, batch))
     ratios = [a / b for a, b in zip(runs["on"], runs["off"])]
-    return {"samples_per_s": runs, "ratios": [round(r, 4) for r in ratios],
+    return {"every_s": every_s, "samples_per_s": runs, "redis_cpu_per_s": redis_cpu, "ratios": [round(r, 4) for r in ratios],
             "median_ratio": round(statistics.median(ratios), 4), "min_ratio": round(min(ratios), 4),
             "max_ratio": round(max(ratios), 4), "pairs": pairs, "steps": steps, "batch_size": batch,
             "window_steps": window}
@@ -235,16 +246,15 @@ def measure(quick: bool, data: Path | None) -> dict:
     server, url = _start_redis(work)
     try:
         batch = 1024 if quick else 4096
-        cost = _cost(root, work, url, pairs=2 if quick else 3, steps=150 if quick else 420, batch=batch,
-                     window=25 if quick else 60)
+        cost = [_cost(root, work, url, pairs=3 if quick else 5, steps=400 if quick else 420, batch=batch,
+                      window=25 if quick else 60, redis_pid=server.pid, every_s=every_s) for every_s in (1.0, 5.0)]
         fresh = [_freshness(root, work, url, every_s, duration_s=(25.0 if quick else 60.0) + 4 * every_s,
                             batch=batch, probes=16) for every_s in (1.0, 5.0)]
     finally:
         server.kill()
         server.wait()
-    comparisons = [comparison("training samples/s, live pushes on (every_s = 1) vs off",
-                              statistics.median(cost["samples_per_s"]["on"]),
-                              statistics.median(cost["samples_per_s"]["off"]), "samples/s",
-                              median_paired_ratio=cost["median_ratio"],
-                              spread=[cost["min_ratio"], cost["max_ratio"]])]
+    comparisons = [comparison(f"training samples/s, live pushes on (every_s = {c['every_s']:g}) vs off",
+                              statistics.median(c["samples_per_s"]["on"]), statistics.median(c["samples_per_s"]["off"]),
+                              "samples/s", median_paired_ratio=c["median_ratio"],
+                              spread=[c["min_ratio"], c["max_ratio"]]) for c in cost]
     return {"comparisons": comparisons, "cost": cost, "freshness": fresh, "data": str(root), "work": str(work)}
