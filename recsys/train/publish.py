@@ -131,6 +131,7 @@ class LivePublisher:
                          "errors": 0, "retries": 0, "skipped_absent": 0}
         self.last_pushed_step = -1
         self.last_push_time = 0.0
+        self._failing = 0  # snapshots failed in a row (the push thread's)
         self._thread = threading.Thread(target=self._run, name=f"live-push-{rank}", daemon=True)
         self._thread.start()
 
@@ -245,11 +246,17 @@ class LivePublisher:
                     delay *= 2
                     continue
                 self.counters["errors"] += 1
-                log.warning("live pushes: the rows of step %d were not written (%s: %s); they are pushed with "
-                            "the next snapshot", snap.step, type(exc).__name__, exc)
+                self._failing += 1
+                if self._failing == 1:  # once per outage; the recovery says how long it lasted
+                    log.warning("live pushes: the rows of step %d were not written (%s: %s); training goes on, "
+                                "and the keys are pushed with the next snapshot that gets through",
+                                snap.step, type(exc).__name__, exc)
                 with self._returned_lock:
                     self._returned += [(table, keys) for table, keys, _ in snap.parts]
                 return
+            if self._failing:
+                log.warning("live pushes: written again (step %d) after %d failed snapshot(s)", snap.step, self._failing)
+                self._failing = 0
             self.counters["pushes"] += 1
             self.counters["rows"] += snap.rows
             self.counters["rows_replaced"] += replaced
