@@ -362,3 +362,25 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
     key = int(hashing.hash_int64(np.array([raw]), "c1")[0])
     final = np.frombuffer(final_rows(run_dir)["c1"][key], dtype=np.float32)
     np.testing.assert_allclose(np.array(seen[-1][1], dtype=np.float32), final, rtol=0, atol=1e-6)
+
+
+def test_close_interrupts_a_write_stuck_on_a_paused_redis(redis_server):
+    """No push thread outlives its publisher: close() shuts the stuck socket down and joins.
+    (A connection being opened to an unresponsive Redis is bounded by publish.timeout_s instead.)"""
+    from embedding_server.live import LiveWriter
+
+    writer = LiveWriter(redis_server.url, "live", timeout_s=600)
+    pub, clock, rows = _publisher(writer, every_s=1.0)
+    clock[0] += 1.0
+    pub.after_push(1, [("t", np.arange(10, dtype=np.int64))])
+    wait_until(lambda: pub.counters["pushes"] == 1, 30, "a first write (the connection is open)")
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        clock[0] += 1.0
+        pub.after_push(2, [("t", np.arange(1000, dtype=np.int64))])
+        wait_until(lambda: pub._queue.unfinished_tasks == 1 and pub._queue.empty(), 30, "the write to start")
+        pub.close()
+        assert not pub._thread.is_alive()
+        assert pub.counters["pushes"] == 1
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)

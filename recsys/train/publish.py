@@ -132,6 +132,7 @@ class LivePublisher:
         self.last_pushed_step = -1
         self.last_push_time = 0.0
         self._failing = 0  # snapshots failed in a row (the push thread's)
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"live-push-{rank}", daemon=True)
         self._thread.start()
 
@@ -211,14 +212,24 @@ class LivePublisher:
         return True
 
     def close(self) -> None:
-        """Stop the push thread without writing what is left (a failed job)."""
+        """Stop the push thread without writing what is left (a failed job, or after
+        ``finish``): a write stuck on an unresponsive Redis is interrupted (its socket shut
+        down), queued snapshots are dropped, and the thread is joined."""
+        self._closing = True
+        self.writer.reset()  # shuts the sockets down: a blocked read returns at once
         if self._thread.is_alive():
+            while True:
+                try:
+                    self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                self._queue.task_done()
             try:
                 self._queue.put(None, timeout=1.0)
             except queue.Full:
                 pass
             self._thread.join(timeout=5.0)
-        self.writer.reset()
+        self.writer.reset()  # a write that raced the first reset may have reconnected
 
     # ------------------------------------------------------------------ push thread
 
@@ -235,11 +246,15 @@ class LivePublisher:
     def _write(self, snap: Snapshot) -> None:
         delay = self.cfg.backoff_s
         for attempt in range(self.cfg.retries):
+            if self._closing:
+                return
             try:
                 replaced = self.writer.write(snap.parts, snap.step, self.cfg.dtype)
                 self.writer.write_head(self.rank, snap.step, snap.rows)
             except Exception as exc:  # noqa: BLE001 - Redis errors of any kind: retried, then counted
                 self.writer.reset()
+                if self._closing:
+                    return
                 if attempt + 1 < self.cfg.retries:
                     self.counters["retries"] += 1
                     time.sleep(delay)
