@@ -163,17 +163,6 @@ def head_steps(raw: dict) -> dict[str, dict]:
     return out
 
 
-def groups(buckets_N: np.ndarray, limit: int) -> list[np.ndarray]:
-    """Return row positions grouped by bucket (one hash slot each), each group at most ``limit`` rows."""
-    if buckets_N.shape[0] == 0:
-        return []
-    order = np.argsort(buckets_N, kind="stable")
-    out = []
-    for group in np.split(order, np.flatnonzero(np.diff(buckets_N[order])) + 1):
-        out += [group[s : s + limit] for s in range(0, group.shape[0], limit)]
-    return out
-
-
 class LiveWriter:
     """Write live rows to one Redis (or Redis Cluster) through ``GUARDED_SET``; synchronous
     (the trainer calls it from its push thread, never from a training step).

@@ -99,7 +99,6 @@ class Snapshot:
 
     step: int
     parts: list[tuple[str, np.ndarray, np.ndarray]]  # (table, keys, float32 rows)
-    taken: float  # time.time() when the rows were read
 
     @property
     def rows(self) -> int:
@@ -130,7 +129,6 @@ class LivePublisher:
         self.counters = {"snapshots": 0, "pushes": 0, "rows": 0, "rows_replaced": 0, "coalesced": 0,
                          "errors": 0, "retries": 0, "skipped_absent": 0}
         self.last_pushed_step = -1
-        self.last_push_time = 0.0
         self._failing = 0  # snapshots failed in a row (the push thread's)
         self._closing = False
         self._thread = threading.Thread(target=self._run, name=f"live-push-{rank}", daemon=True)
@@ -176,7 +174,7 @@ class LivePublisher:
         self._last = self.clock()
         self.snapshot_steps.append(step)
         self.counters["snapshots"] += 1
-        self._queue.put_nowait(Snapshot(step, parts, time.time()))
+        self._queue.put_nowait(Snapshot(step, parts))
         return True
 
     def finish(self, step: int) -> bool:
@@ -276,7 +274,6 @@ class LivePublisher:
             self.counters["rows"] += snap.rows
             self.counters["rows_replaced"] += replaced
             self.last_pushed_step = snap.step
-            self.last_push_time = time.time()
             return
 
     def metrics(self) -> dict[str, float]:
