@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
@@ -301,6 +302,25 @@ def test_failed_snapshots_are_published_later():
     assert pub.finish(3)
     (step, parts), = writer.writes
     assert step == 3 and sorted(parts[0][1].tolist()) == [1, 2, 3] and (parts[0][2][:, 1] == 3).all()
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_the_push_thread_runs_at_background_priority():
+    """The push thread packs and sends at nice ``publish.nice`` (above the trainer's own)."""
+    seen = {}
+
+    class Probe(FakeWriter):
+        def write(self, parts, step, dtype):
+            seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return super().write(parts, step, dtype)
+
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    pub, clock, rows = _publisher(Probe(), every_s=1.0, nice=7)
+    clock[0] += 1.0
+    pub.after_push(1, [("t", np.array([1], dtype=np.int64))])
+    assert pub.finish(1)
+    assert seen["nice"] == max(base, 7)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # the caller's is unchanged
 
 
 # --------------------------------------------------------------------------- end to end

@@ -65,6 +65,9 @@ class PublishConfig:
     """Socket timeout of one Redis call."""
     final_timeout_s: float = 60.0
     """How long the end of training waits for the last snapshot to be written."""
+    nice: int = 10
+    """Raise the push thread's nice value by this much (Linux; 0..19), so packing and sending
+    rows only take CPU the training step leaves idle."""
     takeover: bool = False
     """Start even when the namespace holds another run's live rows: delete them first (the
     step guard would otherwise refuse this run's rows until its steps passed the old ones)."""
@@ -84,6 +87,8 @@ class PublishConfig:
         for name in ("max_rows_per_push", "buckets", "queue_snapshots", "retries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"publish.{name} must be >= 1, found {getattr(self, name)}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"publish.nice must be in 0..19, found {self.nice}")
         for name in ("backoff_s", "timeout_s", "final_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"publish.{name} must be >= 0, found {getattr(self, name)}")
@@ -232,6 +237,9 @@ class LivePublisher:
     # ------------------------------------------------------------------ push thread
 
     def _run(self) -> None:
+        from recsys.io.plan import background_priority
+
+        background_priority(self.cfg.nice)
         while True:
             snap = self._queue.get()
             try:
