@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import multiprocessing
+import os
 import sys
 import threading
 
@@ -90,6 +91,47 @@ def test_every_row_once_across_2_ranks_x_2_workers(data, shuffle):
             for b in batches:
                 assert batch_rows(b) == sorted(batch_rows(b))
     check_rows(per_rank[0] + per_rank[1], data, make_schema())  # shuffled rows stay whole
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(180)  # without the freeze a worker hangs (or crashes) in the destructor
+def test_forked_workers_never_free_what_they_inherit(data, tmp_path, monkeypatch):
+    """Garbage of the reading process (a cycle owning a gloo ProcessGroup, as a torchrec
+    model's optimizer can leave) is not freed by a forked worker's garbage collector: its
+    destructor joins threads the child does not have (a segmentation fault)."""
+    import gc
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from recsys.io import reader as reader_module
+
+    class Cycle:
+        def __init__(self, marker):
+            self.me, self.marker = self, marker
+            self.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=30))
+
+        def __del__(self):  # where it is freed: the reading process, never a worker
+            with open(self.marker, "a") as fh:
+                fh.write(f"{os.getpid()}\n")
+
+    def collect_then(target, _original=reader_module.background_priority):
+        gc.collect()  # in each worker, first thing: a full collection
+        _original(target)
+
+    monkeypatch.setattr(reader_module, "background_priority", collect_then)
+    marker = tmp_path / "freed"
+    gc.collect()
+    gc.disable()  # the cycle stays garbage, uncollected, until the workers have started
+    try:
+        Cycle(marker)
+        with ParquetReader(data.config(num_workers=2, start_method="fork"), make_schema()) as r:
+            ids = ids_of(list(r))
+    finally:
+        gc.enable()
+    gc.collect()
+    assert sorted(ids) == data.row_ids
+    assert marker.read_text().split() == [str(os.getpid())]
 
 
 def test_batch_content_equals_hashing_raw_values(data):

@@ -24,6 +24,7 @@ shared-memory segment. Memory per slot: ``shuffle_buffer`` converted units open,
 
 from __future__ import annotations
 
+import gc
 import logging
 import mmap
 import multiprocessing
@@ -567,7 +568,7 @@ class _WorkerSource:
             multiprocessing_context=cfg.start_method,
             in_order=True,
         )
-        self._it = iter(loader)
+        self._it = _start_workers(loader, frozen=cfg.start_method == "fork")
         self._buffer: dict[int, deque] = {j: deque() for j in plans}
 
     def next(self, slot: int) -> dict:
@@ -600,6 +601,23 @@ class _WorkerSource:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def _start_workers(loader: DataLoader, frozen: bool):
+    """Return ``iter(loader)``: its worker processes start here. With fork, every object of
+    this process is frozen (``gc.freeze``) across the forks, so a worker's garbage collector
+    never frees an object it inherited: uncollected garbage of this process may own native
+    resources whose destructors are only valid here. A torch ProcessGroupGloo is one: its
+    destructor joins threads that a forked child does not have, and the worker dies of a
+    segmentation fault (seen with a torchrec model's optimizer garbage)."""
+    if not frozen:
+        return iter(loader)
+    gc.freeze()
+    try:
+        return iter(loader)
+    finally:
+        gc.unfreeze()
+
 
 
 def _row0(table) -> np.ndarray:
