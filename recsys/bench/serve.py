@@ -69,8 +69,9 @@ def _write_checkpoint(root: Path, rows: int) -> Path:
                      meta={"config": config_mod.dumps(job), "reader": {}}, keep_last=1)
 
 
-def _start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Start a redis-server without persistence on ``port`` (a free one by default)."""
+def _start_redis(workdir: Path, port: int | None = None, nice: int = 0) -> tuple[subprocess.Popen, str]:
+    """Start a redis-server without persistence on ``port`` (a free one by default), at nice
+    value ``nice`` above this process's."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("this bench needs redis-server: `make test` installs it, or "
@@ -78,7 +79,8 @@ def _start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Pop
     port = port or free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                              "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
     url = f"redis://127.0.0.1:{port}/0"
     import redis
 
