@@ -65,9 +65,11 @@ class PublishConfig:
     """Socket timeout of one Redis call."""
     final_timeout_s: float = 60.0
     """How long the end of training waits for the last snapshot to be written."""
-    nice: int = 10
-    """Raise the push thread's nice value by this much (Linux; 0..19), so packing and sending
-    rows only take CPU the training step leaves idle."""
+    nice: int = 0
+    """Raise the push thread's nice value to this (Linux; 0..19), so packing and sending rows
+    take less of the CPU the training step wants. Off by default: on the 2-core bench host
+    nice 10 showed no throughput gain within the noise, and a starved push thread pushes
+    later (freshness)."""
     takeover: bool = False
     """Start even when the namespace holds another run's live rows: delete them first (the
     step guard would otherwise refuse this run's rows until its steps passed the old ones)."""
