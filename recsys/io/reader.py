@@ -619,7 +619,6 @@ def _start_workers(loader: DataLoader, frozen: bool):
         gc.unfreeze()
 
 
-
 def _row0(table) -> np.ndarray:
     """Return each unit's first row number within its file (units are in file, row group order)."""
     out = np.zeros(table.num_units, dtype=np.int64)
