@@ -76,6 +76,13 @@ def buckets_of(keys_N: np.ndarray, buckets: int) -> np.ndarray:
     return hashing.owner_of(keys_N, buckets)
 
 
+def by_bucket(buckets_N: np.ndarray) -> list[np.ndarray]:
+    """Return the row positions of each bucket present (one hash slot per group), each
+    group in row order."""
+    order = np.argsort(buckets_N, kind="stable")
+    return np.split(order, np.flatnonzero(np.diff(buckets_N[order])) + 1)
+
+
 def row_keys(ns: str, version: str, table: str, keys_N: np.ndarray, buckets: int) -> list[bytes]:
     """Return the Redis key of each of ``keys_N`` (vectorized: no per-key formatting)."""
     buf = row_key_bytes(ns, version, table, keys_N, buckets)

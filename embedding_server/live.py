@@ -219,21 +219,16 @@ class LiveWriter:
         for table, keys, rows in parts:
             if keys.shape[0] == 0:
                 continue
-            if cluster:  # a call's keys must share a hash slot: one bucket per call
-                buckets = layout.buckets_of(keys, self.buckets)
-                order = np.argsort(buckets, kind="stable")
-                sorted_buckets = buckets[order]
-                cuts = np.flatnonzero(np.diff(sorted_buckets)) + 1
-                bounds = zip(np.concatenate([[0], cuts]).tolist(), np.concatenate([cuts, [len(order)]]).tolist())
-                keys, rows = keys[order], rows[order]
-            else:  # one Redis: any keys in one call (58 k rows: 113 calls instead of ~1,600)
-                bounds = [(0, keys.shape[0])]
             names = layout.row_key_bytes(self.ns, VERSION, table, keys, self.buckets)
             values = value_bytes(step, rows, dtype)
-            for lo, hi in bounds:
-                for s in range(lo, hi, self.max_keys_per_call):
-                    e = min(hi, s + self.max_keys_per_call)
-                    commands.append((names[s:e], values[s:e]))
+            # a cluster: a call's keys must share a hash slot (one bucket per call); one Redis:
+            # any keys in one call (58 k rows: 113 calls instead of ~1,600)
+            groups = layout.by_bucket(layout.buckets_of(keys, self.buckets)) if cluster else [slice(None)]
+            for group in groups:
+                group_names, group_values = names[group], values[group]
+                for s in range(0, group_names.shape[0], self.max_keys_per_call):
+                    e = s + self.max_keys_per_call
+                    commands.append((group_names[s:e], group_values[s:e]))
         if not commands:
             return 0
         if self._sha is None:

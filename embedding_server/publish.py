@@ -173,16 +173,10 @@ def _write_rows(client, ns, version, catalog, files, s: ExportSettings, started,
     return written, checksums
 
 
-def _by_bucket(buckets: np.ndarray) -> list[np.ndarray]:
-    """Return the row positions of each bucket present (one hash slot per group)."""
-    order = np.argsort(buckets, kind="stable")
-    return np.split(order, np.flatnonzero(np.diff(buckets[order])) + 1)
-
-
 def _mset_by_bucket(client, names: list[bytes], values: list[bytes], buckets: np.ndarray) -> None:
     """Write one chunk: one MSET per bucket (one hash slot each), in one pipelined round trip."""
     pipe = client.pipeline(transaction=False)
-    for group in _by_bucket(buckets):
+    for group in layout.by_bucket(buckets):
         args = []
         for i in group.tolist():
             args += (names[i], values[i])
@@ -198,7 +192,7 @@ def _verify(client, ns, version, table, files, s, rows, sample_keys, sample_valu
             keys = batch.column(0).to_numpy()
             names = layout.row_keys(ns, version, table, keys, s.buckets)
             pipe = client.pipeline(transaction=False)
-            for group in _by_bucket(layout.buckets_of(keys, s.buckets)):
+            for group in layout.by_bucket(layout.buckets_of(keys, s.buckets)):
                 pipe.execute_command("EXISTS", *[names[i] for i in group.tolist()])
             present += sum(pipe.execute())
     if present != rows:

@@ -50,9 +50,7 @@ from recsys.bench import comparison
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "synthetic_small.toml"
 FEATURE = "c1"  # an int64 feature of the job (its raw ids are the probe's)
-
-
-NICED_REDIS = 19
+NICED_REDIS = 19  # the nice value of the Redis that stands in for one on its own host
 
 
 def _job_sets(root: Path, batch: int, *extra: str) -> list[str]:
@@ -212,15 +210,6 @@ def _throughput(metrics: Path, skip_steps: int, batch: int) -> float:
     return rows / seconds if seconds else float("nan")
 
 
-def _publish_event(metrics: Path) -> dict:
-    """The ``publish`` event of a run's ``metrics.jsonl`` (what its live pushes did), or {}."""
-    for line in metrics.read_text().splitlines():
-        r = json.loads(line)
-        if r.get("event") == "publish":
-            return r
-    return {}
-
-
 def _cpu_s(pid: int) -> float:
     """CPU seconds (user + system) a process used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -229,6 +218,8 @@ def _cpu_s(pid: int) -> float:
 
 def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, window: int,
           redis_pid: int, every_s: float = 1.0, redis_nice: int = 0) -> dict:
+    from recsys.bench.faults import records
+
     runs: dict[str, list[float]] = {"on": [], "off": []}
     redis_cpu: dict[str, list[float]] = {"on": [], "off": []}  # Redis CPU s per wall s of each run
     pushed = []  # per "on" run: rows written, snapshots coalesced
@@ -248,7 +239,7 @@ def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, 
                 raise RuntimeError(f"the {side} run failed:\n{out.stderr[-3000:]}")
             runs[side].append(_throughput(run_dir / "metrics.jsonl", window, batch))
             if side == "on":
-                event = _publish_event(run_dir / "metrics.jsonl")
+                event = next((r for r in records(run_dir) if r.get("event") == "publish"), {})
                 pushed.append({k: event.get(k) for k in ("rows", "pushes", "coalesced", "errors")})
     ratios = [a / b for a, b in zip(runs["on"], runs["off"])]
     return {"every_s": every_s, "redis_nice": redis_nice, "samples_per_s": runs, "redis_cpu_per_s": redis_cpu,
