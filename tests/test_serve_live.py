@@ -374,6 +374,86 @@ def test_interleaved_writers_never_take_a_row_back(guard_redis, writes, reads, t
     assert final.tolist() == [newest.get(i, -1) for i in range(KEYS.shape[0])]
 
 
+@given(writes=st.lists(st.tuples(st.integers(0, 2), st.lists(st.integers(0, KEYS.shape[0] - 1), min_size=1, max_size=4,
+                                                              unique=True), st.integers(0, 30)), min_size=1, max_size=20))
+@settings(max_examples=40, deadline=None)
+def test_an_attempts_ranks_and_a_zombie_writer_never_take_a_row_back(guard_redis, writes):
+    """The trainer's case: writers 0 and 1 are the ranks of one attempt (one fence group, each
+    writing only its own keys: even and odd indices), writer 2 a zombie of an earlier attempt
+    (another group, any keys); steps in any order. Redis ends with each key's newest row, and
+    a reader between the writes never sees a step decrease, whichever path each write took."""
+    ns = f"guard{next(_namespaces)}"
+    writers = [live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt", member=str(r)) for r in range(2)]
+    writers.append(live.LiveWriter(guard_redis.url, ns, buckets=8, group="zombie"))
+    writers[0].write_manifest(live.manifest("guard-run", "float32", 8, {"t": 4}, salts(["t"])))
+    owned = [[i for i in key_idx if writer == 2 or i % 2 == writer] for writer, key_idx, _ in writes]
+    writes = [(writer, keys, step) for (writer, _, step), keys in zip(writes, owned) if keys]
+    observer = Observer(guard_redis.url, ns, ttl_s=0.0)
+
+    async def run():
+        try:
+            await observer.backend.refresh()
+            for writer, key_idx, step in writes:
+                await asyncio.to_thread(push, writers[writer], key_idx, step)
+                await observer.read(np.arange(KEYS.shape[0]))
+        finally:
+            await observer.backend.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        for w in writers:
+            w.close()
+    final_check(guard_redis.url, ns, writes)
+
+
+def test_a_write_between_the_fence_check_and_exec_goes_the_guarded_way(guard_redis, monkeypatch):
+    """Another writer's later rows land after a writer read the fence and before its EXEC: the
+    transaction is aborted (WATCH), its rows go through the guard, and Redis keeps the later rows."""
+    ns, (w, other) = new_namespace(guard_redis.url, 2)
+    push(w, [0, 1], 5)  # plain: an empty fence
+    assert w.counters == {"rows_plain": 2, "rows_guarded": 0, "fence_conflicts": 0}
+    exchange = live.LiveWriter._exchange
+    hits = []
+
+    def exchange_then_write(conn, packed):
+        replies = exchange(conn, packed)
+        if packed[0].startswith(live.command("WATCH", live.fence_key(ns))) and not hits:
+            hits.append(1)
+            push(other, [0, 2], 20)  # on the other writer's own connection
+        return replies
+
+    monkeypatch.setattr(live.LiveWriter, "_exchange", staticmethod(exchange_then_write))
+    push(w, [0, 1, 2, 3], 10)
+    monkeypatch.undo()
+    assert hits and w.counters == {"rows_plain": 2, "rows_guarded": 4, "fence_conflicts": 1}
+    assert other.counters["rows_plain"] == 2  # the fence allowed it (20 > 5)
+    for writer in (w, other):
+        writer.close()
+    final_check(guard_redis.url, ns, [(0, [0, 1], 5), (1, [0, 2], 20), (0, [0, 1, 2, 3], 10)])
+
+
+def test_a_resumed_attempt_writes_guarded_until_it_passes_the_earlier_attempts_steps(guard_redis):
+    """An attempt that pushed up to step 100 dies; the next resumes from step 50's checkpoint
+    (a new group). Its pushes at steps 60 and 100 cannot replace the dead attempt's rows (the
+    guard), a key only it has is written; from step 101 on it writes plain MSETs again."""
+    ns = f"guard{next(_namespaces)}"
+    dead = live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt0", member="0")
+    push(dead, [0, 1], 90)
+    push(dead, [0], 100)
+    assert dead.counters["rows_plain"] == 3
+    resumed = live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt1", member="0")
+    assert resumed.write([("t", KEYS[[0, 1, 2]], np.stack([row_of(i, 60) for i in (0, 1, 2)]))], 60, "float32") == 1
+    push(resumed, [0, 1], 100)
+    assert resumed.counters == {"rows_plain": 0, "rows_guarded": 5, "fence_conflicts": 0}
+    push(resumed, [0, 1, 2], 101)
+    assert resumed.counters["rows_plain"] == 3
+    for writer in (dead, resumed):
+        writer.close()
+    final_check(guard_redis.url, ns, [(0, [0, 1], 90), (0, [0], 100), (1, [0, 1, 2], 60), (1, [0, 1], 100),
+                                      (1, [0, 1, 2], 101)])
+
+
 @given(per_writer=st.lists(st.lists(st.tuples(st.lists(st.integers(0, KEYS.shape[0] - 1), min_size=1, max_size=4,
                                                        unique=True), st.integers(0, 30)),
                                     min_size=1, max_size=8), min_size=2, max_size=4))

@@ -45,3 +45,14 @@ def init_distributed(backend: str, timeout_s: float) -> None:
 def new_group(timeout_s: float, backend: str = "gloo") -> dist.ProcessGroup:
     """Return a new group of all ranks in this attempt's namespace with the bounded timeout."""
     return dist.new_group(backend=backend, timeout=_dt.timedelta(seconds=timeout_s))
+
+
+def attempt_token(world_size: int) -> str:
+    """Return a random token that every rank of this attempt gets the same (rank 0's, sent
+    to the others over the default group); a new one at every start of the workers."""
+    import secrets
+
+    token = [secrets.token_hex(6)]
+    if world_size > 1:
+        dist.broadcast_object_list(token, src=0)
+    return token[0]

@@ -214,11 +214,13 @@ class Trainer:
         from recsys.store.config import run_namespace
         from recsys.train.publish import LivePublisher, claim, live_manifest
 
+        from recsys.train.distributed import attempt_token
+
         cfg = self.job.publish
         if self.env.is_main:
             claim(cfg, live_manifest(cfg, run_namespace(self.run_dir, self.job.name), self.job.schema))
-        rank = self.env.rank
-        self.store.attach_publisher(lambda read_rows: LivePublisher(cfg, rank, read_rows))
+        rank, group = self.env.rank, attempt_token(self.env.world_size)
+        self.store.attach_publisher(lambda read_rows: LivePublisher(cfg, rank, read_rows, group=group))
 
     def _finish_publishing(self) -> None:
         """Write the last live rows (every rank), then log what the pushes did over all ranks."""

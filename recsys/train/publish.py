@@ -9,8 +9,11 @@ hold (model-parallel by owner: no row is published twice, none is missed):
   Redis, no lock, nothing changed) and handed to the push thread as one snapshot tagged
   with step t. Those rows are exactly the trainer's rows after the optimizer step t.
 - **On the push thread**: each snapshot is written with ``embedding_server.live.LiveWriter``
-  (a Lua guard in Redis never replaces a row with one of an earlier step), then the rank's
-  head ``{"step", "time", "rows"}``.
+  (Redis never replaces a row with one of an earlier step: plain MSETs checked against the
+  namespace's fence in one transaction, a Lua guard when the fence says an earlier attempt
+  may hold later steps), then the rank's head ``{"step", "time", "rows"}``. The ranks of one
+  attempt are one writer group (``group``, the same token on every rank): they own disjoint
+  keys, so one rank's steps never send another's writes down the guarded path.
 - **Under pressure** the queue between them is bounded (``queue_snapshots``): when it is
   full, no snapshot is taken; the touched set keeps growing, and the next snapshot writes
   each key once, with its newest row (counted as ``publish/coalesced``).
@@ -122,11 +125,12 @@ class LivePublisher:
     """
 
     def __init__(self, cfg: PublishConfig, rank: int, read_rows: Callable, writer=None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, group: str | None = None) -> None:
         from embedding_server.live import LiveWriter
 
         self.cfg, self.rank, self.read_rows, self.clock = cfg, rank, read_rows, clock
-        self.writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s)
+        self.writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s,
+                                           group=group, member=str(rank))
         self._touched: dict[str, list[np.ndarray]] = {}
         self._returned: list[tuple[str, np.ndarray]] = []  # keys of failed snapshots (push thread -> store)
         self._returned_lock = threading.Lock()
@@ -291,6 +295,7 @@ class LivePublisher:
     def metrics(self) -> dict[str, float]:
         """This rank's ``publish/*`` figures for ``metrics.jsonl``."""
         out = {f"publish/{k}": v for k, v in self.counters.items()}
+        out.update({f"publish/{k}": v for k, v in getattr(self.writer, "counters", {}).items()})
         out["publish/last_step"] = self.last_pushed_step
         out["publish/queued"] = self._queue.qsize()
         return out
