@@ -9,6 +9,8 @@ serves. Keys (``ns`` the live namespace)::
                                      the hashing salts, the run that owns the namespace
     ns:live:head                     hash: rank -> {"step", "time", "rows"} (JSON) of that
                                      rank's newest completed push
+    ns:live:writers                  set: every writer (``group/member``) that wrote rows
+    ns:live:fence:<group>/<member>   string: the newest step that writer wrote (16 hex digits)
     ns:{live:table:bbbb}:kkkk...     string: one row (``layout.row_keys`` with the version
                                      ``live``)
 
@@ -16,18 +18,19 @@ A row value is the training step it reflects as 16 hex digits, then the row's nu
 (little-endian float32 or float16, as a published row). The step travels with the row so
 that Redis itself refuses to go back to an older row, whatever the order of the writes:
 
-- **The fence** ``ns:live:fence`` (hash: writer -> the newest step it wrote, 16 hex digits)
-  says which steps may already be in the namespace. A writer is ``group/member``: the
-  ranks of one training attempt share a group (a token of that attempt) and own disjoint
-  keys, so their writes cannot conflict with each other.
+- **The fence** (``ns:live:writers`` and each writer's ``ns:live:fence:<writer>``: the
+  newest step it wrote) says which steps may already be in the namespace. A writer is
+  ``group/member``: the ranks of one training attempt share a group (a token of that
+  attempt) and own disjoint keys, so their writes cannot conflict with each other, and
+  each has a fence key of its own, so one rank's write never aborts another's transaction.
 - **The common write is a plain MSET.** When the step is later than every step in the fence
   except the writer's own and those of its own group's *other* members, and its own is not
   later, no key this writer may write holds a newer row: other writers' rows are at most
   their fence steps, and its own rows of this step are these same rows (a writer's row of
   a step is the trainer's row after that step). The check and the write are one
-  transaction: ``WATCH`` the fence, read it, then ``MULTI`` / ``MSET`` / ``HSET`` fence /
-  ``EXEC``; a fence changed in between (another writer) aborts the ``EXEC``, and the rows
-  go the guarded way. Measured on Redis 7: ~0.6 us of Redis CPU per row against ~2 us for
+  transaction: ``WATCH`` the registry and the other groups' fence keys, read them, then
+  ``MULTI`` / ``MSET`` / ``SET`` own fence / ``SADD`` registry / ``EXEC``; a fence changed in
+  between (another writer) aborts the ``EXEC``, and the rows go the guarded way. Measured on Redis 7: ~0.6 us of Redis CPU per row against ~2 us for
   the guard (a Lua script pays for converting every argument, whatever it does with it).
 - **Otherwise the guard** (``GUARDED_SET``, Lua): a row is replaced only by one of a later
   step, key by key; it also raises the writer's fence step. This is the path of a
@@ -63,7 +66,7 @@ MAX_STEP = (1 << 52) - 1
 
 GUARDED_SET = """
 local first = 1
-if ARGV[1] ~= '' then first = 2 end
+if ARGV[1] ~= '' then first = 3 end
 local step = ARGV[2]
 local old = redis.call('MGET', unpack(KEYS, first))
 local args = {}
@@ -77,20 +80,23 @@ end
 if #args > 0 then
   redis.call('MSET', unpack(args))
 end
-if first == 2 then
-  local mine = redis.call('HGET', KEYS[1], ARGV[1])
+if first == 3 then
+  local mine = redis.call('GET', KEYS[1])
   if (not mine) or mine < step then
-    redis.call('HSET', KEYS[1], ARGV[1], step)
+    redis.call('SET', KEYS[1], step)
   end
+  redis.call('SADD', KEYS[2], ARGV[1])
 end
 return #args / 2
 """
-"""KEYS: the fence (when ARGV[1], the writer's fence field, is not empty), then rows; ARGV[2]:
-the step (16 hex digits); ARGV[3...]: the rows' values. Sets each row unless the row there
-reflects the same or a later step (16 fixed-width lowercase hex digits compare as their
-numbers), and raises the writer's fence step. One MGET and one MSET per call: a redis.call
-per key costs several times more. Returns how many rows it replaced. Keys of one call share
-a hash slot; at most ``MAX_KEYS_PER_CALL`` (Lua's ``unpack`` limit is about 8,000 values)."""
+"""KEYS: the writer's fence key and the writers' registry (when ARGV[1], the writer, is not
+empty), then rows; ARGV[2]: the step (16 hex digits); ARGV[3...]: the rows' values. Sets
+each row unless the row there reflects the same or a later step (16 fixed-width lowercase
+hex digits compare as their numbers), and raises the writer's fence step. One MGET and one
+MSET per call: a redis.call per key costs several times more. Returns how many rows it
+replaced. Keys of one call share a hash slot; at most ``MAX_KEYS_PER_CALL`` (Lua's
+``unpack`` limit is about 8,000 values)."""
+
 MAX_KEYS_PER_CALL = 512
 ROWS_PER_TRANSACTION = 4096
 """Rows of one fenced MSET transaction: Redis runs an EXEC without serving anyone else, ~2.5 ms
@@ -105,8 +111,12 @@ def head_key(ns: str) -> str:
     return f"{ns}:live:head"
 
 
-def fence_key(ns: str) -> str:
-    return f"{ns}:live:fence"
+def writers_key(ns: str) -> str:
+    return f"{ns}:live:writers"
+
+
+def fence_key(ns: str, writer: str) -> str:
+    return f"{ns}:live:fence:{writer}"
 
 
 def row_keys(ns: str, table: str, keys_N: np.ndarray, buckets: int) -> list[bytes]:
@@ -162,13 +172,14 @@ def command(*parts: bytes | str) -> bytes:
     return b"*%d\r\n" % len(parts) + _bulks(*parts)
 
 
-def pack_evalsha(sha: str, fence: str, field: str, step_hex: bytes, names_NK: np.ndarray,
+def pack_evalsha(sha: str, fence: tuple[str, str] | None, writer: str, step_hex: bytes, names_NK: np.ndarray,
                  values_NV: np.ndarray) -> bytes:
-    """Return ``EVALSHA sha`` of ``GUARDED_SET`` for these rows in RESP (``fence`` empty: none)."""
+    """Return ``EVALSHA sha`` of ``GUARDED_SET`` for these rows in RESP; ``fence``: the
+    writer's fence key and the registry, or None (no fence: ``writer`` is not sent)."""
     n = names_NK.shape[0]
-    keys = 1 + n if fence else n
-    head = b"*%d\r\n" % (3 + keys + 2 + n) + _bulks("EVALSHA", sha, b"%d" % keys, *([fence] if fence else []))
-    return head + _bulk(names_NK).tobytes() + _bulks(field, step_hex) + _bulk(values_NV).tobytes()
+    keys = n + (2 if fence else 0)
+    head = b"*%d\r\n" % (3 + keys + 2 + n) + _bulks("EVALSHA", sha, b"%d" % keys, *(fence or ()))
+    return head + _bulk(names_NK).tobytes() + _bulks(writer if fence else "", step_hex) + _bulk(values_NV).tobytes()
 
 
 def pack_mset(names_NK: np.ndarray, values_NV: np.ndarray) -> bytes:
@@ -222,21 +233,14 @@ def head_steps(raw: dict) -> dict[str, dict]:
     return out
 
 
-def fence_allows(raw, group: str, field: str, step_hex: bytes) -> bool:
-    """Whether writer ``field`` of ``group`` may write rows of ``step_hex`` with a plain MSET,
-    given the fence (an ``HGETALL`` reply, RESP2 or 3): every other writer's step is earlier,
-    except those of its own group's other members (they write other keys), and its own step
-    is not later (a writer's rows of one step are one row per key: the trainer's row after
-    that step, so writing them again changes nothing)."""
-    items = raw.items() if isinstance(raw, dict) else zip(raw[0::2], raw[1::2])
-    own_field, own_group = field.encode(), group.encode() + b"/"
-    for name, value in items:
-        if name == own_field:
-            if value > step_hex:
-                return False
-        elif not name.startswith(own_group) and value >= step_hex:
-            return False
-    return True
+def fence_allows(own: bytes | None, others: list[bytes | None], step_hex: bytes) -> bool:
+    """Whether a writer may write rows of ``step_hex`` with a plain MSET: every other group's
+    writer's fence step (``others``; its own group's other members write other keys) is
+    earlier, and its own (``own``) is not later (a writer's rows of one step are one row per
+    key: the trainer's row after that step, so writing them again changes nothing)."""
+    if own is not None and own > step_hex:
+        return False
+    return all(v is None or v < step_hex for v in others)
 
 
 def _transactions(chunks: list, rows: int) -> list[list]:
@@ -277,7 +281,8 @@ class LiveWriter:
         self.group = group or secrets.token_hex(6)
         if "/" in self.group:
             raise ValueError(f"a live writer's group must not contain '/', found {self.group!r}")
-        self.field = f"{self.group}/{member}"
+        self.name = f"{self.group}/{member}"
+        self._others: list[str] = []  # the other groups' writers, as last read from the registry
         self._client = None
         self._sha: str | None = None
         self.counters = {"rows_plain": 0, "rows_guarded": 0, "fence_conflicts": 0}
@@ -335,7 +340,7 @@ class LiveWriter:
         if not chunks:
             return 0
         if cluster:
-            return self._write_guarded(client, chunks, step_hex, fence="")
+            return self._write_guarded(client, chunks, step_hex, fenced=False)
         written, guarded = 0, []
         for tx in _transactions(chunks, ROWS_PER_TRANSACTION):
             done = self._write_fenced(client, tx, step_hex)
@@ -344,42 +349,56 @@ class LiveWriter:
             else:
                 written += done
         if guarded:
-            written += self._write_guarded(client, guarded, step_hex, fence=fence_key(self.ns))
+            written += self._write_guarded(client, guarded, step_hex, fenced=True)
         return written
 
     def _write_fenced(self, client, chunks: list[tuple[np.ndarray, np.ndarray]], step_hex: bytes) -> int | None:
         """Write ``chunks`` as one MSET transaction if the fence allows it; return the rows
         written, or None (nothing written) when a row there may be as new (or another writer
         changed the fence meanwhile)."""
-        fence = fence_key(self.ns)
+        registry, own_key = writers_key(self.ns), fence_key(self.ns, self.name)
         with self._connection(client) as conn:  # WATCH belongs to a connection: one for the exchange
-            _, raw = self._exchange(conn, [command("WATCH", fence), command("HGETALL", fence)])
-            if isinstance(raw, Exception):
-                raise raw
-            if not fence_allows(raw, self.group, self.field, step_hex):
+            for _ in range(3):  # until the registry holds no writer this one does not watch
+                fences = [fence_key(self.ns, w) for w in self._others]
+                _, members, steps = self._exchange(conn, [command("WATCH", registry, *fences),
+                                                          command("SMEMBERS", registry),
+                                                          command("MGET", own_key, *fences)])
+                for r in (members, steps):
+                    if isinstance(r, Exception):
+                        raise r
+                mine = self.group.encode() + b"/"
+                others = sorted(w.decode() for w in members if not w.startswith(mine))
+                if others == self._others:
+                    break
+                self._others = others
+                self._exchange(conn, [command("UNWATCH")])
+            else:
+                return None  # writers keep joining: the guard does not need the registry read
+            if not fence_allows(steps[0], steps[1:], step_hex):
                 self._exchange(conn, [command("UNWATCH")])
                 return None
             packed = [command("MULTI")] + [pack_mset(n, v) for n, v in chunks]
-            packed += [command("HSET", fence, self.field, step_hex), command("EXEC")]
+            packed += [command("SET", own_key, step_hex), command("SADD", registry, self.name), command("EXEC")]
             replies = self._exchange(conn, packed)
         for r in replies:
             if isinstance(r, Exception):  # e.g. OOM while queueing: Redis discarded the transaction
                 raise r
-        if replies[-1] is None:  # the fence changed after WATCH: another writer wrote meanwhile
+        if replies[-1] is None:  # a watched fence changed after WATCH: another writer wrote meanwhile
             self.counters["fence_conflicts"] += 1
             return None
         rows = sum(n.shape[0] for n, _ in chunks)
         self.counters["rows_plain"] += rows
         return rows
 
-    def _write_guarded(self, client, chunks: list[tuple[np.ndarray, np.ndarray]], step_hex: bytes, fence: str) -> int:
-        """Write ``chunks`` through ``GUARDED_SET`` (one call each; ``fence`` empty: none);
-        return how many rows it replaced."""
+    def _write_guarded(self, client, chunks: list[tuple[np.ndarray, np.ndarray]], step_hex: bytes,
+                       fenced: bool) -> int:
+        """Write ``chunks`` through ``GUARDED_SET`` (one call each; ``fenced``: raising this
+        writer's fence step); return how many rows it replaced."""
         import redis
 
         if self._sha is None:
             self._sha = client.script_load(GUARDED_SET)
-        field = self.field if fence else ""
+        fence = (fence_key(self.ns, self.name), writers_key(self.ns)) if fenced else None
         self.counters["rows_guarded"] += sum(n.shape[0] for n, _ in chunks)
         for attempt in range(2):
             if hasattr(client, "get_primaries"):
@@ -390,12 +409,12 @@ class LiveWriter:
                 for names, values in chunks:
                     node = client.get_node_from_key(names[0].tobytes())
                     by_node.setdefault(node.name, (node, []))[1].append(
-                        pack_evalsha(self._sha, fence, field, step_hex, names, values))
+                        pack_evalsha(self._sha, fence, self.name, step_hex, names, values))
                 results = []
                 for node, packed in by_node.values():
                     results += self._send(node.redis_connection or client.get_redis_connection(node), packed)
             else:
-                results = self._send(client, [pack_evalsha(self._sha, fence, field, step_hex, names, values)
+                results = self._send(client, [pack_evalsha(self._sha, fence, self.name, step_hex, names, values)
                                               for names, values in chunks])
             if any(isinstance(r, redis.exceptions.NoScriptError) for r in results) and attempt == 0:
                 self._sha = client.script_load(GUARDED_SET)  # Redis restarted (or a new cluster node)
@@ -472,5 +491,8 @@ class LiveWriter:
         from embedding_server.publish import _unlink_version
 
         n = _unlink_version(self.client, self.ns, VERSION)
-        self.client.delete(manifest_key(self.ns), head_key(self.ns), fence_key(self.ns))
+        writers = [w.decode() for w in self.client.smembers(writers_key(self.ns))]
+        for key in (manifest_key(self.ns), head_key(self.ns), writers_key(self.ns),
+                    *(fence_key(self.ns, w) for w in writers)):
+            self.client.delete(key)  # one by one: on a cluster they lie in several slots
         return n

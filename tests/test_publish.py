@@ -120,6 +120,14 @@ def test_two_ranks_publish_their_own_shards(tiny_data, tmp_path, redis_server):
     w = live.LiveWriter(redis_server.url, "live")
     assert {r: h["step"] for r, h in w.read_head().items()} == {"0": final, "1": final}
     assert w.read_manifest()["run"] == run_namespace(run_dir, "synthetic_tiny")
+    # the two ranks are one fence group (one attempt, disjoint keys): neither rank's steps
+    # send the other's writes down the guarded path, so every row went as a plain MSET
+    event = next(r for r in records(run_dir) if r.get("event") == "publish")
+    assert event["rows"] > 0 and event["rows_plain"] == event["rows"] and event["rows_guarded"] == 0, event
+    writers = sorted(m.decode() for m in w.client.smembers(live.writers_key("live")))
+    assert [m.split("/")[1] for m in writers] == ["0", "1"] and len({m.split("/")[0] for m in writers}) == 1
+    assert [w.client.get(live.fence_key("live", m)) for m in writers] == [b"%016x" % final] * 2
+    assert event["fence_conflicts"] == 0
 
 
 def test_redis_outage_loses_no_step_and_recovers(tiny_data, tmp_path, redis_server):

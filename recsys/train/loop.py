@@ -229,8 +229,9 @@ class Trainer:
             return
         self.store.flush(through_step=self.step - 1)  # every trained step (not a look-ahead)
         written = self.store.finish_publisher(self.step)
-        names = sorted(publisher.counters)
-        totals = [float(publisher.counters[n]) for n in names] + [0.0 if written else 1.0]
+        counters = publisher.totals()
+        names = sorted(counters)
+        totals = [float(counters[n]) for n in names] + [0.0 if written else 1.0]
         if self.env.world_size > 1:
             t = torch.tensor(totals, dtype=torch.float64)
             dist.all_reduce(t)

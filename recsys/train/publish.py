@@ -292,10 +292,13 @@ class LivePublisher:
             self.last_pushed_step = snap.step
             return
 
+    def totals(self) -> dict[str, float]:
+        """This rank's counters and its writer's (rows written plain and guarded, fence conflicts)."""
+        return {**self.counters, **getattr(self.writer, "counters", {})}
+
     def metrics(self) -> dict[str, float]:
         """This rank's ``publish/*`` figures for ``metrics.jsonl``."""
-        out = {f"publish/{k}": v for k, v in self.counters.items()}
-        out.update({f"publish/{k}": v for k, v in getattr(self.writer, "counters", {}).items()})
+        out = {f"publish/{k}": v for k, v in self.totals().items()}
         out["publish/last_step"] = self.last_pushed_step
         out["publish/queued"] = self._queue.qsize()
         return out
