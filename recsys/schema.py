@@ -104,6 +104,9 @@ class Schema:
     """Sparse features, in KeyedJaggedTensor key order."""
     tables: dict[str, TableSpec] = field(default_factory=dict)
     """Tables by name."""
+    weight: str = ""
+    """Per-example weight column (any numeric type; finite, >= 0, never null): scales each
+    row's loss and its share of the eval metrics (weighted AUC and log loss). Empty: all 1."""
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.sparse]
@@ -126,6 +129,9 @@ class Schema:
             raise ValueError(f"label column {self.label!r} is also used as a feature")
         if self.label_kind not in ("binary", "probability"):
             raise ValueError(f"label_kind must be 'binary' or 'probability', found {self.label_kind!r}")
+        if self.weight and (self.weight == self.label or self.weight in self.dense
+                            or self.weight in {f.column for f in self.sparse}):
+            raise ValueError(f"weight column {self.weight!r} is also the label or a feature")
         fill = self.dense_fill_null
         if not (math.isfinite(fill) and abs(fill) <= _F32_MAX):
             raise ValueError(
@@ -140,7 +146,8 @@ class Schema:
 
     def columns(self, passthrough: list[str] = ()) -> list[str]:
         """Return the columns a reader needs, each once, in a stable order."""
-        out = [self.label, *self.dense, *(f.column for f in self.sparse), *passthrough]
+        out = [self.label, *self.dense, *(f.column for f in self.sparse), *([self.weight] if self.weight else []),
+               *passthrough]
         return list(dict.fromkeys(out))
 
     def feature(self, name: str) -> FeatureSpec:

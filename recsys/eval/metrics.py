@@ -11,14 +11,30 @@ import math
 import numpy as np
 
 
-def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Return the ROC AUC of ``scores`` against 0/1 ``labels``; tied scores count one half."""
+def _sample_weights(weights, n: int) -> np.ndarray:
+    """Return ``weights`` as float64 [n], checked: finite and >= 0."""
+    w = np.asarray(weights, dtype=np.float64).ravel()
+    if w.shape != (n,):
+        raise ValueError(f"sample weights and labels differ in length: {w.size} vs {n}")
+    if not np.all(np.isfinite(w)) or (w < 0).any():
+        raise ValueError("sample weights must be finite and >= 0")
+    return w
+
+
+def roc_auc(labels: np.ndarray, scores: np.ndarray, sample_weight: np.ndarray | None = None) -> float:
+    """Return the ROC AUC of ``scores`` against 0/1 ``labels``; tied scores count one half.
+
+    With ``sample_weight``: the weighted share of (positive, negative) pairs ordered right,
+    a pair counting the product of its weights (the area under the weighted ROC curve).
+    """
     y = np.asarray(labels).ravel().astype(bool)
     s = np.asarray(scores, dtype=np.float64).ravel()
     if y.shape != s.shape:
         raise ValueError(f"labels and scores differ in length: {y.size} vs {s.size}")
     if not np.all(np.isfinite(s)):
         raise ValueError("scores contain NaN or inf")
+    if sample_weight is not None:
+        return _weighted_auc(y, s, _sample_weights(sample_weight, y.size))
     n_pos = int(y.sum())
     n_neg = y.size - n_pos
     if n_pos == 0 or n_neg == 0:
@@ -33,34 +49,64 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return (pos_rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
 
 
-def log_loss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-12) -> float:
-    """Return the mean binary cross-entropy (nats) of probabilities ``probs`` for ``labels``."""
+def _weighted_auc(y: np.ndarray, s: np.ndarray, w: np.ndarray) -> float:
+    order = np.argsort(s, kind="stable")
+    s_sorted, y_sorted, w_sorted = s[order], y[order], w[order]
+    starts = np.flatnonzero(np.r_[True, s_sorted[1:] != s_sorted[:-1]])
+    pos = np.add.reduceat(np.where(y_sorted, w_sorted, 0.0), starts)  # per group of tied scores
+    neg = np.add.reduceat(np.where(y_sorted, 0.0, w_sorted), starts)
+    P, N = float(pos.sum()), float(neg.sum())
+    if P == 0 or N == 0:
+        raise ValueError(f"AUC needs both classes with weight > 0; found weights {P} (positives) and {N} (negatives)")
+    neg_below = np.cumsum(neg) - neg
+    return float((pos * (neg_below + 0.5 * neg)).sum() / (P * N))
+
+
+def log_loss(labels: np.ndarray, probs: np.ndarray, eps: float = 1e-12,
+             sample_weight: np.ndarray | None = None) -> float:
+    """Return the mean binary cross-entropy (nats) of probabilities ``probs`` for ``labels``
+    (weighted by ``sample_weight`` when given)."""
     y = np.asarray(labels, dtype=np.float64).ravel()
     p = np.clip(np.asarray(probs, dtype=np.float64).ravel(), eps, 1.0 - eps)
     if y.size == 0:
         raise ValueError("log loss of an empty set")
-    return float(-np.mean(y * np.log(p) + (1.0 - y) * np.log1p(-p)))
+    losses = y * np.log(p) + (1.0 - y) * np.log1p(-p)
+    if sample_weight is None:
+        return float(-np.mean(losses))
+    w = _sample_weights(sample_weight, y.size)
+    if w.sum() == 0:
+        raise ValueError("log loss with every sample weight 0")
+    return float(-np.average(losses, weights=w))
 
 
-def evaluate_predictions(labels: np.ndarray, probs: np.ndarray) -> dict:
+def evaluate_predictions(labels: np.ndarray, probs: np.ndarray, weights: np.ndarray | None = None) -> dict:
     """Return ``rows``, ``auc``, ``log_loss``, ``normalized_entropy`` and ``calibration``.
 
     ``normalized_entropy`` is the log loss divided by that of always predicting the base
-    rate; ``calibration`` is mean predicted CTR over observed CTR.
+    rate; ``calibration`` is mean predicted CTR over observed CTR. With ``weights`` (the
+    job's ``schema.weight``) every figure is weighted: a row counts its weight, in the base
+    rate and the means as in the AUC's pairs; ``weight_sum`` is added.
     """
     y = np.asarray(labels, dtype=np.float64).ravel()
     p = np.asarray(probs, dtype=np.float64).ravel()
     out: dict = {"rows": int(y.size)}
     if y.size == 0:
         return out
-    base = float(y.mean())
-    ll = log_loss(y, p)
+    if weights is not None:
+        w = _sample_weights(weights, y.size)
+        out["weight_sum"] = float(w.sum())
+        if w.sum() == 0:
+            return out
+    else:
+        w = None
+    base = float(np.average(y, weights=w))
+    ll = log_loss(y, p, sample_weight=w)
     out["log_loss"] = ll
     out["base_ctr"] = base
-    out["calibration"] = float(p.mean() / base) if base > 0 else float("nan")
+    out["calibration"] = float(np.average(p, weights=w) / base) if base > 0 else float("nan")
     if 0.0 < base < 1.0:
-        out["auc"] = roc_auc(y, p)
-        out["normalized_entropy"] = ll / log_loss(y, np.full_like(y, base))
+        out["auc"] = roc_auc(y, p, sample_weight=w)
+        out["normalized_entropy"] = ll / log_loss(y, np.full_like(y, base), sample_weight=w)
     return out
 
 

@@ -5,6 +5,8 @@ A converted unit (``UnitData``; ``n`` rows, ``D`` dense columns, ``F1`` single-h
 
     dense        float32 [D, n]      nulls filled, transformed, checked finite
     labels       float32 [n]         checked: 0/1, or in [0, 1] (schema.label_kind); never null
+    weights      float32 [n]         schema.weight's values, checked finite, >= 0, never null
+                                     ([0] without a weight column)
     single_keys  int64   [F1, n]     hashed (and folded) key per row; anything if null. Ids are
                                      checked: uint64 within int64, string columns UTF-8
     single_len   uint8   [F1, n]     1 = the row has an id, 0 = null (empty bag)
@@ -39,6 +41,7 @@ from recsys.schema import Schema
 
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_EMPTY_F32 = np.zeros(0, dtype=np.float32)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -178,6 +181,7 @@ class UnitData:
     n: int
     dense: np.ndarray
     labels: np.ndarray
+    weights: np.ndarray
     single_keys: np.ndarray
     single_len: np.ndarray
     multi_offs: np.ndarray
@@ -296,6 +300,9 @@ class UnitConverter:
         self._labels(table, where, labels)
         if perm is not None:
             labels = np.take(labels, perm, mode="clip")
+        weights = _EMPTY_F32
+        if self.schema.weight:
+            weights = self._sample_weights(table, where, perm)
         D = len(self.schema.dense)
         dense = np.empty((D, n), dtype=np.float32)
         for j, c in enumerate(self.schema.dense):
@@ -335,7 +342,7 @@ class UnitConverter:
         for c in self.passthrough:
             arr = self._passthrough(table, c, where)
             extra[c] = arr if perm is None else np.take(arr, perm, mode="clip")
-        return UnitData(n=n, dense=dense, labels=labels, single_keys=single_keys,
+        return UnitData(n=n, dense=dense, labels=labels, weights=weights, single_keys=single_keys,
                         single_len=single_len, multi_offs=multi_offs, multi_vals=multi_vals,
                         extra=extra)
 
@@ -375,6 +382,17 @@ class UnitConverter:
         else:
             shown = str(cell.as_py())
         return where.error(column, self.label_expected, shown, row=first, count=int(bad.size))
+
+    def _sample_weights(self, table, where, perm) -> np.ndarray:
+        """Return schema.weight's values (float32 [n], in ``perm`` order): finite, >= 0, never null."""
+        column, expected = self.schema.weight, "a finite sample weight >= 0"
+        out = np.empty(table.num_rows, dtype=np.float32)
+        self._floats(table, column, where, out, allow_null=False, expected=expected)
+        negative = np.flatnonzero(out < 0)
+        if negative.size:
+            row = int(negative[0])
+            raise where.error(column, expected, repr(float(out[row])), row=row, count=int(negative.size))
+        return out if perm is None else np.take(out, perm, mode="clip")
 
     @property
     def label_expected(self) -> str:
@@ -689,6 +707,7 @@ def assemble(pieces: list[tuple[UnitData, int, int]], conv: UnitConverter, alloc
         ("values", np.int64, (int(offsets[-1]),)),
         ("dense", np.float32, (B, first.dense.shape[0])),
         ("labels", np.float32, (B,)),
+        *((("weights", np.float32, (B,)),) if conv.schema.weight else ()),
         ("lengths", np.int32, (F * B,)),
         *((f"extra.{c}", a.dtype, (B,)) for c, a in first.extra.items()),
     ]
@@ -699,12 +718,15 @@ def assemble(pieces: list[tuple[UnitData, int, int]], conv: UnitConverter, alloc
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         views[name] = buffer[off : off + size].view(dtype).reshape(shape)
     dense, labels, values = views["dense"], views["labels"], views["values"]
+    weights = views.get("weights")
     lengths = views["lengths"].reshape(F, B)
     extra = {c: views[f"extra.{c}"] for c in first.extra}
     pos = 0
     for unit, start, t in pieces:
         dense[pos : pos + t] = unit.dense[:, start : start + t].T
         labels[pos : pos + t] = unit.labels[start : start + t]
+        if weights is not None:
+            weights[pos : pos + t] = unit.weights[start : start + t]
         for c, arr in extra.items():
             arr[pos : pos + t] = unit.extra[c][start : start + t]
         pos += t

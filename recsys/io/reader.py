@@ -253,7 +253,7 @@ class ParquetReader:
             offset_per_key=b["offset_per_key"],
         )
         extra = {name[len("extra."):]: v for name, v in t.items() if name.startswith("extra.")}
-        return Batch(dense=t["dense"], labels=t["labels"], sparse=sparse, extra=extra)
+        return Batch(dense=t["dense"], labels=t["labels"], sparse=sparse, extra=extra, weights=t.get("weights"))
 
     def _close_active(self) -> None:
         ref, self._active = self._active, None
@@ -502,7 +502,7 @@ class _Ring:
 def _slot_bytes(ctx: ReadContext) -> int:
     """Return a ring slot size that fits a typical batch (multi-hot bags up to ~32 ids)."""
     conv = ctx.converter
-    per_row = (4 * len(conv.schema.dense) + 4 + 4 * conv.num_features + 8 * len(conv.single)
+    per_row = (4 * len(conv.schema.dense) + 4 + 4 * bool(conv.schema.weight) + 4 * conv.num_features + 8 * len(conv.single)
                + 8 * 32 * len(conv.multi) + 8 * len(conv.passthrough))
     nbytes = ctx.batch_size * per_row + 64 * (5 + len(conv.passthrough))
     return -(-nbytes // (1 << 20)) * (1 << 20)

@@ -265,6 +265,9 @@ def column_checks(schema: Schema, passthrough: list[str]) -> list[tuple[str, str
     seen = {schema.label, *schema.dense}
     for feat in schema.sparse:
         out.append((feat.column, f"sparse:{feat.name}", expected_sparse(feat)))
+    if schema.weight:
+        out.append((schema.weight, "weight", "a numeric (integer, float or boolean) sample weight column"))
+        seen.add(schema.weight)
     for c in passthrough:
         if c not in seen and c not in {f.column for f in schema.sparse}:
             out.append((c, "passthrough", "a numeric or boolean passthrough column"))
