@@ -72,10 +72,23 @@ class FeatureSpec:
     """Table looked up; defaults to ``name``."""
     pooling: Literal["sum", "mean"] = "sum"
     """How a bag's embeddings are pooled."""
+    weighted: bool = False
+    """An id-score list: each id has a weight and the bag pools Σ weight × row (sum pooling).
+    The column is a ``list<struct<id, weight>>``, or a list of ids with ``weight_column``."""
+    weight_column: str = ""
+    """For a weighted feature: a list<float> column parallel to ``column`` (same length per
+    row) holding the weights; empty: ``column`` is a list of ``{id, weight}`` structs."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"feature name {self.name!r} is not a valid identifier")
+        if self.weight_column and not self.weighted:
+            raise ValueError(f"feature {self.name!r}: weight_column is set, so set weighted = true")
+        if self.weighted and not self.multi_hot:
+            raise ValueError(f"weighted feature {self.name!r} must be multi_hot (a list of ids with weights)")
+        if self.weighted and self.pooling != "sum":
+            raise ValueError(f"weighted feature {self.name!r} pools Σ weight × row: pooling must be 'sum', "
+                             f"found {self.pooling!r}")
         if not self.column:
             self.column = self.name
         if not self.table:
@@ -146,7 +159,8 @@ class Schema:
 
     def columns(self, passthrough: list[str] = ()) -> list[str]:
         """Return the columns a reader needs, each once, in a stable order."""
-        out = [self.label, *self.dense, *(f.column for f in self.sparse), *([self.weight] if self.weight else []),
+        out = [self.label, *self.dense, *(f.column for f in self.sparse),
+               *(f.weight_column for f in self.sparse if f.weight_column), *([self.weight] if self.weight else []),
                *passthrough]
         return list(dict.fromkeys(out))
 

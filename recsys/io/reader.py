@@ -247,6 +247,7 @@ class ParquetReader:
         sparse = KeyedJaggedTensor(
             keys=self._feature_names,
             values=t["values"],
+            weights=t.get("id_weights"),
             lengths=t["lengths"],
             stride=size,
             length_per_key=b["length_per_key"],
@@ -503,7 +504,7 @@ def _slot_bytes(ctx: ReadContext) -> int:
     """Return a ring slot size that fits a typical batch (multi-hot bags up to ~32 ids)."""
     conv = ctx.converter
     per_row = (4 * len(conv.schema.dense) + 4 + 4 * bool(conv.schema.weight) + 4 * conv.num_features + 8 * len(conv.single)
-               + 8 * 32 * len(conv.multi) + 8 * len(conv.passthrough))
+               + (8 + 4 * conv.weighted) * 32 * len(conv.multi) + 8 * len(conv.passthrough))
     nbytes = ctx.batch_size * per_row + 64 * (5 + len(conv.passthrough))
     return -(-nbytes // (1 << 20)) * (1 << 20)
 

@@ -231,6 +231,9 @@ def is_numeric_type(t: pa.DataType) -> bool:
 
 def expected_sparse(feat: FeatureSpec) -> str:
     """Return what a feature's source column must be, in words."""
+    kind = "int64" if feat.kind == "int64" else "string"
+    if feat.weighted and not feat.weight_column:
+        return f"a list<struct<id: {kind}, weight: float>> column for weighted feature {feat.name!r}"
     if feat.multi_hot:
         return (
             f"a list<{'int64' if feat.kind == 'int64' else 'string'}> column for multi-hot "
@@ -243,6 +246,15 @@ def expected_sparse(feat: FeatureSpec) -> str:
 def check_sparse_type(feat: FeatureSpec, t: pa.DataType) -> str | None:
     """Return None if ``t`` fits ``feat``, else the 'found' text (with a hint)."""
     ok_value = _is_int if feat.kind == "int64" else _is_str
+    if feat.weighted and not feat.weight_column:
+        if pa.types.is_null(t):
+            return None
+        if is_list_type(t) and pa.types.is_struct(t.value_type) and t.value_type.num_fields == 2:
+            s = t.value_type
+            id_i = s.get_field_index("id") if s.get_field_index("id") >= 0 else 0
+            if ok_value(s.field(id_i).type) and is_numeric_type(s.field(1 - id_i).type):
+                return None
+        return f"{t} (set weight_column for ids and weights in two list columns)"
     if feat.multi_hot:
         if is_list_type(t):
             if ok_value(t.value_type):
@@ -265,6 +277,10 @@ def column_checks(schema: Schema, passthrough: list[str]) -> list[tuple[str, str
     seen = {schema.label, *schema.dense}
     for feat in schema.sparse:
         out.append((feat.column, f"sparse:{feat.name}", expected_sparse(feat)))
+        if feat.weight_column:
+            out.append((feat.weight_column, f"idweight:{feat.name}",
+                        f"a list of numeric weights for weighted feature {feat.name!r}"))
+            seen.add(feat.weight_column)
     if schema.weight:
         out.append((schema.weight, "weight", "a numeric (integer, float or boolean) sample weight column"))
         seen.add(schema.weight)
@@ -278,6 +294,8 @@ def check_column(schema: Schema, column: str, role: str, t: pa.DataType) -> str 
     """Return None if the column's Arrow type fits its role, else what was found instead."""
     if role.startswith("sparse:"):
         return check_sparse_type(schema.feature(role.split(":", 1)[1]), t)
+    if role.startswith("idweight:"):
+        return None if pa.types.is_null(t) or (is_list_type(t) and is_numeric_type(t.value_type)) else str(t)
     if role == "dense" and pa.types.is_null(t):
         return None  # every cell null: all filled
     return None if is_numeric_type(t) else str(t)
