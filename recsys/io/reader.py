@@ -47,6 +47,7 @@ from recsys.io.convert import BatchArrays, UnitConverter
 from recsys.io.errors import ReadError
 from recsys.io.inspect import describe
 from recsys.io.plan import ReadContext, SlotPlan, SlotRunner, background_priority, priority_target
+from recsys.io.partitions import parse_filter, select
 from recsys.io.state import STATE_VERSION, Progress, check_shape, merge_states, unit_index
 from recsys.io.units import build_units, expand_paths, hold_out
 from recsys.schema import Schema
@@ -75,7 +76,7 @@ class ParquetReader:
         self.rank = rank
         self.world_size = world_size
         self._slots_per_rank = max(1, cfg.num_workers)
-        files = expand_paths(cfg.paths, filesystem)
+        files = select(expand_paths(cfg.paths, filesystem), parse_filter(cfg.filter), ", ".join(cfg.paths))
         table = build_units(files, schema, list(cfg.passthrough), cfg.on_bad_file)
         row0 = _row0(table)  # row numbers within the files, before any unit is held out
         if cfg.holdout_fraction:

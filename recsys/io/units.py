@@ -74,11 +74,32 @@ def _resolve(raw: str, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSys
         try:
             fs, path = pafs.FileSystem.from_uri(raw)
         except (pa.ArrowException, ValueError, OSError) as exc:
-            raise ReadError(file=raw, expected="a path or filesystem URI", found=str(exc)) from None
+            fsspec_fs = _fsspec(scheme, raw)
+            if fsspec_fs is None:
+                raise ReadError(file=raw, expected="a path or filesystem URI", found=str(exc)) from None
+            fs, path = fsspec_fs
         if isinstance(fs, pafs.LocalFileSystem):
             return fs, path, ""
         return fs, path, f"{scheme}://"
     return pafs.LocalFileSystem(), os.path.abspath(raw).replace(os.sep, "/"), ""
+
+
+def _fsspec(scheme: str, raw: str) -> tuple[pafs.FileSystem, str] | None:
+    """Return (pyarrow filesystem, path) for a scheme pyarrow lacks but fsspec has (``memory://``,
+    ``az://`` with adlfs installed, ...), or None if neither knows it."""
+    try:
+        import fsspec
+        from fsspec.registry import known_implementations
+    except ImportError:
+        return None
+    if scheme not in known_implementations and scheme not in fsspec.available_protocols():
+        return None
+    try:
+        fs = fsspec.filesystem(scheme)
+    except (ImportError, ValueError, OSError) as exc:  # e.g. the implementation's package is missing
+        raise ReadError(file=raw, expected=f"a usable {scheme}:// filesystem", found=str(exc)) from None
+    path = fs._strip_protocol(raw)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path if path.startswith("/") else "/" + path
 
 
 def _expand_one(fs: pafs.FileSystem, path: str, raw: str) -> list[str]:
