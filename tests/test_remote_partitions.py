@@ -139,3 +139,27 @@ def test_convert_reads_a_memory_uri(memory_root, tmp_path):
     assert report["inputs"] == [f"memory://{root}/in.csv"] and report["rows"] == 2
     assert pq.read_table(tmp_path / "out" / "part-00000.parquet").to_pydict() == {
         "label": [1, 0], "x": [0.5, 1.5], "item": [3, 4]}
+
+
+def test_eval_slices_read_only_the_files_the_partition_filter_keeps(tiny_data, tmp_path):
+    """A job whose eval split is a window of partitions: ``recsys eval --slice`` takes the slice
+    column from the scored files only (it used to read every file and refuse the row count)."""
+    import pyarrow.dataset as ds
+
+    from recsys.eval.evaluate import EvalOptions, run_eval, slice_metrics
+    from recsys.eval.metrics import summarize
+    from weighted_data import train
+
+    hive = tmp_path / "eval"
+    for day, f in zip(("2026-10-31", "2026-11-01"), sorted((tiny_data / "eval").glob("*.parquet"))):
+        (hive / f"date={day}").mkdir(parents=True)
+        (hive / f"date={day}" / f.name).write_bytes(f.read_bytes())
+    kept = ds.dataset(hive / "date=2026-11-01").to_table()
+    assert 0 < kept.num_rows < ds.dataset(hive).count_rows()
+    train(tmp_path / "run", tiny_data / "train", hive, "train.max_steps=3", "data.eval.filter=\"date >= '2026-11-01'\"")
+    res = run_eval(tmp_path / "run", EvalOptions(slices=["c9"], top_k=2, predictions=tmp_path / "p.parquet"))
+    pred = pq.read_table(tmp_path / "p.parquet")
+    assert res["rows"] == kept.num_rows and pred.column("row_id").equals(kept.column("row_id"))
+    y, p = pred.column("label").to_numpy(), pred.column("score").to_numpy()
+    assert res["slices"]["c9"] == slice_metrics(y, p, kept.column("c9"), 2, 10)
+    assert res["auc"] == summarize(y, p)["auc"]
