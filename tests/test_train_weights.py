@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from test_train import ListSource
 from weighted_data import JOB, add_weights, ones, overrides, random_weights, train
 
 
@@ -137,32 +138,6 @@ def test_rows_of_weight_zero_leave_every_parameter_at_its_initial_value_two_proc
 # --------------------------------------------------------------------------- some rows of weight 0
 
 
-class Batches:
-    """The reader's interface over a fixed list of batches (one process)."""
-
-    def __init__(self, batches) -> None:
-        self.batches, self.epoch, self.pos = batches, 0, 0
-
-    def __iter__(self):
-        while self.pos < len(self.batches):
-            self.pos += 1
-            yield self.batches[self.pos - 1]
-        self.epoch, self.pos = self.epoch + 1, 0
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "pos": self.pos}
-
-    def load_state_dict(self, state):
-        self.epoch, self.pos = state["epoch"], state["pos"]
-
-    @staticmethod
-    def merge_states(states):
-        return states[0]
-
-    def close(self):
-        pass
-
-
 def _keep_rows(batch, keep: np.ndarray):
     """Return ``batch`` with only the rows where ``keep`` is true (ids, id weights and all)."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -193,8 +168,8 @@ def test_rows_of_weight_zero_train_like_rows_left_out(splits, tmp_path):
         batches = [b for _, b in zip(range(8), reader)]
     kept = [_keep_rows(b, b.weights.numpy() > 0) for b in batches]
     assert sum(b.size - k.size for b, k in zip(batches, kept)) > 100
-    train(tmp_path / "all", splits["random"], splits["eval"], job=job, source=Batches(batches))
-    train(tmp_path / "kept", splits["random"], splits["eval"], job=job, source=Batches(kept))
+    train(tmp_path / "all", splits["random"], splits["eval"], job=job, source=ListSource(batches, 0, 1))
+    train(tmp_path / "kept", splits["random"], splits["eval"], job=job, source=ListSource(kept, 0, 1))
     la, lk = losses(tmp_path / "all"), losses(tmp_path / "kept")
     assert sorted(la) == sorted(lk) == list(range(1, 9))
     for step in la:

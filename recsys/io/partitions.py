@@ -123,20 +123,23 @@ def _expect(tokens, pos, text, what: str):
     return tokens[pos]
 
 
+def _binary(op: str, operand):
+    """Return the parser of ``operand (op operand)*``, left-associative: ``(op, left, right)``."""
+    def parse(tokens, pos, text):
+        pos, left = operand(tokens, pos, text)
+        while pos < len(tokens) and tokens[pos][:2] == ("kw", op):
+            pos, right = operand(tokens, pos + 1, text)
+            left = (op, left, right)
+        return pos, left
+    return parse
+
+
 def _or(tokens, pos, text):
-    pos, left = _and(tokens, pos, text)
-    while pos < len(tokens) and tokens[pos][:2] == ("kw", "or"):
-        pos, right = _and(tokens, pos + 1, text)
-        left = ("or", left, right)
-    return pos, left
+    return _binary("or", _and)(tokens, pos, text)
 
 
 def _and(tokens, pos, text):
-    pos, left = _not(tokens, pos, text)
-    while pos < len(tokens) and tokens[pos][:2] == ("kw", "and"):
-        pos, right = _not(tokens, pos + 1, text)
-        left = ("and", left, right)
-    return pos, left
+    return _binary("and", _not)(tokens, pos, text)
 
 
 def _not(tokens, pos, text):
