@@ -15,12 +15,17 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError, user_message
 
-BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live")
+BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
     from recsys import synth
 
+    if args.format == "criteo":
+        oracle = synth.write_criteo_tsv(args.out, args.preset, seed=args.seed,
+                                        progress=lambda msg: print(msg, flush=True))
+        print(json.dumps({k: oracle[k] for k in ("preset", "seed", "layout", "train", "eval")}, indent=2))
+        return 0
     oracle = synth.generate(
         args.preset,
         args.out,
@@ -47,6 +52,32 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if not paths:
         raise ConfigError("inspect: give data paths, or --config with data.train.paths")
     print(describe(paths, schema))
+    return 0
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from recsys.io.ingest import ConvertOptions, convert
+
+    schema, passthrough = None, []
+    if args.schema:
+        from recsys.config import load_job
+
+        job = load_job(args.schema)
+        schema = job.schema
+        passthrough = list(dict.fromkeys([*job.data.train.passthrough, *job.data.eval.passthrough]))
+    try:
+        opts = ConvertOptions(fmt=args.fmt, preset=args.preset or "", header=not args.no_header,
+                              rows_per_file=args.rows_per_file, row_group_rows=args.row_group_rows,
+                              bad_rows=args.bad_rows)
+    except ValueError as exc:
+        raise UserError(f"convert: {exc}") from None
+    r = convert(args.inputs, args.out, opts, schema=schema, passthrough=passthrough, infer=args.infer,
+                progress=not args.no_progress, log=print)
+    skipped = f", {r['bad_rows']:,} bad rows skipped (listed in {args.out}/_convert.json)" if r["bad_rows"] else ""
+    print(f"converted {r['rows']:,} rows into {len(r['files'])} file(s) in {args.out}{skipped} in "
+          f"{r['seconds']:.1f} s ({r['rows_per_s']:,.0f} rows/s)")
+    if args.infer:
+        print(f"proposed job: {r['proposed_job']} (edit it, then `recsys inspect --config {r['proposed_job']}`)")
     return 0
 
 
@@ -190,6 +221,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--seed", type=int, default=0, help="same seed, same data (default 0)")
     p.add_argument("--row-group-size", type=int, default=None, help="rows per Parquet row group")
+    p.add_argument("--format", choices=("parquet", "criteo"), default="parquet",
+                   help="criteo: DIR/train.txt.gz and DIR/eval.txt.gz in the Criteo click logs' layout "
+                   "(TSV: label, 13 integers, 26 hex ids) instead of Parquet, for `recsys convert --preset criteo`")
     p.set_defaults(func=_cmd_gen_synthetic)
 
     p = sub.add_parser(
@@ -202,6 +236,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="job file (TOML) whose schema to check")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job setting")
     p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser(
+        "convert",
+        help="convert CSV, TSV (Criteo's layout too) or JSON lines into Parquet for the reader",
+        description="Stream the inputs (local or filesystem URIs; .gz, .bz2, .zst read as such) into "
+        "zstd Parquet files (DIR/part-NNNNN.parquet) with row groups sized for the reader, and a report "
+        "(DIR/_convert.json). Nothing is moved into DIR unless every input converted.",
+    )
+    p.add_argument("--from", dest="fmt", required=True, choices=("csv", "tsv", "jsonl"), help="input format")
+    p.add_argument("inputs", nargs="+", metavar="INPUT", help="input files, directories or globs")
+    p.add_argument("--out", required=True, type=Path, help="output directory (no part-*.parquet in it yet)")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--schema", type=Path, metavar="JOB.toml", help="write the columns this job reads, typed for it")
+    how.add_argument("--infer", action="store_true", help="also propose a job (DIR/_job.toml) from the data")
+    p.add_argument("--preset", choices=("criteo",), help="criteo: label, 13 integer and 26 hex categorical "
+                   "fields, tab-separated, no header")
+    p.add_argument("--no-header", action="store_true", help="CSV/TSV without a header line (fields named f0, f1, ...)")
+    p.add_argument("--rows-per-file", type=int, default=4_194_304, help="rows per output file (default 4194304)")
+    p.add_argument("--row-group-rows", type=int, default=131_072, help="rows per row group (default 131072)")
+    p.add_argument("--bad-rows", choices=("error", "skip"), default="error",
+                   help="a bad row stops the conversion (default) or is skipped, counted and listed")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser(
         "train",

@@ -72,10 +72,23 @@ class FeatureSpec:
     """Table looked up; defaults to ``name``."""
     pooling: Literal["sum", "mean"] = "sum"
     """How a bag's embeddings are pooled."""
+    weighted: bool = False
+    """An id-score list: each id has a weight and the bag pools Σ weight × row (sum pooling).
+    The column is a ``list<struct<id, weight>>``, or a list of ids with ``weight_column``."""
+    weight_column: str = ""
+    """For a weighted feature: a list<float> column parallel to ``column`` (same length per
+    row) holding the weights; empty: ``column`` is a list of ``{id, weight}`` structs."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
             raise ValueError(f"feature name {self.name!r} is not a valid identifier")
+        if self.weight_column and not self.weighted:
+            raise ValueError(f"feature {self.name!r}: weight_column is set, so set weighted = true")
+        if self.weighted and not self.multi_hot:
+            raise ValueError(f"weighted feature {self.name!r} must be multi_hot (a list of ids with weights)")
+        if self.weighted and self.pooling != "sum":
+            raise ValueError(f"weighted feature {self.name!r} pools Σ weight × row: pooling must be 'sum', "
+                             f"found {self.pooling!r}")
         if not self.column:
             self.column = self.name
         if not self.table:
@@ -104,6 +117,9 @@ class Schema:
     """Sparse features, in KeyedJaggedTensor key order."""
     tables: dict[str, TableSpec] = field(default_factory=dict)
     """Tables by name."""
+    weight: str = ""
+    """Per-example weight column (any numeric type; finite, >= 0, never null): scales each
+    row's loss and its share of the eval metrics (weighted AUC and log loss). Empty: all 1."""
 
     def __post_init__(self) -> None:
         names = [f.name for f in self.sparse]
@@ -126,6 +142,9 @@ class Schema:
             raise ValueError(f"label column {self.label!r} is also used as a feature")
         if self.label_kind not in ("binary", "probability"):
             raise ValueError(f"label_kind must be 'binary' or 'probability', found {self.label_kind!r}")
+        if self.weight and (self.weight == self.label or self.weight in self.dense
+                            or self.weight in {f.column for f in self.sparse}):
+            raise ValueError(f"weight column {self.weight!r} is also the label or a feature")
         fill = self.dense_fill_null
         if not (math.isfinite(fill) and abs(fill) <= _F32_MAX):
             raise ValueError(
@@ -140,7 +159,9 @@ class Schema:
 
     def columns(self, passthrough: list[str] = ()) -> list[str]:
         """Return the columns a reader needs, each once, in a stable order."""
-        out = [self.label, *self.dense, *(f.column for f in self.sparse), *passthrough]
+        out = [self.label, *self.dense, *(f.column for f in self.sparse),
+               *(f.weight_column for f in self.sparse if f.weight_column), *([self.weight] if self.weight else []),
+               *passthrough]
         return list(dict.fromkeys(out))
 
     def feature(self, name: str) -> FeatureSpec:

@@ -57,6 +57,7 @@ import pyarrow.parquet as pq
 
 from recsys.eval.metrics import log_loss, roc_auc
 from recsys.hashing import hash_int64, table_salt
+from recsys.io.parquet_out import SplitWriter as _SplitWriter
 
 __all__ = [
     "Preset",
@@ -293,12 +294,12 @@ def _scramble(ranks: np.ndarray, bits: int, salt: int) -> np.ndarray:
 _HEX = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 
 
-def _hex_strings(ids: np.ndarray, valid: np.ndarray | None) -> pa.Array:
-    """Return a string array of 8 lowercase hex digits per 32-bit id (null where not ``valid``)."""
+def _hex_strings(ids: np.ndarray, valid: np.ndarray | None, width: int = 8) -> pa.Array:
+    """Return a string array of ``width`` lowercase hex digits per id (null where not ``valid``)."""
     n = ids.shape[0]
-    shifts = np.arange(28, -1, -4, dtype=np.uint64)
+    shifts = np.arange(4 * width - 4, -1, -4, dtype=np.uint64)
     digits = _HEX[((ids.astype(np.uint64)[:, None] >> shifts) & np.uint64(0xF)).astype(np.intp)]
-    offsets = np.arange(0, 8 * n + 1, 8, dtype=np.int32)
+    offsets = np.arange(0, width * n + 1, width, dtype=np.int32)
     buffers = [None, pa.py_buffer(offsets), pa.py_buffer(np.ascontiguousarray(digits))]
     null_count = 0
     if valid is not None and not valid.all():
@@ -502,72 +503,6 @@ def _id_array(col: _Column, ranks: np.ndarray, valid: np.ndarray | None) -> pa.A
 # --------------------------------------------------------------------------- writing
 
 
-class _SplitWriter:
-    """Cuts a stream of chunks into files of ``rows_per_file`` rows and row groups of ``row_group_size``."""
-
-    def __init__(self, directory: Path, rows_per_file: int, row_group_size: int, progress) -> None:
-        self.directory = directory
-        self.rows_per_file = rows_per_file
-        self.row_group_size = row_group_size
-        self.progress = progress
-        self.files = 0
-        self._writer: pq.ParquetWriter | None = None
-        self._path: Path | None = None
-        self._in_file = 0
-        self._pending: list[pa.Table] = []
-        self._pending_rows = 0
-
-    def add(self, table: pa.Table) -> None:
-        offset = 0
-        while offset < table.num_rows:
-            if self._writer is None:
-                self._open(table.schema)
-            take = min(table.num_rows - offset, self.rows_per_file - self._in_file)
-            self._pending.append(table.slice(offset, take))
-            self._pending_rows += take
-            self._in_file += take
-            offset += take
-            if self._pending_rows >= self.row_group_size:
-                self._write_groups(final=False)
-            if self._in_file == self.rows_per_file:
-                self._close()
-
-    def finish(self) -> None:
-        if self._writer is not None:
-            self._close()
-
-    def _open(self, schema: pa.Schema) -> None:
-        self._path = self.directory / f"part-{self.files:05d}.parquet"
-        # Written under a temporary name: a crash never leaves a short file that looks whole.
-        self._writer = pq.ParquetWriter(self._tmp(), schema, compression="zstd")
-        self._in_file = 0
-
-    def _tmp(self) -> Path:
-        return self._path.with_name(self._path.name + ".tmp")
-
-    def _write_groups(self, final: bool) -> None:
-        """Write every full row group pending (and, if ``final``, the short remainder)."""
-        merged = pa.concat_tables(self._pending).combine_chunks()  # one copy, then slices
-        size, done = self.row_group_size, 0
-        while merged.num_rows - done >= size or (final and done < merged.num_rows):
-            rows = min(size, merged.num_rows - done)
-            self._writer.write_table(merged.slice(done, rows), row_group_size=rows)
-            done += rows
-        rest = merged.slice(done)
-        self._pending = [rest] if rest.num_rows else []
-        self._pending_rows = rest.num_rows
-
-    def _close(self) -> None:
-        if self._pending_rows:
-            self._write_groups(final=True)
-        self._writer.close()
-        os.replace(self._tmp(), self._path)
-        self.files += 1
-        if self.progress is not None:
-            self.progress(f"wrote {self._path} ({self._in_file:,} rows)")
-        self._writer = None
-
-
 def _write_split(
     plan: _Plan, split: str, directory: Path, rows: int, row_start: int, rows_per_file: int, row_group_size: int, progress
 ) -> dict:
@@ -669,6 +604,57 @@ def generate(
         auc, ne = (("n/a" if v is None else f"{v:.4f}") for v in (e["auc"], e["normalized_entropy"]))
         progress(f"oracle eval AUC {auc}, log loss {e['log_loss']:.4f}, NE {ne}")
     return oracle
+
+
+def write_criteo_tsv(out: str | os.PathLike, preset: "str | Preset" = "tiny", seed: int = 0,
+                     progress: Callable[[str], None] | None = None) -> dict:
+    """Write the synthetic data in the Criteo click logs' layout; return the oracle dict.
+
+    ``out/train.txt.gz`` and ``out/eval.txt.gz``: one row per line, tab-separated, no header:
+    the label, ``i1``..``i13`` (integers; ``i5`` keeps its fraction), ``c1``..``c26`` as hex
+    strings (the int64 ids as 10 hex digits: they have 40 bits), empty fields for nulls. The
+    multi-hot ``m1``/``m2`` have no place in the layout and are left out, so the oracle in
+    ``out/oracle.json`` (which knows them) is a ceiling no model of these files reaches.
+    """
+    import shutil
+
+    import pyarrow.csv as pa_csv
+
+    out = Path(out)
+    work = out / ".parquet"
+    oracle = generate(preset, work, seed=seed, progress=progress)
+    options = pa_csv.WriteOptions(include_header=False, delimiter="\t", quoting_style="none")
+    for split in ("train", "eval"):
+        path = out / f"{split}.txt.gz"
+        tmp = path.with_name(path.name + ".tmp")
+        with pa.CompressedOutputStream(str(tmp), "gzip") as sink:
+            for f in sorted((work / split).glob("part-*.parquet")):
+                for batch in pq.ParquetFile(f).iter_batches(GEN_CHUNK_ROWS):
+                    pa_csv.write_csv(_criteo_layout(batch), sink, options)
+        os.replace(tmp, path)
+        if progress is not None:
+            progress(f"wrote {path} ({oracle[split]['rows']:,} rows)")
+    shutil.rmtree(work)
+    oracle["layout"] = "criteo tsv (label, i1..i13, c1..c26; m1, m2 left out)"
+    tmp = out / "oracle.json.tmp"
+    tmp.write_text(json.dumps(oracle, indent=2) + "\n")
+    os.replace(tmp, out / "oracle.json")
+    return oracle
+
+
+def _criteo_layout(batch: pa.RecordBatch) -> pa.Table:
+    """Return one batch of the synthetic columns as the Criteo layout's 40 columns."""
+    cols = {"label": batch.column("label")}
+    for d in _DENSE:
+        x = batch.column(d.name)
+        cols[d.name] = x.cast(pa.int64()) if d.integer else x
+    for spec in _CATS:
+        ids = batch.column(spec.name)
+        if pa.types.is_integer(ids.type):
+            valid = ids.is_valid().to_numpy(zero_copy_only=False)
+            ids = _hex_strings(ids.fill_null(0).to_numpy().view(np.uint64), valid, width=_INT_ID_BITS // 4)
+        cols[spec.name] = ids
+    return pa.table(cols)
 
 
 def _describe(plan: _Plan) -> dict:

@@ -118,13 +118,17 @@ def slice_batch(batch, rank: int, world: int):
     B = batch.size
     per = B // world
     lo, hi = rank * per, (rank + 1) * per
-    vals, lens = [], []
+    vals, lens, wts = [], [], []
     for jt in batch.sparse.to_dict().values():
         o = jt.offsets()
         vals.append(jt.values()[o[lo] : o[hi]])
         lens.append(jt.lengths()[lo:hi])
-    kjt = KeyedJaggedTensor(keys=batch.sparse.keys(), values=torch.cat(vals), lengths=torch.cat(lens))
-    return Batch(batch.dense[lo:hi], batch.labels[lo:hi], kjt, {k: v[lo:hi] for k, v in batch.extra.items()})
+        if jt.weights_or_none() is not None:
+            wts.append(jt.weights()[o[lo] : o[hi]])
+    kjt = KeyedJaggedTensor(keys=batch.sparse.keys(), values=torch.cat(vals), lengths=torch.cat(lens),
+                            weights=torch.cat(wts) if wts else None)
+    return Batch(batch.dense[lo:hi], batch.labels[lo:hi], kjt, {k: v[lo:hi] for k, v in batch.extra.items()},
+                 None if batch.weights is None else batch.weights[lo:hi])
 
 
 def global_batches(data: Path, size: int = 512, count: int = 8):

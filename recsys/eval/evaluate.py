@@ -11,6 +11,12 @@
               ├─► --plots DIR                 ROC, calibration, score histograms, slice AUCs
               └─► --compare B                 B's metrics on the same rows, deltas, DeLong CI
 
+With ``schema.weight`` in the checkpoint's job every figure is weighted by the rows' sample
+weights (``metrics.summarize``), slices and the streaming fallback too; weights all 1 give the
+unweighted figures exactly. ``--compare`` weights B's rows by the same weights, and its CI of
+the AUC difference is then a paired bootstrap (``metrics.bootstrap_auc_diff``): DeLong's
+variance does not hold for weighted AUCs.
+
 Every prediction is kept in memory up to ``max_exact_rows`` rows (``metrics.MAX_EXACT_ROWS``
 by default) so the AUC is exact. A single process evaluating more rows than that switches to
 ``metrics.StreamingMetrics`` (binned AUC with its error bound stated in the result);
@@ -64,18 +70,24 @@ class Scored:
     scores: np.ndarray
     ids: dict[str, np.ndarray]
     slices: dict[str, object]  # column -> pyarrow Array (one process) or numpy array
+    weights: np.ndarray | None = None  # the rows' sample weights (schema.weight), None without
 
 
 # --------------------------------------------------------------------------- columns
 
 
-def data_columns(paths: list[str]) -> tuple[list, dict]:
-    """Return (files in reader order, {column: arrow type}) of the data, checking every file has them."""
+def data_columns(paths: list[str], partition_filter: str = "") -> tuple[list, dict]:
+    """Return (files in reader order, {column: arrow type}) of the data.
+
+    ``partition_filter`` (the job's ``data.eval.filter``) selects the files as the reader does,
+    so slice columns are read from the very files that were scored.
+    """
     import pyarrow.parquet as pq
 
+    from recsys.io.partitions import parse_filter, select
     from recsys.io.units import expand_paths
 
-    files = expand_paths(paths)
+    files = select(expand_paths(paths), parse_filter(partition_filter), ", ".join(paths))
     if not files:
         raise UserError(f"no Parquet files under {paths}")
     types: dict = {}
@@ -272,14 +284,14 @@ def plan_slices(slices: list[str], files, types: dict, id_cols: list[str], passt
 
 
 def _collect(batches, max_rows: int, need_rows: str | None, calibration_bins: int):
-    """Return (labels, scores, extras) or, past ``max_rows`` rows, (None, StreamingMetrics, extras=None)."""
-    ys, ps, ex = [], [], {}
+    """Return (labels, scores, weights, extras) or, past ``max_rows`` rows, (None, StreamingMetrics, None, None)."""
+    ys, ps, ws, ex = [], [], [], {}
     n, stream = 0, None
-    for y, p, extra in batches:
+    for y, p, w, extra in batches:
         if stream is not None:
-            stream.add(y, p)
+            stream.add(y, p, w)
             continue
-        ys.append(y), ps.append(p)
+        ys.append(y), ps.append(p), ws.append(w)
         for k, v in extra.items():
             ex.setdefault(k, []).append(v)
         n += y.size
@@ -288,17 +300,19 @@ def _collect(batches, max_rows: int, need_rows: str | None, calibration_bins: in
                 raise UserError(f"more than {max_rows:,} rows: {need_rows} needs every prediction in memory; "
                                 "raise --max-exact-rows or evaluate fewer rows")
             stream = M.StreamingMetrics(exact_rows=max_rows)
-            for a, b in zip(ys, ps):
-                stream.add(a, b)
-            ys = ps = ex = None
+            for a, b, c in zip(ys, ps, ws):
+                stream.add(a, b, c)
+            ys = ps = ws = ex = None
     if stream is not None:
-        return None, stream, None
+        return None, stream, None, None
     cat = lambda xs: np.concatenate(xs) if xs else np.empty(0)  # noqa: E731
-    return cat(ys), cat(ps), {k: cat(v) for k, v in ex.items()}
+    weights = None if not ws or ws[0] is None else cat(ws)
+    return cat(ys), cat(ps), weights, {k: cat(v) for k, v in ex.items()}
 
 
 def _predictions_writer(out: Path | None):
-    """Return (write(ids, labels, scores), close()) streaming rows to ``out`` (Parquet)."""
+    """Return (write(ids, labels, scores, weights), close()) streaming rows to ``out`` (Parquet);
+    a ``weight`` column follows ``score`` when the rows have sample weights."""
     if out is None:
         return (lambda *a: None), (lambda: None)
     import pyarrow as pa
@@ -307,10 +321,11 @@ def _predictions_writer(out: Path | None):
     out.parent.mkdir(parents=True, exist_ok=True)
     state = {"writer": None, "row": 0}
 
-    def write(ids: dict, y: np.ndarray, p: np.ndarray) -> None:
+    def write(ids: dict, y: np.ndarray, p: np.ndarray, w: np.ndarray | None = None) -> None:
         cols = dict(ids) if ids else {"row_id": np.arange(state["row"], state["row"] + y.size, dtype=np.int64)}
         state["row"] += y.size
-        table = pa.table({**cols, "label": y.astype(np.int8), "score": p.astype(np.float32)})
+        weight = {} if w is None else {"weight": w.astype(np.float32)}
+        table = pa.table({**cols, "label": y.astype(np.int8), "score": p.astype(np.float32), **weight})
         if state["writer"] is None:
             state["writer"] = pq.ParquetWriter(str(out), table.schema, compression="zstd")
         state["writer"].write_table(table)
@@ -334,18 +349,18 @@ def score_one_process(checkpoint, paths, id_cols, passthrough, opts: EvalOptions
     write, close = _predictions_writer(predictions)
     try:
         def batches():
-            for y, p, extra in iter_predictions(job, store, model, paths, device=opts.device,
-                                                passthrough=passthrough):
-                write({k: extra[k] for k in id_cols}, y, p)
-                yield y, p, extra
-        y, p, extra = _collect(batches(), opts.max_exact_rows, need_rows, opts.calibration_bins)
+            for y, p, w, extra in iter_predictions(job, store, model, paths, device=opts.device,
+                                                   passthrough=passthrough):
+                write({k: extra[k] for k in id_cols}, y, p, w)
+                yield y, p, w, extra
+        y, p, w, extra = _collect(batches(), opts.max_exact_rows, need_rows, opts.calibration_bins)
     finally:
         close()
         store.close()
     if y is None:
         return None, p, str(path), meta["step"]
     return Scored(str(path), meta["step"], y, p, {k: extra[k] for k in id_cols},
-                  {k: extra[k] for k in passthrough if k not in id_cols}), None, str(path), meta["step"]
+                  {k: extra[k] for k in passthrough if k not in id_cols}, w), None, str(path), meta["step"]
 
 
 # An evaluation of many rows may take hours; a rank that hangs fails its collectives after the
@@ -375,16 +390,19 @@ def _rank_scores(rank: int, world_size: int, checkpoint: str, paths: list[str], 
     except UserError as exc:
         return "error", str(exc), not isinstance(exc, PeerStopped)
     cat = lambda xs: np.concatenate(xs) if xs else np.empty(0)  # noqa: E731
-    mine = (cat([a for a, _, _ in parts]), cat([b for _, b, _ in parts]),
-            {k: cat([e[k] for _, _, e in parts]) for k in passthrough})
+    weighted = bool(job.schema.weight)
+    mine = (cat([a for a, _, _, _ in parts]), cat([b for _, b, _, _ in parts]),
+            cat([w for _, _, w, _ in parts]) if weighted else None,
+            {k: cat([e[k] for _, _, _, e in parts]) for k in passthrough})
     gathered = [None] * world_size if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
         return "ok", None
     y = np.concatenate([g[0] for g in gathered])
     p = np.concatenate([g[1] for g in gathered])
-    extra = {k: np.concatenate([g[2][k] for g in gathered]) for k in passthrough}
-    return "ok", (str(path), meta["step"], y, p, extra)
+    w = np.concatenate([g[2] for g in gathered]) if weighted else None
+    extra = {k: np.concatenate([g[3][k] for g in gathered]) for k in passthrough}
+    return "ok", (str(path), meta["step"], y, p, w, extra)
 
 
 def score_processes(checkpoint, paths, id_cols, passthrough, opts: EvalOptions) -> Scored:
@@ -396,12 +414,12 @@ def score_processes(checkpoint, paths, id_cols, passthrough, opts: EvalOptions) 
     errors = sorted((not r[2], rank, r[1]) for rank, r in enumerate(results) if r[0] == "error")
     if errors:  # the rank that met the bad input first, else any
         raise UserError(f"--nproc {opts.nproc}: rank {errors[0][1]}: {errors[0][2]}")
-    path, step, y, p, extra = results[0][1]
+    path, step, y, p, w, extra = results[0][1]
     if y.size > opts.max_exact_rows:
         raise UserError(f"more than {opts.max_exact_rows:,} rows: --nproc needs every prediction in memory; "
                         "raise --max-exact-rows or use --nproc 1 (binned AUC)")
     return Scored(path, step, y, p, {k: extra[k] for k in id_cols},
-                  {k: extra[k] for k in passthrough if k not in id_cols})
+                  {k: extra[k] for k in passthrough if k not in id_cols}, w)
 
 
 # --------------------------------------------------------------------------- slices
@@ -434,13 +452,15 @@ def _jsonable(v):
     return v.item() if isinstance(v, np.generic) else v
 
 
-def slice_metrics(y: np.ndarray, p: np.ndarray, values, top_k: int, calibration_bins: int) -> list[dict]:
-    """Return the metrics of each slice group (see ``slice_groups``), calibration tables left out."""
+def slice_metrics(y: np.ndarray, p: np.ndarray, values, top_k: int, calibration_bins: int,
+                  weights: np.ndarray | None = None) -> list[dict]:
+    """Return the metrics of each slice group (see ``slice_groups``; groups by rows, metrics
+    weighted by ``weights`` when given), calibration tables left out."""
     groups, idx = slice_groups(values, top_k)
     out = []
     for g, name in enumerate(groups):
         rows = idx == g
-        m = M.summarize(y[rows], p[rows], calibration_bins)
+        m = M.summarize(y[rows], p[rows], calibration_bins, None if weights is None else weights[rows])
         m.pop("calibration_table", None)
         out.append({"value": name, **m})
     return out
@@ -463,7 +483,7 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
         raise ConfigError(f"{path}: the job has no eval paths; pass --data")
     if opts.nproc < 1:
         raise UserError(f"--nproc must be at least 1, found {opts.nproc}")
-    files, types = data_columns(paths)
+    files, types = data_columns(paths, job.data.eval.filter)
     check_slices(opts.slices, types)
     id_cols = [c for c in job.data.eval.passthrough if c in types]
     need = [flag for flag, on in (("--slice", opts.slices), ("--plots", opts.plots), ("--compare", opts.compare))
@@ -482,17 +502,19 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
         stream, ck, step = None, scored.checkpoint, scored.step
         if opts.predictions is not None:
             write, close = _predictions_writer(opts.predictions)
-            write(scored.ids, scored.labels, scored.scores)
+            write(scored.ids, scored.labels, scored.scores, scored.weights)
             close()
     result = {"checkpoint": ck, "step": step, "data": list(paths)}
+    if job.schema.weight:
+        result["weight_column"] = job.schema.weight  # every figure below is weighted by it
     if scored is None:
         result.update(stream.result(opts.calibration_bins))
         return result
-    result.update(M.summarize(scored.labels, scored.scores, opts.calibration_bins))
+    result.update(M.summarize(scored.labels, scored.scores, opts.calibration_bins, scored.weights))
     result["nproc"] = opts.nproc
     if opts.slices:
         result["slices"] = {c: slice_metrics(scored.labels, scored.scores, scored.slices[c], opts.top_k,
-                                             opts.calibration_bins) for c in opts.slices}
+                                             opts.calibration_bins, scored.weights) for c in opts.slices}
     if opts.predictions is not None:
         result["predictions"] = str(opts.predictions)
     if opts.compare is not None:
@@ -506,7 +528,15 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
 
 
 def compare(a: Scored, opts: EvalOptions, paths, types) -> tuple[dict, Scored]:
-    """Score the same rows with ``opts.compare``; return (its metrics, the deltas and the DeLong CI; its rows)."""
+    """Score the same rows with ``opts.compare``; return (its metrics, the deltas and the CI of the
+    AUC difference; its rows).
+
+    Both checkpoints' rows are weighted by A's sample weights (``a.weights``; B's own
+    ``schema.weight``, if any, is not used) so the figures are of one weighted set. The CI is
+    DeLong's without weights (or with weights all 1); with other weights it is a paired
+    bootstrap (``metrics.bootstrap_auc_diff``), since DeLong's variance does not hold for
+    weighted AUCs.
+    """
     from recsys import checkpoint_files
 
     path_b = checkpoint_files.resolve(opts.compare)
@@ -520,14 +550,17 @@ def compare(a: Scored, opts: EvalOptions, paths, types) -> tuple[dict, Scored]:
     if b.labels.shape != a.labels.shape or not np.array_equal(b.labels, a.labels):
         raise UserError(f"--compare: {path_b} read the rows in another order or count than {a.checkpoint} "
                         f"({b.labels.size} vs {a.labels.size} rows); cannot pair them")
-    mb = M.summarize(b.labels, b.scores, opts.calibration_bins)
-    ma = M.summarize(a.labels, a.scores, opts.calibration_bins)
+    mb = M.summarize(b.labels, b.scores, opts.calibration_bins, a.weights)
+    ma = M.summarize(a.labels, a.scores, opts.calibration_bins, a.weights)
     keys = ("auc", "log_loss", "normalized_entropy", "calibration", "ece", "ctr", "predicted_ctr", "rows", "positives")
     out = {"checkpoint": b.checkpoint, "step": b.step,
            "metrics": {k: mb[k] for k in keys if k in mb},
            "delta": {k: mb[k] - ma[k] for k in keys if k in ma and k in mb}}
     try:
-        out["auc_diff"] = M.delong_auc_diff(a.labels, a.scores, b.scores)
+        if a.weights is None or np.all(a.weights == 1.0):
+            out["auc_diff"] = M.delong_auc_diff(a.labels, a.scores, b.scores)
+        else:
+            out["auc_diff"] = M.bootstrap_auc_diff(a.labels, a.scores, b.scores, a.weights)
     except ValueError as exc:
         out["auc_diff"] = {"error": str(exc)}
     return out, b
@@ -550,6 +583,8 @@ def format_tables(result: dict) -> str:
     """Return the human-readable tables of a result: slices and the comparison."""
     lines = []
     cols = ("rows", "positives", "ctr", "auc", "log_loss", "normalized_entropy", "calibration")
+    if "weight_sum" in result:
+        cols = cols[:2] + ("weight_sum",) + cols[2:]
     head = f"{'value':<24}" + "".join(f"{c[:12]:>14}" for c in cols)
     for col, groups in result.get("slices", {}).items():
         lines += ["", f"slice {col}", head]

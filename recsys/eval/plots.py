@@ -3,6 +3,9 @@
     roc.png                ROC curve (and the compared checkpoint's, when there is one)
     calibration.png        predicted vs observed CTR per score bin, bin sizes below
     score_hist.png         score histogram per label (density)
+
+With sample weights (``schema.weight``) the ROC curve, the histograms and the calibration
+diagram are weighted like the metrics.
     slice_auc_<col>.png    AUC (and rows) per slice value of each --slice column, the whole set's AUC dashed
 """
 
@@ -22,16 +25,19 @@ def _pyplot():
     return plt
 
 
-def roc_curve(labels: np.ndarray, scores: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return (false positive rate, true positive rate) at every distinct score threshold."""
+def roc_curve(labels: np.ndarray, scores: np.ndarray,
+              weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Return (false positive rate, true positive rate) at every distinct score threshold
+    (rates of weight when ``weights`` are given)."""
     y = np.asarray(labels).astype(bool)
     s = np.asarray(scores, dtype=np.float64)
+    w = np.ones(s.size) if weights is None else np.asarray(weights, dtype=np.float64)
     order = np.argsort(-s, kind="stable")
-    s, y = s[order], y[order]
+    s, y, w = s[order], y[order], w[order]
     last = np.r_[np.flatnonzero(s[1:] != s[:-1]), s.size - 1]  # last row of each tie group
-    tp = np.cumsum(y)[last]
-    fp = (last + 1) - tp
-    return np.r_[0.0, fp / max(fp[-1], 1)], np.r_[0.0, tp / max(tp[-1], 1)]
+    tp = np.cumsum(np.where(y, w, 0.0))[last]
+    fp = np.cumsum(np.where(y, 0.0, w))[last]
+    return np.r_[0.0, fp / (fp[-1] or 1.0)], np.r_[0.0, tp / (tp[-1] or 1.0)]
 
 
 def write_plots(out: Path, scored, result: dict, other=None) -> list[Path]:
@@ -40,14 +46,14 @@ def write_plots(out: Path, scored, result: dict, other=None) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    y, p = scored.labels, scored.scores
+    y, p, w = scored.labels, scored.scores, scored.weights
 
     fig, ax = plt.subplots(figsize=(5, 5), dpi=100)
-    fpr, tpr = roc_curve(y, p)
+    fpr, tpr = roc_curve(y, p, w)
     name = "A: " if other is not None else ""
     ax.plot(fpr, tpr, label=f"{name}step {result['step']} (AUC {result.get('auc', float('nan')):.4f})")
     if other is not None:
-        fpr_b, tpr_b = roc_curve(other.labels, other.scores)
+        fpr_b, tpr_b = roc_curve(other.labels, other.scores, w)  # B's rows weigh as A's
         auc_b = result.get("compare", {}).get("metrics", {}).get("auc", float("nan"))
         ax.plot(fpr_b, tpr_b, label=f"B: step {other.step} (AUC {auc_b:.4f})")
     ax.plot([0, 1], [0, 1], "--", color="grey", linewidth=0.8, label="chance")
@@ -73,7 +79,8 @@ def write_plots(out: Path, scored, result: dict, other=None) -> list[Path]:
     for label, name in ((0, "label 0"), (1, "label 1")):
         sel = p[y == label]
         if sel.size:
-            ax.hist(sel, bins=edges, density=True, alpha=0.5, label=f"{name} ({sel.size:,} rows)")
+            ax.hist(sel, bins=edges, density=True, alpha=0.5, label=f"{name} ({sel.size:,} rows)",
+                    weights=None if w is None else w[y == label])
     ax.set(xlabel="score", ylabel="density", title="scores by label")
     ax.legend()
     written.append(_save(fig, out / "score_hist.png", plt))

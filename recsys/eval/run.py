@@ -52,7 +52,9 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
 @torch.no_grad()
 def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | None = None, device: str = "cpu",
                      passthrough: list[str] | None = None, rank: int = 0, world_size: int = 1):
-    """Yield (labels, probabilities, {passthrough column: values}) per batch of ``paths``.
+    """Yield (labels, probabilities, weights, {passthrough column: values}) per batch of ``paths``.
+
+    ``weights`` are the rows' sample weights (``schema.weight``), None when the job has none.
 
     One process reads every row in file order. With ``world_size`` > 1 (a process group
     is up and ``store`` is sharded over it) this rank reads its exactly-once share and the
@@ -98,28 +100,33 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
             logits = model(cur.dense, lookup.pooled(F))
             if batch is not None:
                 yield (cur.labels.cpu().numpy(), torch.sigmoid(logits).cpu().numpy(),
+                       None if cur.weights is None else cur.weights.cpu().numpy(),
                        {k: cur.extra[k].cpu().numpy() for k in extra_cols})
 
 
 def predict(job, store, model, paths: list[str], batch_size: int | None = None, device: str = "cpu"):
-    """Return (labels, probabilities, passthrough columns) for every row of ``paths``, in file order."""
-    labels, probs = [], []
+    """Return (labels, probabilities, weights or None, passthrough columns) for every row of
+    ``paths``, in file order."""
+    labels, probs, weights = [], [], []
     extra: dict[str, list[np.ndarray]] = {k: [] for k in job.data.eval.passthrough}
-    for y, p, ex in iter_predictions(job, store, model, paths, batch_size=batch_size, device=device):
+    for y, p, w, ex in iter_predictions(job, store, model, paths, batch_size=batch_size, device=device):
         labels.append(y)
         probs.append(p)
+        weights.append(w)
         for k in extra:
             extra[k].append(ex[k])
     cat = lambda xs: np.concatenate(xs) if xs else np.empty(0)  # noqa: E731
-    return cat(labels), cat(probs), {k: cat(v) for k, v in extra.items()}
+    return (cat(labels), cat(probs), cat(weights) if job.schema.weight else None,
+            {k: cat(v) for k, v in extra.items()})
 
 
 def evaluate_checkpoint(checkpoint: str | Path, data: list[str] | None = None, device: str = "cpu") -> dict:
-    """Return AUC, log loss, NE, calibration and rows of ``checkpoint`` on ``data`` (default: its eval split)."""
+    """Return AUC, log loss, NE, calibration and rows of ``checkpoint`` on ``data`` (default: its eval split),
+    weighted by the job's ``schema.weight`` when it has one."""
     job, store, model, path, meta = load_trained(checkpoint, device)
     paths = data or job.data.eval.paths
     if not paths:
         raise config_mod.ConfigError(f"{path}: the job has no eval paths; pass --data")
-    y, p, _ = predict(job, store, model, paths, device=device)
+    y, p, w, _ = predict(job, store, model, paths, device=device)
     store.close()
-    return {"checkpoint": str(path), "step": meta["step"], "data": list(paths), **evaluate_predictions(y, p)}
+    return {"checkpoint": str(path), "step": meta["step"], "data": list(paths), **evaluate_predictions(y, p, w)}

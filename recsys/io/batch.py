@@ -5,6 +5,7 @@ Shapes (legend: ``B`` rows in the batch, ``N`` dense columns, ``F`` sparse featu
     Batch
     ├── dense    float32 [B, N]      transformed dense columns, schema order
     ├── labels   float32 [B]
+    ├── weights  float32 [B] or None  per-example weights (schema.weight), None without one
     ├── sparse   KeyedJaggedTensor   keys = F feature names (schema order)
     │              values  int64 [sum of lengths]   hashed 64-bit keys, feature-major
     │              lengths int32 [F * B]            bag size per (feature, row)
@@ -29,6 +30,7 @@ class Batch:
     labels: torch.Tensor
     sparse: KeyedJaggedTensor
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    weights: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -42,6 +44,7 @@ class Batch:
             labels=self.labels.to(device, non_blocking=non_blocking),
             sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
             extra={k: v.to(device, non_blocking=non_blocking) for k, v in self.extra.items()},
+            weights=None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> "Batch":
@@ -51,6 +54,7 @@ class Batch:
             labels=self.labels.pin_memory(),
             sparse=self.sparse.pin_memory(),
             extra={k: v.pin_memory() for k, v in self.extra.items()},
+            weights=None if self.weights is None else self.weights.pin_memory(),
         )
 
 
@@ -70,4 +74,5 @@ def empty_batch(schema, extra: list[str]) -> Batch:
         labels=torch.empty(0),
         sparse=kjt,
         extra={k: torch.empty(0, dtype=torch.int64) for k in extra},
+        weights=torch.empty(0) if schema.weight else None,
     )

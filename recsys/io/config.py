@@ -12,6 +12,9 @@ class ReaderConfig:
 
     paths: list[str] = field(default_factory=list)
     """Files, directories or globs; local paths or any pyarrow filesystem URI."""
+    filter: str = ""
+    """Select files by their Hive partition directories (``date=2026-11-01/...``), e.g.
+    ``"date >= '2026-11-01' and region in ('eu', 'us')"`` (grammar: ``recsys.io.partitions``)."""
     batch_size: int = 4096
     """Rows per batch (per rank)."""
     shuffle: bool = True
@@ -50,6 +53,9 @@ class ReaderConfig:
     locks at fork time (e.g. another reader streaming in a background thread)."""
 
     def __post_init__(self) -> None:
+        from recsys.io.partitions import parse_filter
+
+        parse_filter(self.filter)  # a mistake fails when the job is loaded, naming where
         if self.batch_size <= 0:
             raise ValueError(f"batch_size must be > 0, found {self.batch_size}")
         if self.shuffle_buffer < 1:

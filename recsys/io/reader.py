@@ -47,6 +47,7 @@ from recsys.io.convert import BatchArrays, UnitConverter
 from recsys.io.errors import ReadError
 from recsys.io.inspect import describe
 from recsys.io.plan import ReadContext, SlotPlan, SlotRunner, background_priority, priority_target
+from recsys.io.partitions import parse_filter, select
 from recsys.io.state import STATE_VERSION, Progress, check_shape, merge_states, unit_index
 from recsys.io.units import build_units, expand_paths, hold_out
 from recsys.schema import Schema
@@ -75,7 +76,7 @@ class ParquetReader:
         self.rank = rank
         self.world_size = world_size
         self._slots_per_rank = max(1, cfg.num_workers)
-        files = expand_paths(cfg.paths, filesystem)
+        files = select(expand_paths(cfg.paths, filesystem), parse_filter(cfg.filter), ", ".join(cfg.paths))
         table = build_units(files, schema, list(cfg.passthrough), cfg.on_bad_file)
         row0 = _row0(table)  # row numbers within the files, before any unit is held out
         if cfg.holdout_fraction:
@@ -247,13 +248,14 @@ class ParquetReader:
         sparse = KeyedJaggedTensor(
             keys=self._feature_names,
             values=t["values"],
+            weights=t.get("id_weights"),
             lengths=t["lengths"],
             stride=size,
             length_per_key=b["length_per_key"],
             offset_per_key=b["offset_per_key"],
         )
         extra = {name[len("extra."):]: v for name, v in t.items() if name.startswith("extra.")}
-        return Batch(dense=t["dense"], labels=t["labels"], sparse=sparse, extra=extra)
+        return Batch(dense=t["dense"], labels=t["labels"], sparse=sparse, extra=extra, weights=t.get("weights"))
 
     def _close_active(self) -> None:
         ref, self._active = self._active, None
@@ -502,8 +504,8 @@ class _Ring:
 def _slot_bytes(ctx: ReadContext) -> int:
     """Return a ring slot size that fits a typical batch (multi-hot bags up to ~32 ids)."""
     conv = ctx.converter
-    per_row = (4 * len(conv.schema.dense) + 4 + 4 * conv.num_features + 8 * len(conv.single)
-               + 8 * 32 * len(conv.multi) + 8 * len(conv.passthrough))
+    per_row = (4 * len(conv.schema.dense) + 4 + 4 * bool(conv.schema.weight) + 4 * conv.num_features + 8 * len(conv.single)
+               + (8 + 4 * conv.weighted) * 32 * len(conv.multi) + 8 * len(conv.passthrough))
     nbytes = ctx.batch_size * per_row + 64 * (5 + len(conv.passthrough))
     return -(-nbytes // (1 << 20)) * (1 << 20)
 

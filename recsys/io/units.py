@@ -74,11 +74,32 @@ def _resolve(raw: str, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSys
         try:
             fs, path = pafs.FileSystem.from_uri(raw)
         except (pa.ArrowException, ValueError, OSError) as exc:
-            raise ReadError(file=raw, expected="a path or filesystem URI", found=str(exc)) from None
+            fsspec_fs = _fsspec(scheme, raw)
+            if fsspec_fs is None:
+                raise ReadError(file=raw, expected="a path or filesystem URI", found=str(exc)) from None
+            fs, path = fsspec_fs
         if isinstance(fs, pafs.LocalFileSystem):
             return fs, path, ""
         return fs, path, f"{scheme}://"
     return pafs.LocalFileSystem(), os.path.abspath(raw).replace(os.sep, "/"), ""
+
+
+def _fsspec(scheme: str, raw: str) -> tuple[pafs.FileSystem, str] | None:
+    """Return (pyarrow filesystem, path) for a scheme pyarrow lacks but fsspec has (``memory://``,
+    ``az://`` with adlfs installed, ...), or None if neither knows it."""
+    try:
+        import fsspec
+        from fsspec.registry import known_implementations
+    except ImportError:
+        return None
+    if scheme not in known_implementations and scheme not in fsspec.available_protocols():
+        return None
+    try:
+        fs = fsspec.filesystem(scheme)
+    except (ImportError, ValueError, OSError) as exc:  # e.g. the implementation's package is missing
+        raise ReadError(file=raw, expected=f"a usable {scheme}:// filesystem", found=str(exc)) from None
+    path = fs._strip_protocol(raw)
+    return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path if path.startswith("/") else "/" + path
 
 
 def _expand_one(fs: pafs.FileSystem, path: str, raw: str) -> list[str]:
@@ -231,6 +252,9 @@ def is_numeric_type(t: pa.DataType) -> bool:
 
 def expected_sparse(feat: FeatureSpec) -> str:
     """Return what a feature's source column must be, in words."""
+    kind = "int64" if feat.kind == "int64" else "string"
+    if feat.weighted and not feat.weight_column:
+        return f"a list<struct<id: {kind}, weight: float>> column for weighted feature {feat.name!r}"
     if feat.multi_hot:
         return (
             f"a list<{'int64' if feat.kind == 'int64' else 'string'}> column for multi-hot "
@@ -243,6 +267,15 @@ def expected_sparse(feat: FeatureSpec) -> str:
 def check_sparse_type(feat: FeatureSpec, t: pa.DataType) -> str | None:
     """Return None if ``t`` fits ``feat``, else the 'found' text (with a hint)."""
     ok_value = _is_int if feat.kind == "int64" else _is_str
+    if feat.weighted and not feat.weight_column:
+        if pa.types.is_null(t):
+            return None
+        if is_list_type(t) and pa.types.is_struct(t.value_type) and t.value_type.num_fields == 2:
+            s = t.value_type
+            id_i = s.get_field_index("id") if s.get_field_index("id") >= 0 else 0
+            if ok_value(s.field(id_i).type) and is_numeric_type(s.field(1 - id_i).type):
+                return None
+        return f"{t} (set weight_column for ids and weights in two list columns)"
     if feat.multi_hot:
         if is_list_type(t):
             if ok_value(t.value_type):
@@ -265,6 +298,13 @@ def column_checks(schema: Schema, passthrough: list[str]) -> list[tuple[str, str
     seen = {schema.label, *schema.dense}
     for feat in schema.sparse:
         out.append((feat.column, f"sparse:{feat.name}", expected_sparse(feat)))
+        if feat.weight_column:
+            out.append((feat.weight_column, f"idweight:{feat.name}",
+                        f"a list of numeric weights for weighted feature {feat.name!r}"))
+            seen.add(feat.weight_column)
+    if schema.weight:
+        out.append((schema.weight, "weight", "a numeric (integer, float or boolean) sample weight column"))
+        seen.add(schema.weight)
     for c in passthrough:
         if c not in seen and c not in {f.column for f in schema.sparse}:
             out.append((c, "passthrough", "a numeric or boolean passthrough column"))
@@ -275,6 +315,8 @@ def check_column(schema: Schema, column: str, role: str, t: pa.DataType) -> str 
     """Return None if the column's Arrow type fits its role, else what was found instead."""
     if role.startswith("sparse:"):
         return check_sparse_type(schema.feature(role.split(":", 1)[1]), t)
+    if role.startswith("idweight:"):
+        return None if pa.types.is_null(t) or (is_list_type(t) and is_numeric_type(t.value_type)) else str(t)
     if role == "dense" and pa.types.is_null(t):
         return None  # every cell null: all filled
     return None if is_numeric_type(t) else str(t)

@@ -120,7 +120,7 @@ class Lookup:
     single_cols: torch.Tensor  # [F_single] schema position of each single-hot feature
     multi_values: torch.Tensor  # rows of multi-hot ids, bags feature-major
     multi_offsets: torch.Tensor  # [F_multi * B + 1]
-    multi_weights: torch.Tensor | None  # per-id weights for mean pooling
+    multi_weights: torch.Tensor | None  # per-id weights: 1/len for mean pooling, given ones for weighted features
     multi_cols: torch.Tensor  # [F_multi] schema position of each multi-hot feature
     pooled_leaf: torch.Tensor | None = None  # [B, F, D] pooled on CPU by pool_now(), a leaf
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
@@ -228,6 +228,7 @@ class ShardedEmbeddingStore:
             t: [i for i, f in enumerate(schema.sparse) if f.table == t] for t in self.table_names
         }
         self._mean = np.array([f.pooling == "mean" for f in schema.sparse])
+        self._weighted = np.array([f.weighted for f in schema.sparse], dtype=bool)
         dims = {spec.dim for spec in schema.tables.values()}
         if len(dims) > 1:
             raise ValueError(f"the store keeps one embedding dim across tables, found {sorted(dims)}")
@@ -709,12 +710,20 @@ class ShardedEmbeddingStore:
             lens = lengths_FB[multi].reshape(-1)
             multi_offsets = np.zeros(lens.shape[0] + 1, dtype=np.int64)
             np.cumsum(lens, out=multi_offsets[1:])
+            w = None
             if self._mean[multi].any():
                 per_bag = np.ones((len(multi), B), dtype=np.float32)
                 for j, f in enumerate(multi):
                     if self._mean[f]:
                         per_bag[j] = 1.0 / np.maximum(lengths_FB[f], 1)
-                weights = torch.from_numpy(np.repeat(per_bag.reshape(-1), lens)).to(self.device)
+                w = np.repeat(per_bag.reshape(-1), lens)
+            id_weights = kjt.weights_or_none()
+            if id_weights is not None and self._weighted.any():  # id-score lists: Σ weight × row
+                kw = id_weights.numpy()
+                given = np.concatenate([kw[offs[f] : offs[f + 1]] for f in multi]).astype(np.float32, copy=False)
+                w = given if w is None else w * given
+            if w is not None:
+                weights = torch.from_numpy(w).to(self.device)
         else:
             multi_offsets = np.zeros(1, dtype=np.int64)
         dev = self.device

@@ -95,6 +95,16 @@ def _all_max(values: list[int], env: Env) -> list[int]:
     return t.tolist()
 
 
+def _loss(logits: torch.Tensor, batch) -> torch.Tensor:
+    """Binary cross-entropy of a batch: the mean over rows, or with sample weights
+    (``schema.weight``) the weighted mean Σ w·l / Σ w (0 when every weight is 0)."""
+    if batch.weights is None:
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+    w = batch.weights
+    per_row = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
+    return (per_row * w).sum() / w.sum().clamp_min(torch.finfo(w.dtype).tiny)
+
+
 def lr_lambda(cfg, total_steps: int | None):
     """Return the LR multiplier function: linear warm-up, then none/linear/cosine decay."""
 
@@ -354,7 +364,7 @@ class Trainer:
                     t2 = time.perf_counter()
                     logits = self.ddp(cur.dense, lookup.pooled(F))
                     if cur.size:
-                        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, cur.labels)
+                        loss = _loss(logits, cur)
                     else:  # an empty batch still joins DDP's all-reduce, with zero gradients
                         loss = logits.sum() * 0.0
                     self.opt.zero_grad(set_to_none=False)
@@ -481,7 +491,7 @@ class Trainer:
             return {}
         reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size)
         self.model.eval()
-        labels, preds = [], []
+        labels, preds, weights = [], [], []
         seen = 0
         it = iter(reader)
         try:
@@ -497,18 +507,22 @@ class Trainer:
                 logits = self.model(cur.dense, lookup.pooled(len(schema.sparse)))
                 labels.append(cur.labels.cpu().numpy())
                 preds.append(torch.sigmoid(logits).cpu().numpy())
+                if cur.weights is not None:
+                    weights.append(cur.weights.cpu().numpy())
                 seen += cur.size * env.world_size
         finally:
             reader.close()
             self.model.train()
         y = np.concatenate(labels) if labels else np.empty(0)
         p = np.concatenate(preds) if preds else np.empty(0)
+        w = (np.concatenate(weights) if weights else np.empty(0)) if schema.weight else None
         if env.world_size > 1:
             gathered = [None] * env.world_size
-            dist.all_gather_object(gathered, (y, p))
+            dist.all_gather_object(gathered, (y, p, w))
             y = np.concatenate([g[0] for g in gathered])
             p = np.concatenate([g[1] for g in gathered])
-        result = evaluate_predictions(y, p)
+            w = np.concatenate([g[2] for g in gathered]) if schema.weight else None
+        result = evaluate_predictions(y, p, w)
         self.log.event("eval", step=self.step, split=split, **result)
         return result
 

@@ -1,0 +1,238 @@
+"""``recsys convert``: Criteo's layout from gzip, CSV with a job's schema, JSON lines, bad rows, --infer."""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recsys import hashing, synth
+from recsys.cli import main
+from recsys.config import load_job
+from recsys.io.ingest import CRITEO_COLUMNS, ConvertError, ConvertOptions, convert
+from recsys.schema import FeatureSpec, Schema, TableSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def criteo(tmp_path_factory) -> Path:
+    """The tiny synthetic set in Criteo's layout: train.txt.gz (6000 rows), eval.txt.gz (2000)."""
+    out = tmp_path_factory.mktemp("criteo")
+    synth.write_criteo_tsv(out, "tiny", seed=3)
+    return out
+
+
+def _tsv_rows(path: Path) -> list[list[str]]:
+    with gzip.open(path, "rt", newline="") as f:
+        return [line.rstrip("\n").split("\t") for line in f]
+
+
+def _read_dir(out: Path) -> pa.Table:
+    files = sorted(out.glob("part-*.parquet"))
+    return pa.concat_tables(pq.read_table(f) for f in files)
+
+
+def test_criteo_gzip_to_parquet_keeps_every_value_and_sizes_row_groups(criteo, tmp_path):
+    out = tmp_path / "train"
+    report = convert([str(criteo / "train.txt.gz")], out,
+                     ConvertOptions(fmt="tsv", preset="criteo", row_group_rows=1000, rows_per_file=2500))
+    rows = _tsv_rows(criteo / "train.txt.gz")
+    assert report["rows"] == len(rows) == 6000 and report["bad_rows"] == 0
+    files = sorted(out.glob("part-*.parquet"))
+    assert [pq.ParquetFile(f).metadata.num_rows for f in files] == [2500, 2500, 1000]
+    assert [pq.ParquetFile(files[0]).metadata.row_group(i).num_rows for i in range(3)] == [1000, 1000, 500]
+    assert pq.ParquetFile(files[0]).metadata.row_group(0).column(0).compression == "ZSTD"
+    got = _read_dir(out)
+    assert got.column_names == CRITEO_COLUMNS
+    assert got.schema.field("label").type == pa.int8() and got.schema.field("i1").type == pa.float32()
+    assert got.schema.field("c1").type == pa.string()
+    # every field against an independent parse of the text
+    for j, name in enumerate(CRITEO_COLUMNS):
+        col = got.column(name).to_pylist()
+        if name == "label":
+            want = [int(r[j]) for r in rows]
+        elif name.startswith("i"):
+            want = [None if r[j] == "" else float(np.float32(r[j])) for r in rows]
+        else:
+            want = [None if r[j] == "" else r[j] for r in rows]
+        assert col == want, name
+    assert any(v is None for v in got.column("c22").to_pylist())  # empty fields are nulls
+    saved = json.loads((out / "_convert.json").read_text())
+    assert saved["rows"] == 6000 and len(saved["files"]) == 3 and not list(out.glob(".convert-*"))
+
+
+def test_criteo_job_reads_the_converted_files(criteo, tmp_path):
+    from recsys.io.reader import ParquetReader
+
+    out = tmp_path / "train"
+    convert([str(criteo / "train.txt.gz")], out, ConvertOptions(fmt="tsv", preset="criteo", row_group_rows=2048))
+    job = load_job(ROOT / "jobs" / "criteo.toml", [f'data.train.paths=["{out}"]'])
+    cfg = job.data.train.__class__(paths=[str(out)], batch_size=6000, shuffle=False)
+    with ParquetReader(cfg, job.schema) as reader:
+        (batch,) = list(reader)
+    rows = _tsv_rows(criteo / "train.txt.gz")
+    assert batch.labels.tolist() == [float(r[0]) for r in rows]
+    i1 = np.array([0.0 if r[1] == "" else float(r[1]) for r in rows], dtype=np.float32)
+    assert np.allclose(batch.dense[:, 0].numpy(), np.sign(i1) * np.log1p(np.abs(i1)), atol=1e-6)
+    c3 = [r[16] for r in rows if r[16] != ""]
+    assert batch.sparse["c3"].values().tolist() == hashing.hash_string_reference(c3, "c3")
+
+
+BAD_TSV = (
+    "1\t5\t\tab\n"        # line 1: fine (empty dense is a null)
+    "0\t7\n"              # line 2: 2 fields, 4 expected
+    "1\tx1\t3\tcd\n"      # line 3: non-numeric dense
+    "2\t1\t1\tef\n"       # line 4: label 2
+    "\n"                  # line 5: an empty line
+    "0\t1\t2\tgh\n"       # line 6: fine
+    "1\tnan\t2\tij\n"     # line 7: NaN dense
+    "0\t3\t4\tkl"         # line 8: fine, no final line end
+)
+SMALL = Schema(label="label", dense=["a", "b"], sparse=[FeatureSpec(name="c", kind="string")],
+               tables={"c": TableSpec(dim=4)})
+
+
+def _write_small(tmp_path: Path, text: str, name: str = "in.tsv") -> Path:
+    path = tmp_path / name
+    path.write_text("label\ta\tb\tc\n" + text)
+    return path
+
+
+def test_bad_rows_error_names_file_line_column_and_writes_nothing(tmp_path):
+    path = _write_small(tmp_path, BAD_TSV)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    with pytest.raises(ConvertError) as err:
+        convert([str(path)], out, ConvertOptions(fmt="tsv"), schema=SMALL)
+    msg = str(err.value)
+    assert f"{path}: line 3: expected 4 fields, found 2 fields" in msg  # the header is line 1
+    assert "5 bad rows" in msg and "nothing was written" in msg
+    assert sorted(p.name for p in out.iterdir()) == ["keep.txt"]
+
+
+def test_bad_rows_skip_counts_and_lists_each_with_its_line(tmp_path):
+    path = _write_small(tmp_path, BAD_TSV)
+    out = tmp_path / "out"
+    report = convert([str(path)], out, ConvertOptions(fmt="tsv", bad_rows="skip"), schema=SMALL)
+    assert report["rows"] == 3 and report["bad_rows"] == 5
+    listed = [(b["line"], b["column"], b["found"]) for b in report["bad_rows_listed"]]
+    assert listed == [(3, None, "2 fields"), (4, "a", "'x1'"), (5, "label", "'2'"), (6, None, "an empty line"),
+                      (8, "a", "'nan'")]
+    got = _read_dir(out)
+    assert got.to_pydict() == {"label": [1, 0, 0], "a": [5.0, 1.0, 3.0], "b": [None, 2.0, 4.0],
+                               "c": ["ab", "gh", "kl"]}
+
+
+def test_value_checks_without_a_parse_error_give_exact_lines(tmp_path):
+    # Arrow parses every line here; the label and dense checks alone find the bad rows
+    path = _write_small(tmp_path, "1\t1\t1\ta\n3\t1\t1\tb\n0\tinf\t1\tc\n0\t2\t2\td\n")
+    report = convert([str(path)], tmp_path / "out", ConvertOptions(fmt="tsv", bad_rows="skip"), schema=SMALL)
+    assert [(b["line"], b["column"]) for b in report["bad_rows_listed"]] == [(3, "label"), (4, "a")]
+    assert _read_dir(tmp_path / "out").column("c").to_pylist() == ["a", "d"]
+
+
+def test_csv_with_header_quotes_extra_columns_and_a_job_schema(tmp_path):
+    path = tmp_path / "in.csv"
+    path.write_text('user_id,label,note,price,city\n7,1,"a, quoted",1.5,"Paris"\n-3,0,x,,""\n')
+    schema = Schema(label="label", dense=["price"],
+                    sparse=[FeatureSpec(name="user", column="user_id"), FeatureSpec(name="city", kind="string")],
+                    tables={"user": TableSpec(dim=4), "city": TableSpec(dim=4)})
+    convert([str(path)], tmp_path / "out", ConvertOptions(fmt="csv"), schema=schema)
+    got = _read_dir(tmp_path / "out")
+    assert got.column_names == ["label", "price", "user_id", "city"]  # the job's columns only
+    assert got.schema.field("user_id").type == pa.int64()
+    assert got.to_pydict() == {"label": [1, 0], "price": [1.5, None], "user_id": [7, -3], "city": ["Paris", ""]}
+
+
+def test_job_column_missing_from_the_header_is_named(tmp_path):
+    path = tmp_path / "in.csv"
+    path.write_text("label,x\n1,2\n")
+    with pytest.raises(ConvertError, match=r"in.csv: line 1: expected columns \['a', 'b', 'c'\]"):
+        convert([str(path)], tmp_path / "out", ConvertOptions(fmt="csv"), schema=SMALL)
+
+
+def test_jsonl_multi_hot_lists_and_a_bad_line(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"label": 1, "a": 0.5, "tags": ["x", "y"]}\n'
+                    '{"label": 0, "a": null, "tags": []}\n'
+                    '{"label": 1, "a": "high", "tags": ["z"]}\n'
+                    'not json\n'
+                    '{"label": 0, "a": 2, "tags": null}\n')
+    schema = Schema(label="label", dense=["a"], sparse=[FeatureSpec(name="tags", kind="string", multi_hot=True)],
+                    tables={"tags": TableSpec(dim=4)})
+    with pytest.raises(ConvertError, match=r"in.jsonl: line 3: column 'a': expected a finite number"):
+        convert([str(path)], tmp_path / "err", ConvertOptions(fmt="jsonl"), schema=schema)
+    report = convert([str(path)], tmp_path / "out", ConvertOptions(fmt="jsonl", bad_rows="skip"), schema=schema)
+    assert [b["line"] for b in report["bad_rows_listed"]] == [3, 4]
+    got = _read_dir(tmp_path / "out")
+    assert got.to_pydict() == {"label": [1, 0, 0], "a": [0.5, None, 2.0], "tags": [["x", "y"], [], None]}
+
+
+def test_infer_proposes_a_job_that_inspect_accepts(tmp_path):
+    from recsys.io.reader import describe
+
+    rng = np.random.default_rng(0)
+    path = tmp_path / "in.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["clicked", "age", "score", "item_id", "country"])
+        for i in range(400):
+            w.writerow([int(rng.random() < 0.3), int(rng.integers(18, 70)), f"{rng.random():.3f}", 1000 + i,
+                        ["fr", "de", "us"][i % 3]])
+    out = tmp_path / "out"
+    report = convert([str(path)], out, ConvertOptions(fmt="csv"), infer=True)
+    job = load_job(report["proposed_job"])
+    assert job.schema.label == "clicked"
+    assert job.schema.dense == ["age", "score"]
+    assert [(f.name, f.kind) for f in job.schema.sparse] == [("item_id", "int64"), ("country", "string")]
+    assert job.data.train.paths == [str(out)]
+    text = describe(job.data.train.paths, job.schema)
+    assert "MISSING" not in text and "WRONG TYPE" not in text
+
+
+def test_output_directory_with_parts_is_refused(criteo, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "part-00000.parquet").write_bytes(b"x")
+    with pytest.raises(ConvertError, match="without part-\\*.parquet files"):
+        convert([str(criteo / "eval.txt.gz")], out, ConvertOptions(fmt="tsv", preset="criteo"))
+    assert (out / "part-00000.parquet").read_bytes() == b"x"
+
+
+def test_cli_convert_and_one_line_errors(criteo, tmp_path, capsys):
+    out = tmp_path / "eval"
+    assert main(["convert", "--from", "tsv", "--preset", "criteo", str(criteo / "eval.txt.gz"), "--out", str(out),
+                 "--no-progress"]) == 0
+    assert "converted 2,000 rows into 1 file(s)" in capsys.readouterr().out
+    assert main(["convert", "--from", "csv", "--preset", "criteo", str(criteo / "eval.txt.gz"), "--out",
+                 str(tmp_path / "x")]) == 2
+    assert "the criteo preset reads tab-separated files" in capsys.readouterr().err
+    truncated = tmp_path / "cut.txt.gz"
+    truncated.write_bytes((criteo / "eval.txt.gz").read_bytes()[:20_000])
+    assert main(["convert", "--from", "tsv", "--preset", "criteo", str(truncated), "--out", str(tmp_path / "y"),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert f"{truncated}: near line" in err and "compressed data" in err
+    assert not (tmp_path / "y").exists() or not list((tmp_path / "y").glob("part-*"))
+
+
+def test_bench_convert_quick_on_a_given_file(criteo, tmp_path, capsys):
+    from recsys import bench
+
+    tsv = tmp_path / "train.txt"
+    tsv.write_bytes(gzip.decompress((criteo / "train.txt.gz").read_bytes()))
+    result = bench.run("convert", json_out=tmp_path / "b.json", quick=True, data=tsv)
+    assert [c["name"] for c in result["comparisons"]] == ["convert vs read_csv + write_table",
+                                                           "convert vs open_csv + ParquetWriter"]
+    for c in result["comparisons"]:
+        assert c["ours"] > 0 and c["baseline"] > 0 and c["spread"][0] <= c["median_paired_ratio"] <= c["spread"][1]
+    assert result["settings"]["rows"] == 6000
+    assert "convert vs read_csv" in capsys.readouterr().out
