@@ -56,7 +56,7 @@ def test_weighted_metrics_refuse_bad_weights():
         roc_auc(y, p, sample_weight=[1.0, 0.0])
 
 
-def test_weighted_loss_is_the_weighted_mean_and_its_gradient():
+def test_weighted_loss_is_the_mean_of_weighted_row_losses_and_its_gradient():
     from recsys.io.batch import Batch
 
     logits = torch.tensor([0.3, -1.0, 2.0, 0.1], requires_grad=True)
@@ -65,7 +65,7 @@ def test_weighted_loss_is_the_weighted_mean_and_its_gradient():
     batch = Batch(dense=torch.empty(4, 0), labels=labels, sparse=None, weights=w)
     loss = _loss(logits, batch)
     per_row = torch.nn.functional.binary_cross_entropy_with_logits(logits.detach(), labels, reduction="none")
-    assert loss.item() == pytest.approx(float((per_row * w).sum() / w.sum()))
+    assert loss.item() == pytest.approx(float((per_row * w).sum() / 4))  # / rows, not / Σ w (see _loss)
     loss.backward()
     assert logits.grad[2].item() == 0.0  # a weight-0 row does not train
     assert _loss(logits, Batch(dense=torch.empty(4, 0), labels=labels, sparse=None)).item() == pytest.approx(

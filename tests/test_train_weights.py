@@ -1,7 +1,8 @@
 """Training with sample weights and weighted sparse features, end to end through the Trainer on
 real Parquet: weights all 1 train exactly like no weights; weight-0 rows do not move the model
 (all of them: every parameter and embedding row stays at its initial value, one and two
-processes; some of them: the same run as without those rows); a weighted feature with weights
+processes; some of them: their labels and dense values change nothing); two ranks equal one
+rank with weights; a weighted feature with weights
 all 1 trains exactly like the same feature unweighted (sum pooling)."""
 
 from __future__ import annotations
@@ -138,27 +139,19 @@ def test_rows_of_weight_zero_leave_every_parameter_at_its_initial_value_two_proc
 # --------------------------------------------------------------------------- some rows of weight 0
 
 
-def _keep_rows(batch, keep: np.ndarray):
-    """Return ``batch`` with only the rows where ``keep`` is true (ids, id weights and all)."""
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+def _scramble_zero_weight_rows(batch, seed: int):
+    """Return ``batch`` with the labels of its weight-0 rows flipped and their dense values
+    redrawn (ids kept, so the same keys are looked up)."""
+    import dataclasses as dc
 
-    from recsys.io.batch import Batch
-
-    kjt = batch.sparse
-    rows = torch.from_numpy(np.tile(keep, len(kjt.keys())))
-    values = torch.from_numpy(np.repeat(rows.numpy(), kjt.lengths().numpy()))
-    w = kjt.weights_or_none()
-    sparse = KeyedJaggedTensor(keys=kjt.keys(), values=kjt.values()[values], lengths=kjt.lengths()[rows],
-                               weights=None if w is None else w[values])
-    k = torch.from_numpy(keep)
-    return Batch(batch.dense[k], batch.labels[k], sparse, {c: v[k] for c, v in batch.extra.items()},
-                 batch.weights[k])
+    zero = torch.from_numpy(batch.weights.numpy() == 0)
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.where(zero[:, None], torch.randn(batch.dense.shape, generator=gen) * 5, batch.dense)
+    labels = torch.where(zero, 1.0 - batch.labels, batch.labels)
+    return dc.replace(batch, dense=dense, labels=labels)
 
 
-def test_rows_of_weight_zero_train_like_rows_left_out(splits, tmp_path):
-    """8 batches with a tenth of their rows weighing 0, against the same batches without those
-    rows: the same losses and parameters (to float rounding: the sums run over other terms),
-    and the keys only those rows hold stay at their initial vectors."""
+def _weighted_batches(splits) -> tuple:
     from recsys.config import load_job
     from recsys.io.reader import ParquetReader
 
@@ -166,19 +159,53 @@ def test_rows_of_weight_zero_train_like_rows_left_out(splits, tmp_path):
                                   "data.train.shuffle=false"))
     with ParquetReader(job.data.train, job.schema) as reader:
         batches = [b for _, b in zip(range(8), reader)]
-    kept = [_keep_rows(b, b.weights.numpy() > 0) for b in batches]
-    assert sum(b.size - k.size for b, k in zip(batches, kept)) > 100
-    train(tmp_path / "all", splits["random"], splits["eval"], job=job, source=ListSource(batches, 0, 1))
-    train(tmp_path / "kept", splits["random"], splits["eval"], job=job, source=ListSource(kept, 0, 1))
-    la, lk = losses(tmp_path / "all"), losses(tmp_path / "kept")
-    assert sorted(la) == sorted(lk) == list(range(1, 9))
-    for step in la:
-        assert la[step] == pytest.approx(lk[step], rel=1e-5)
-    (dense_a, rows_a), (dense_k, rows_k) = saved(tmp_path / "all"), saved(tmp_path / "kept")
-    only_zero = {t: {k: r for k, r in rows_a[t].items() if k not in rows_k[t]} for t in rows_a}
-    assert sum(map(len, only_zero.values())) > 50  # keys only weight-0 rows looked up
-    assert_same((dense_a, {t: {k: rows_a[t][k] for k in rows_k[t]} for t in rows_k}), (dense_k, rows_k), atol=1e-5)
-    assert_same(({}, only_zero), ({}, _initial(tmp_path / "all", only_zero)))
+    return job, batches
+
+
+def test_rows_of_weight_zero_do_not_change_training(splits, tmp_path):
+    """8 batches with a tenth of their rows weighing 0, against the same batches with those
+    rows' labels flipped and dense values redrawn: exactly the same losses and parameters."""
+    job, batches = _weighted_batches(splits)
+    scrambled = [_scramble_zero_weight_rows(b, i) for i, b in enumerate(batches)]
+    assert sum(int((b.weights == 0).sum()) for b in batches) > 100
+    assert any(not torch.equal(a.labels, b.labels) for a, b in zip(batches, scrambled))
+    train(tmp_path / "a", splits["random"], splits["eval"], job=job, source=ListSource(batches, 0, 1))
+    train(tmp_path / "b", splits["random"], splits["eval"], job=job, source=ListSource(scrambled, 0, 1))
+    la, lb = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(la) == list(range(1, 9)) and la == lb
+    assert_same(saved(tmp_path / "a"), saved(tmp_path / "b"))
+    # the check can fail: where those rows weigh 1, the same scramble changes the run
+    def counted(bs):
+        return [dataclasses.replace(b, weights=torch.where(b.weights == 0, 1.0, b.weights)) for b in bs]
+
+    train(tmp_path / "c", splits["random"], splits["eval"], job=job, source=ListSource(counted(batches), 0, 1))
+    train(tmp_path / "d", splits["random"], splits["eval"], job=job, source=ListSource(counted(scrambled), 0, 1))
+    assert losses(tmp_path / "c") != losses(tmp_path / "d")
+
+
+def _weighted_two_rank_body(rank, world, train_dir, eval_dir, run_dir, batches):
+    from recsys.config import load_job
+
+    job = load_job(JOB, overrides(Path(train_dir), Path(eval_dir), STEPS, "schema.weight='w'"))
+    return train(Path(run_dir), Path(train_dir), Path(eval_dir), job=job, source=ListSource(batches, rank, world))
+
+
+@pytest.mark.multiproc
+def test_two_ranks_equal_one_rank_with_sample_weights(splits, tmp_path):
+    """The staleness-0 invariant holds with weights: each rank's half of a global batch has its
+    own weight sum, so the loss must normalize by rows (Σ w·l / B), not by Σ w, for DDP's mean
+    of the ranks' losses to be the global batch's."""
+    job, batches = _weighted_batches(splits)
+    halves = [b.weights[: b.size // 2].sum() / b.weights[b.size // 2 :].sum() for b in batches]
+    assert any(abs(float(h) - 1) > 0.02 for h in halves)  # the halves' weight sums differ
+    train(tmp_path / "one", splits["random"], splits["eval"], job=job, source=ListSource(batches, 0, 1))
+    run_distributed(_weighted_two_rank_body, 2, str(splits["random"]), str(splits["eval"]), str(tmp_path / "two"),
+                    batches)
+    l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(l1) == sorted(l2) == list(range(1, 9))
+    for step in l1:
+        assert l2[step] == pytest.approx(l1[step], rel=1e-5)
+    assert_same(saved(tmp_path / "one"), saved(tmp_path / "two"), atol=1e-5)
 
 
 # --------------------------------------------------------------------------- a weighted sparse feature

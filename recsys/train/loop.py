@@ -97,12 +97,12 @@ def _all_max(values: list[int], env: Env) -> list[int]:
 
 def _loss(logits: torch.Tensor, batch) -> torch.Tensor:
     """Binary cross-entropy of a batch: the mean over rows, or with sample weights
-    (``schema.weight``) the weighted mean Σ w·l / Σ w (0 when every weight is 0)."""
+    (``schema.weight``) the mean of w·l over rows, Σ w·l / B (as torch's ``weight`` and
+    Keras's ``sample_weight`` do). Not Σ w·l / Σ w: each rank's loss is averaged by DDP, and
+    only a per-row normalization makes that average the global batch's, so 2 ranks equal 1."""
     if batch.weights is None:
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-    w = batch.weights
-    per_row = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none")
-    return (per_row * w).sum() / w.sum().clamp_min(torch.finfo(w.dtype).tiny)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, weight=batch.weights)
 
 
 def lr_lambda(cfg, total_steps: int | None):
