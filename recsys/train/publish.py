@@ -159,6 +159,8 @@ class LivePublisher:
 
     def _snapshot(self, step: int) -> bool:
         """Take a snapshot of the touched rows into the queue; False (coalesced) if it is full."""
+        from recsys.store.dedup import unique_inverse
+
         if self._queue.full():
             self.counters["coalesced"] += 1
             return False
@@ -170,7 +172,8 @@ class LivePublisher:
         budget = self.cfg.max_rows_per_push
         parts, left = [], {}
         for table, chunks in self._touched.items():
-            keys = np.unique(np.concatenate(chunks))
+            # hash dedup in first-touch order: np.unique's sort was over half of a gather's time
+            keys = unique_inverse(np.concatenate(chunks))[0]
             if budget <= 0:
                 left[table] = [keys]
                 continue
