@@ -17,6 +17,7 @@ import logging
 import os
 import platform
 import resource
+import statistics
 import sys
 import warnings
 from pathlib import Path
@@ -87,6 +88,15 @@ def comparison(name: str, ours: float, baseline: float, unit: str, **extra) -> d
     }
 
 
+def paired(ours_s: list[float], baseline_s: list[float]) -> dict:
+    """Return ``median_paired_ratio`` and ``spread`` [min, max] of per-round rate ratios (ours
+    over the baseline) from the seconds each side took in the same rounds: a noisy moment
+    slows both sides of a round alike, so paired ratios spread less than either side's rate."""
+    ratios = [b / a for a, b in zip(ours_s, baseline_s)]
+    return {"median_paired_ratio": round(statistics.median(ratios), 4),
+            "spread": [round(min(ratios), 4), round(max(ratios), 4)], "paired_rounds": len(ratios)}
+
+
 def peak_rss_mb() -> dict:
     """Return peak resident memory of this process and of its finished children, in MiB."""
     own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -141,10 +151,12 @@ def environment() -> dict:
 
 def format_table(result: dict) -> str:
     """Return the comparisons as an aligned text table."""
-    rows = [("comparison", "ours", "baseline", "ratio", "unit")]
+    rows = [("comparison", "ours", "baseline", "ratio", "unit", "paired: median (min-max)")]
     for c in result["comparisons"]:
-        rows.append((c["name"], f"{c['ours']:.4g}", f"{c['baseline']:.4g}", f"{c['ratio']:.3f}", c["unit"]))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+        pair = (f"{c['median_paired_ratio']:.3f} ({c['spread'][0]:.3f}-{c['spread'][1]:.3f})"
+                if "median_paired_ratio" in c else "")
+        rows.append((c["name"], f"{c['ours']:.4g}", f"{c['baseline']:.4g}", f"{c['ratio']:.3f}", c["unit"], pair))
+    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

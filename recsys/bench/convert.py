@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from recsys.bench import comparison
+from recsys.bench import comparison, paired
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_GROUP = 131_072
@@ -112,11 +112,9 @@ def measure(quick: bool, data: Path | None = None) -> dict:
     for name in sides:
         if name == "ours":
             continue
-        ratios = [b / a for a, b in zip(times["ours"], times[name])]  # rows/s ours over theirs, per round
         comps.append(comparison(f"convert vs {name}", n / statistics.median(times["ours"]),
                                 n / statistics.median(times[name]), "rows/s", target_ratio=0.8,
-                                median_paired_ratio=round(statistics.median(ratios), 4),
-                                spread=[round(min(ratios), 4), round(max(ratios), 4)]))
+                                **paired(times["ours"], times[name])))
     return {
         "comparisons": comps,
         "settings": {"file": str(path), "rows": n, "bytes": path.stat().st_size, "repeats": repeats,

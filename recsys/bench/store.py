@@ -56,7 +56,7 @@ import time
 import numpy as np
 from numba import njit
 
-from recsys.bench import comparison, passive_omp, quiet_fbgemm, versions
+from recsys.bench import comparison, paired, passive_omp, quiet_fbgemm, versions
 
 # Criteo Kaggle (Display Advertising Challenge) categorical cardinalities, C1..C26.
 CRITEO_CARDINALITIES = (
@@ -274,7 +274,7 @@ def _measure_step(s: Settings) -> dict:
     return {
         "comparison": comparison(
             "train step: store vs fbgemm TBE (pre-remapped)", rate["ours"], rate["baseline"],
-            "samples/s", target_ratio=0.8,
+            "samples/s", target_ratio=0.8, **paired(times["ours"], times["baseline"]),
         ),
         "detail": {
             "distinct_keys_per_table": distinct,

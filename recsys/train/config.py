@@ -20,7 +20,12 @@ class TrainConfig:
     max_steps: int = 0
     """Stop after this many steps (0: no limit beyond ``epochs``)."""
     optimizer: Literal["adam", "adagrad"] = "adam"
-    """Dense optimizer."""
+    """Dense optimizer (torch's multi-tensor ``foreach`` implementation: the same numbers as
+    its per-tensor loop, ~1.7x faster on CPU)."""
+    fused_optimizer: bool = False
+    """Use torch's fused dense optimizer kernel: a further ~1.8x on CPU over ``foreach``, but
+    its results differ from the default's in the last float bits (a run is still the same
+    every time), so it is off unless chosen."""
     lr: float = 1e-3
     """Peak dense learning rate."""
     weight_decay: float = 0.0

@@ -186,7 +186,8 @@ class Trainer:
             else self.model
         )
         opt_cls = torch.optim.Adam if tc.optimizer == "adam" else torch.optim.Adagrad
-        self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        impl = {"fused": True} if tc.fused_optimizer else {"foreach": True}
+        self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, **impl)
         self.total_steps = tc.max_steps or None
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, self.total_steps))
         # the store's collectives run on its own thread: a group of their own, same timeout
