@@ -23,7 +23,11 @@ second) is part of the cost here; it would not be with Redis on its own host. Th
 pairs run a second time against a Redis at nice 19, standing in for one on its own host:
 it takes only CPU the job leaves idle, so those ratios show the trainer's own cost of
 pushing. A starved Redis answers later, so snapshots may coalesce more: each "on" run
-reports the rows it wrote and the snapshots it coalesced, to compare the two.
+reports the rows it wrote and the snapshots it coalesced, to compare the two. A third set
+of pairs runs both sides with ``OMP_WAIT_POLICY=PASSIVE``: torch's OpenMP workers then
+sleep when idle instead of spinning, so the push thread's and Redis's CPU no longer stalls
+a spinning 2-thread team on this 2-core host; the difference between the first and the
+third sets is that amplification, not the pushes' own work.
 
 Data: the bench train data (quick: the 160 k-row set; full: the ``small`` set). No
 assertions on timings.
@@ -217,7 +221,7 @@ def _cpu_s(pid: int) -> float:
 
 
 def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, window: int,
-          redis_pid: int, every_s: float = 1.0, redis_nice: int = 0) -> dict:
+          redis_pid: int, every_s: float = 1.0, redis_nice: int = 0, omp_passive: bool = False) -> dict:
     from recsys.bench.faults import records
 
     runs: dict[str, list[float]] = {"on": [], "off": []}
@@ -225,7 +229,7 @@ def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, 
     pushed = []  # per "on" run: rows written, snapshots coalesced
     for p in range(pairs):
         for side in (("on", "off") if p % 2 == 0 else ("off", "on")):
-            run_dir = work / f"cost-{every_s:g}-nice{redis_nice}-{side}-{p}"
+            run_dir = work / f"cost-{every_s:g}-nice{redis_nice}{'-passive' if omp_passive else ''}-{side}-{p}"
             extra = [f"publish.redis='{url}'", f"publish.every_s={every_s}", "publish.namespace='live-cost'",
                      "publish.takeover=true"] if side == "on" else []
             cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--run-dir", str(run_dir)]
@@ -233,16 +237,19 @@ def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, 
                                "train.warmup_steps=0", *extra):
                 cmd += ["--set", o]
             cpu0, t0 = _cpu_s(redis_pid), time.monotonic()
-            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if omp_passive else None
+            out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
             redis_cpu[side].append(round((_cpu_s(redis_pid) - cpu0) / (time.monotonic() - t0), 4))
             if out.returncode:
                 raise RuntimeError(f"the {side} run failed:\n{out.stderr[-3000:]}")
             runs[side].append(_throughput(run_dir / "metrics.jsonl", window, batch))
             if side == "on":
                 event = next((r for r in records(run_dir) if r.get("event") == "publish"), {})
-                pushed.append({k: event.get(k) for k in ("rows", "pushes", "coalesced", "errors")})
+                pushed.append({k: event.get(k) for k in ("rows", "pushes", "coalesced", "errors", "rows_plain",
+                                                         "rows_guarded", "snapshot_ms")})
     ratios = [a / b for a, b in zip(runs["on"], runs["off"])]
-    return {"every_s": every_s, "redis_nice": redis_nice, "samples_per_s": runs, "redis_cpu_per_s": redis_cpu,
+    return {"every_s": every_s, "redis_nice": redis_nice, "omp_wait_policy": "PASSIVE" if omp_passive else "default",
+            "samples_per_s": runs, "redis_cpu_per_s": redis_cpu,
             "pushed": pushed, "ratios": [round(r, 4) for r in ratios],
             "median_ratio": round(statistics.median(ratios), 4), "min_ratio": round(min(ratios), 4),
             "max_ratio": round(max(ratios), 4), "pairs": pairs, "steps": steps, "batch_size": batch,
@@ -268,6 +275,10 @@ def measure(quick: bool, data: Path | None) -> dict:
         cost = [_cost(root, work, url, redis_pid=server.pid, every_s=every_s, **shape) for every_s in (1.0, 5.0)]
         cost += [_cost(root, work, niced_url, redis_pid=niced.pid, every_s=every_s, redis_nice=NICED_REDIS, **shape)
                  for every_s in (1.0, 5.0)]
+        # both sides with OpenMP workers that sleep when idle instead of spinning: what the
+        # pushes cost when their CPU is not amplified by stalling a spinning 2-thread team
+        cost += [_cost(root, work, url, redis_pid=server.pid, every_s=every_s, omp_passive=True, **shape)
+                 for every_s in (1.0, 5.0)]
         fresh = [_freshness(root, work, url, every_s, duration_s=(25.0 if quick else 60.0) + 4 * every_s,
                             batch=batch, probes=16) for every_s in (1.0, 5.0)]
     finally:
@@ -275,7 +286,8 @@ def measure(quick: bool, data: Path | None) -> dict:
             proc.kill()
             proc.wait()
     comparisons = [comparison(f"training samples/s, live pushes on (every_s = {c['every_s']:g}) vs off"
-                              + (f", Redis at nice {c['redis_nice']}" if c["redis_nice"] else ""),
+                              + (f", Redis at nice {c['redis_nice']}" if c["redis_nice"] else "")
+                              + (", OMP_WAIT_POLICY=PASSIVE" if c["omp_wait_policy"] == "PASSIVE" else ""),
                               statistics.median(c["samples_per_s"]["on"]), statistics.median(c["samples_per_s"]["off"]),
                               "samples/s", median_paired_ratio=c["median_ratio"],
                               spread=[c["min_ratio"], c["max_ratio"]]) for c in cost]
