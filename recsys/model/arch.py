@@ -1,17 +1,27 @@
-"""DLRM and DCN-v2 dense models built from torchrec's arches, fed pooled embeddings.
+"""DLRM, DCN-v2 and DeepFM dense models built from torchrec's arches, fed pooled embeddings.
 
-Legend: ``B`` batch, ``N`` dense columns, ``F`` sparse features, ``D`` embedding dim.
+Legend: ``B`` batch, ``N`` dense columns (``P`` of them plain numbers, ``E`` embedded:
+quantile buckets or numeric embeddings, ``recsys.dense``), ``F`` sparse features, ``D``
+embedding dim, ``K = F + E``.
 
-    dense [B, N] ──► bottom MLP ──► [B, D] ─┐
-                                             ├─► interaction ──► top MLP ──► logit [B]
-    pooled embeddings [B, F, D] ─────────────┘
-       dlrm: [dense, pairwise dots of the F+1 vectors]   (torchrec InteractionArch, faster gather)
-       dcn:  low-rank cross layers over the F·D+D concat (torchrec InteractionDCNArch)
+    plain dense [B, P] ──► bottom MLP ──► [B, D] ─┐
+    embedded dense [B, E] ──► vectors [B, E, D] ──┤
+                                                   ├─► interaction ──► top MLP ──► logit [B]
+    pooled embeddings [B, F, D] ───────────────────┘
+       dlrm:   [dense, pairwise dots of the K+1 vectors]   (torchrec InteractionArch, faster gather)
+       dcn:    low-rank cross layers over the K·D+D concat (torchrec InteractionDCNArch)
+       deepfm: top MLP over the K·D+D concat, plus the FM term ½ Σ_d((Σ_k v_kd)² − Σ_k v_kd²)
+
+An embedded column holds a bucket id (its row of a table of N_b + 1 rows, the last for
+nulls) or a position p in [0, N_b] (the piecewise-linear encoding clamp(p − k, 0, 1),
+k < N_b, projected to D; p < 0, a null, takes a learned vector of its own).
 
 Model code never knows where embedding rows live: it takes pooled tensors.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -43,10 +53,65 @@ class DotInteraction(InteractionArch):
         return torch.cat((dense_features, inter.flatten(1).index_select(1, self.flat_triu)), dim=1)
 
 
-class RankingModel(nn.Module):
-    """Return click logits [B] from dense features [B, N] and pooled embeddings [B, F, D]."""
+def fm_second_order(v_BKD: torch.Tensor) -> torch.Tensor:
+    """Return [B]: the sum over pairs k < l of <v_k, v_l>, as ½ Σ_d((Σ_k v)² − Σ_k v²) (O(K·D))."""
+    s = v_BKD.sum(dim=1)
+    return 0.5 * (s * s - (v_BKD * v_BKD).sum(dim=1)).sum(dim=1)
 
-    def __init__(self, cfg: ModelConfig, num_dense: int, num_sparse: int, dim: int) -> None:
+
+class FMInteraction(nn.Module):
+    """DeepFM's interaction: the concatenated vectors (the deep tower's input) and the FM term."""
+
+    def forward(self, dense_BD: torch.Tensor, sparse_BKD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        v = torch.cat((dense_BD.unsqueeze(1), sparse_BKD), dim=1)
+        return v.flatten(1), fm_second_order(v)
+
+
+class DenseEmbeddings(nn.Module):
+    """The vectors of the embedded dense columns: [B, E] values → [B, E, D]."""
+
+    def __init__(self, kinds: list[str], buckets: int, dim: int) -> None:
+        super().__init__()
+        self.buckets = buckets
+        self.kinds = list(kinds)
+        bound = 1.0 / math.sqrt(dim)  # the store's default initial scale for sparse rows
+        self.tables = nn.ModuleList()
+        self.projections = nn.ModuleList()
+        self.null_vectors = nn.ParameterList()
+        for kind in kinds:
+            if kind == "quantile_buckets":
+                table = nn.Embedding(buckets + 1, dim)
+                nn.init.uniform_(table.weight, -bound, bound)
+                self.tables.append(table)
+            else:
+                self.projections.append(nn.Linear(buckets, dim))
+                self.null_vectors.append(nn.Parameter(torch.empty(dim).uniform_(-bound, bound)))
+        self.register_buffer("steps", torch.arange(buckets, dtype=torch.float32), persistent=False)
+
+    def forward(self, values_BE: torch.Tensor) -> torch.Tensor:
+        out, t, p = [], 0, 0
+        for e, kind in enumerate(self.kinds):
+            x = values_BE[:, e]
+            if kind == "quantile_buckets":
+                out.append(self.tables[t](x.long()))
+                t += 1
+            else:
+                encoded = (x.unsqueeze(1) - self.steps).clamp(0.0, 1.0)
+                vec = self.projections[p](encoded)
+                out.append(torch.where((x < 0).unsqueeze(1), self.null_vectors[p], vec))
+                p += 1
+        return torch.stack(out, dim=1)
+
+
+class RankingModel(nn.Module):
+    """Return click logits [B] from dense features [B, N] and pooled embeddings [B, F, D].
+
+    ``dense_kinds``: each dense column's transform (``schema.dense_transform``; default: all
+    plain numbers); ``buckets``: ``schema.dense_buckets``.
+    """
+
+    def __init__(self, cfg: ModelConfig, num_dense: int, num_sparse: int, dim: int,
+                 dense_kinds: list[str] | None = None, buckets: int = 16) -> None:
         super().__init__()
         if cfg.bottom_mlp[-1] != dim:
             raise ValueError(
@@ -55,18 +120,57 @@ class RankingModel(nn.Module):
             )
         if num_dense <= 0:
             raise ValueError("the model needs at least one dense column")
-        self.dense_arch = DenseArch(num_dense, cfg.bottom_mlp)
+        from recsys.dense import EMBEDDED
+
+        kinds = list(dense_kinds) if dense_kinds is not None else ["signed_log1p"] * num_dense
+        if len(kinds) != num_dense:
+            raise ValueError(f"dense_kinds has {len(kinds)} entries for {num_dense} dense columns")
+        plain = [j for j, k in enumerate(kinds) if k not in EMBEDDED]
+        embedded = [j for j, k in enumerate(kinds) if k in EMBEDDED]
+        self.split = bool(embedded)
+        if self.split:
+            self.register_buffer("plain_idx", torch.tensor(plain, dtype=torch.long), persistent=False)
+            self.register_buffer("embedded_idx", torch.tensor(embedded, dtype=torch.long), persistent=False)
+            self.dense_embeddings = DenseEmbeddings([kinds[j] for j in embedded], buckets, dim)
+        # with every column embedded the bottom MLP still gives the interaction its dense
+        # vector, from a constant input (a learned bias)
+        self.dense_arch = DenseArch(max(1, len(plain)), cfg.bottom_mlp)
+        K = num_sparse + len(embedded)
+        self.arch = cfg.arch
         if cfg.arch == "dlrm":
-            self.interaction = DotInteraction(num_sparse)
-            inter_out = dim + num_sparse + num_sparse * (num_sparse - 1) // 2
-        else:
-            width = (num_sparse + 1) * dim
+            self.interaction = DotInteraction(K)
+            inter_out = dim + K + K * (K - 1) // 2
+        elif cfg.arch == "dcn":
+            width = (K + 1) * dim
             cross = LowRankCrossNet(width, num_layers=cfg.dcn_layers, low_rank=cfg.dcn_low_rank)
-            self.interaction = InteractionDCNArch(num_sparse_features=num_sparse, crossnet=cross)
+            self.interaction = InteractionDCNArch(num_sparse_features=K, crossnet=cross)
             inter_out = width
+        else:
+            self.interaction = FMInteraction()
+            inter_out = (K + 1) * dim
         self.over_arch = OverArch(inter_out, cfg.top_mlp)
 
     def forward(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> torch.Tensor:
+        if self.split:
+            plain = dense_BN.index_select(1, self.plain_idx)
+            if plain.shape[1] == 0:
+                plain = dense_BN.new_ones(dense_BN.shape[0], 1)
+            vectors = self.dense_embeddings(dense_BN.index_select(1, self.embedded_idx))
+            pooled_BFD = torch.cat((pooled_BFD, vectors), dim=1)
+            dense_BN = plain
         dense_BD = self.dense_arch(dense_BN)
+        if self.arch == "deepfm":
+            flat, fm = self.interaction(dense_BD, pooled_BFD)
+            return self.over_arch(flat).squeeze(-1) + fm
         inter = self.interaction(dense_BD, pooled_BFD)
         return self.over_arch(inter).squeeze(-1)
+
+
+def model_for(job) -> RankingModel:
+    """Return the dense model of ``job`` (its schema's dense transforms and table dim)."""
+    schema = job.schema
+    dims = {t.dim for t in schema.tables.values()}
+    if len(dims) != 1:
+        raise ValueError(f"all tables need one dim for the interaction, found {sorted(dims)}")
+    kinds = [schema.transform_of(c) for c in schema.dense]
+    return RankingModel(job.model, len(schema.dense), len(schema.sparse), dims.pop(), kinds, schema.dense_buckets)

@@ -10,8 +10,10 @@ from typing import Literal
 class ModelConfig:
     """Which dense model sits on top of the pooled embeddings, and its sizes."""
 
-    arch: Literal["dlrm", "dcn"] = "dlrm"
-    """``dlrm``: pairwise dot interaction; ``dcn``: DCN-v2 low-rank cross layers."""
+    arch: Literal["dlrm", "dcn", "deepfm"] = "dlrm"
+    """``dlrm``: pairwise dot interaction; ``dcn``: DCN-v2 low-rank cross layers; ``deepfm``:
+    a factorization machine's second-order term over the feature vectors plus a deep tower
+    (the top MLP) over their concatenation."""
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32, 16])
     """Bottom (dense) MLP layer sizes; the last must equal the embedding dim."""
     top_mlp: list[int] = field(default_factory=lambda: [128, 64, 1])

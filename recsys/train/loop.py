@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from recsys import config as config_mod
 from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
-from recsys.model.arch import RankingModel
+from recsys.model.arch import model_for
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.train import checkpoint as ckpt
 from recsys.train.distributed import init_distributed, new_group
@@ -165,11 +165,8 @@ class Trainer:
         self.train_cfg, self.validation_cfg = read_splits(job)  # config errors before any thread starts
         torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
         schema = job.schema
-        dims = {t.dim for t in schema.tables.values()}
-        if len(dims) != 1:
-            raise ValueError(f"all tables need one dim for the interaction, found {sorted(dims)}")
         torch.manual_seed(tc.seed)
-        self.model = RankingModel(job.model, len(schema.dense), len(schema.sparse), dims.pop()).to(env.device)
+        self.model = model_for(job).to(env.device)
         self.ddp = (
             DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
             if env.world_size > 1
@@ -183,7 +180,9 @@ class Trainer:
         group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
         self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
                                            run_dir=self.run_dir, job_name=job.name)
-        self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size)
+        self.dense_stats = self._dense_stats(resume)
+        self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size,
+                                              dense_stats=self.dense_stats)
         if tc.validation_fraction and env.is_main:
             record_validation_split(self.validation_cfg, schema, self.run_dir)
         self.step = 0
@@ -236,6 +235,39 @@ class Trainer:
         self.log.event("publish", step=self.step, **{n: int(v) for n, v in zip(names, totals)},
                        ranks_unfinished=int(totals[-1]))
 
+    def _dense_stats(self, resume: str | None):
+        """Return the dense statistics the job's transforms read (None if none does): the
+        checkpoint's when resuming, else one pass over the training split, shared by the
+        ranks (``recsys.io.dense_stats``); rank 0 writes them to ``RUN_DIR/dense_stats.json``."""
+        if not self.job.schema.needs_dense_stats:
+            return None
+        import json
+
+        from recsys.dense import DenseStats
+        from recsys.io import dense_stats
+
+        source = resume or ckpt.latest(self.run_dir / "checkpoints")
+        if source is not None:
+            path = ckpt.resolve(source)
+            saved = ckpt.load_meta(path).get("dense_stats")
+            if saved is not None:
+                return DenseStats.from_json(saved, f"{path}/meta.json:dense_stats")
+        env = self.env
+
+        def gather(mine: list) -> list[list]:
+            parts = [None] * env.world_size
+            dist.all_gather_object(parts, mine)
+            return parts
+
+        stats = dense_stats.compute(self.train_cfg, self.job.schema, env.rank, env.world_size,
+                                    gather if env.world_size > 1 else None)
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / "dense_stats.json.tmp"
+            tmp.write_text(json.dumps(stats.to_json(), indent=1) + "\n")
+            os.replace(tmp, self.run_dir / "dense_stats.json")
+        return stats
+
     def _row_recorder(self) -> RowRecorder:
         """Start this attempt's row audit (``train.record_rows``; see ``recsys.train.rows``)."""
         name = [attempt_name(self.run_dir / ROWS_DIR, self.step) if self.env.is_main else None]
@@ -266,6 +298,8 @@ class Trainer:
         meta = {"reader": type(self.reader).merge_states(states), "epoch": self.epoch,
                 "config": config_mod.dumps(self.job), "best": self.best,
                 "evals_without_improvement": self.evals_without_improvement}
+        if self.dense_stats is not None:  # eval and serving transform exactly as training did
+            meta["dense_stats"] = self.dense_stats.to_json()
         path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(),
                          dense={**dense, **self.store.admission_state_dict()},
                          meta=meta, keep_last=self.job.train.keep_last)
@@ -476,7 +510,7 @@ class Trainer:
         cfg = self.validation_cfg if split == "validation" else self.job.data.eval
         if not cfg.paths:
             return {}
-        reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size)
+        reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size, dense_stats=self.dense_stats)
         self.model.eval()
         labels, preds = [], []
         seen = 0
