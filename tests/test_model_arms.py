@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -77,3 +78,85 @@ def test_default_model_is_unchanged_by_the_new_arms():
     assert not any(n.startswith("dense_embeddings") for n, _ in a.named_parameters())
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert torch.equal(pa, pb)
+
+
+def _wide_store(optimizer="sgd", lr=0.5):
+    from recsys.schema import FeatureSpec, Schema, TableSpec
+    from recsys.store.config import StoreConfig
+    from recsys.store.sharded import ShardedEmbeddingStore
+    from recsys.store.wide import wide_schema, wide_store_config
+
+    schema = Schema(dense=["x"], tables={"item": TableSpec(dim=4), "user": TableSpec(dim=4)}, sparse=[
+        FeatureSpec(name="item"), FeatureSpec(name="user"),
+        FeatureSpec(name="hist", table="item", multi_hot=True, pooling="mean")])
+    cfg = wide_store_config(StoreConfig(optimizer=optimizer, lr=lr))
+    return schema, ShardedEmbeddingStore(wide_schema(schema), cfg)
+
+
+def test_wide_arm_gradient_matches_a_dense_reference():
+    """The wide weights' update through the store (lookup, pooling, push, sparse SGD) equals
+    the update of a dense weight vector over the same ids trained by autograd."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    schema, store = _wide_store()
+    B = 4
+    item = [11, 12, 11, 13]
+    user = [7, 7, 8, 9]
+    hist = [[12, 14], [], [11, 11, 15], [14]]
+    values = item + user + [k for bag in hist for k in bag]
+    lengths = [1] * B + [1] * B + [len(b) for b in hist]
+    kjt = KeyedJaggedTensor(keys=["item", "user", "hist"], values=torch.tensor(values, dtype=torch.int64),
+                            lengths=torch.tensor(lengths, dtype=torch.int32))
+    torch.manual_seed(5)
+    model = RankingModel(ModelConfig(bottom_mlp=[8, 4], top_mlp=[8, 1], wide=True), 1, 3, 4)
+    dense, pooled = torch.randn(B, 1), torch.randn(B, 3, 4)
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    deep = model._deep(dense, pooled).detach()
+    try:
+        # two steps, so the second starts from weights the first moved away from 0
+        ref = {("item.wide", k): torch.zeros(1, dtype=torch.float64, requires_grad=True) for k in (11, 12, 13, 14, 15)}
+        ref.update({("user.wide", k): torch.zeros(1, dtype=torch.float64, requires_grad=True) for k in (7, 8, 9)})
+        for step in range(2):
+            lookup = store.lookup(kjt, step)
+            wide = lookup.pooled(3)
+            logits = model(dense, pooled, wide)
+            torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+            store.push(lookup)
+            store.flush()
+            ref_logits = []
+            for b in range(B):
+                s = ref[("item.wide", item[b])] + ref[("user.wide", user[b])]
+                if hist[b]:
+                    s = s + sum(ref[("item.wide", k)] for k in hist[b]) / len(hist[b])
+                ref_logits.append(deep[b].double() + s[0])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(torch.stack(ref_logits), labels.double())
+            grads = torch.autograd.grad(loss, list(ref.values()))
+            with torch.no_grad():
+                for w, g in zip(ref.values(), grads):
+                    w -= 0.5 * g
+        for table in ("item.wide", "user.wide"):
+            keys = np.array([k for t, k in ref if t == table], dtype=np.int64)
+            got = store.peek_rows(table, keys)[:, 0]
+            want = np.array([ref[(table, k)].item() for k in keys])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+            assert np.abs(want).min() > 0  # every weight moved
+    finally:
+        store.close()
+
+
+def test_wide_weights_of_unseen_ids_are_zero():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    _, store = _wide_store()
+    try:
+        kjt = KeyedJaggedTensor(keys=["item", "user", "hist"], values=torch.tensor([1, 2, 3], dtype=torch.int64),
+                                lengths=torch.tensor([1, 1, 1], dtype=torch.int32))
+        assert torch.equal(store.lookup(kjt, None, train=False).pooled(3), torch.zeros(1, 3, 1))
+    finally:
+        store.close()
+
+
+def test_wide_arm_needs_its_weights():
+    model = RankingModel(ModelConfig(bottom_mlp=[8, 4], top_mlp=[8, 1], wide=True), 1, 2, 4)
+    with pytest.raises(ValueError, match=r"model.wide = true: the wide weights must be given"):
+        model(torch.randn(2, 1), torch.randn(2, 2, 4))

@@ -46,6 +46,8 @@ def dense_stats_of(job, meta: dict, path) -> "DenseStats | None":
 def load_trained(checkpoint: str | Path, device: str = "cpu"):
     """Return (job, store, model) restored from ``checkpoint`` for inference in this process."""
     from recsys.model.arch import model_for
+    from recsys.store import wide
+    from recsys.store.wide import table_names
     from recsys.store.sharded import ShardedEmbeddingStore
     from recsys.train import checkpoint as ckpt
 
@@ -53,15 +55,20 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
     meta = ckpt.load_meta(path)
     job = config_mod.from_dict(config_mod.JobConfig, tomllib.loads(meta["config"]), f"{path}/meta.json:config")
     dense_stats_of(job, meta, path)  # a checkpoint without the statistics its transforms need fails here
-    sparse = ckpt.load_sparse(path, list(job.schema.tables))
+    sparse = ckpt.load_sparse(path, table_names(job.schema, job.model.wide))
     # Inference holds every saved row in memory (spilled ones included: a checkpoint has
     # them all) and touches no Redis, so a table's capacity grows to its saved rows.
-    tables = {name: dataclasses.replace(spec, capacity=max(spec.capacity, sparse[name].num_rows))
-              for name, spec in job.schema.tables.items()}
-    schema = dataclasses.replace(job.schema, tables=tables)
-    store = ShardedEmbeddingStore(schema, dataclasses.replace(job.store, spill_url="", device_cache_rows=0),
-                                  device=device)
-    store.load_state_dict(sparse)
+    def inference_store(schema, cfg):
+        tables = {name: dataclasses.replace(spec, capacity=max(spec.capacity, sparse[name].num_rows))
+                  for name, spec in schema.tables.items()}
+        store = ShardedEmbeddingStore(dataclasses.replace(schema, tables=tables),
+                                      dataclasses.replace(cfg, spill_url="", device_cache_rows=0), device=device)
+        store.load_state_dict({name: sparse[name] for name in tables})
+        return store
+
+    store = inference_store(job.schema, job.store)
+    if job.model.wide:
+        store = wide.WideStore(store, inference_store(wide.wide_schema(job.schema), wide.wide_store_config(job.store)))
     model = model_for(job)
     model.load_state_dict(ckpt.load_dense(path)["model"])
     model.to(device).eval()
@@ -84,6 +91,7 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
 
     from recsys.io.reader import ParquetReader
     from recsys.io.batch import empty_batch
+    from recsys.model.arch import model_inputs
 
     extra_cols = list(job.data.eval.passthrough if passthrough is None else passthrough)
     cfg = dataclasses.replace(job.data.eval, paths=list(paths), shuffle=False, passthrough=extra_cols,
@@ -115,7 +123,7 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
                 cur = batch
             cur = cur.to(device)
             lookup = store.lookup(cur.sparse, None, train=False)
-            logits = model(cur.dense, lookup.pooled(F))
+            logits = model(cur.dense, *model_inputs(lookup, F))
             if batch is not None:
                 yield (cur.labels.cpu().numpy(), torch.sigmoid(logits).cpu().numpy(),
                        {k: cur.extra[k].cpu().numpy() for k in extra_cols})

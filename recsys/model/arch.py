@@ -11,6 +11,7 @@ embedding dim, ``K = F + E``.
        dlrm:   [dense, pairwise dots of the K+1 vectors]   (torchrec InteractionArch, faster gather)
        dcn:    low-rank cross layers over the K·D+D concat (torchrec InteractionDCNArch)
        deepfm: top MLP over the K·D+D concat, plus the FM term ½ Σ_d((Σ_k v_kd)² − Σ_k v_kd²)
+    wide (model.wide, any arch): + Σ_f (pooled scalar weights of feature f's ids)   [B, F, 1]
 
 An embedded column holds a bucket id (its row of a table of N_b + 1 rows, the last for
 nulls) or a position p in [0, N_b] (the piecewise-linear encoding clamp(p − k, 0, 1),
@@ -137,6 +138,7 @@ class RankingModel(nn.Module):
         self.dense_arch = DenseArch(max(1, len(plain)), cfg.bottom_mlp)
         K = num_sparse + len(embedded)
         self.arch = cfg.arch
+        self.wide = cfg.wide
         if cfg.arch == "dlrm":
             self.interaction = DotInteraction(K)
             inter_out = dim + K + K * (K - 1) // 2
@@ -150,7 +152,17 @@ class RankingModel(nn.Module):
             inter_out = (K + 1) * dim
         self.over_arch = OverArch(inter_out, cfg.top_mlp)
 
-    def forward(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> torch.Tensor:
+    def forward(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor,
+                wide_BF1: torch.Tensor | None = None) -> torch.Tensor:
+        """``wide_BF1``: the wide arm's pooled weights (required with ``model.wide``)."""
+        if self.wide != (wide_BF1 is not None):
+            raise ValueError(f"model.wide = {str(self.wide).lower()}: the wide weights must be given "
+                             f"{'' if self.wide else 'only '}with the wide arm, found "
+                             f"{'none' if wide_BF1 is None else 'some'}")
+        logit = self._deep(dense_BN, pooled_BFD)
+        return logit if wide_BF1 is None else logit + wide_BF1.sum(dim=(1, 2))
+
+    def _deep(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> torch.Tensor:
         if self.split:
             plain = dense_BN.index_select(1, self.plain_idx)
             if plain.shape[1] == 0:
@@ -174,3 +186,11 @@ def model_for(job) -> RankingModel:
         raise ValueError(f"all tables need one dim for the interaction, found {sorted(dims)}")
     kinds = [schema.transform_of(c) for c in schema.dense]
     return RankingModel(job.model, len(schema.dense), len(schema.sparse), dims.pop(), kinds, schema.dense_buckets)
+
+
+def model_inputs(lookup, num_features: int) -> tuple:
+    """Return the sparse inputs of the model from a store lookup: (pooled,) or, with the
+    wide arm's store (``recsys.store.wide.PairLookup``), (pooled, wide weights)."""
+    wide = getattr(lookup, "wide_pooled", None)
+    pooled = lookup.pooled(num_features)
+    return (pooled,) if wide is None else (pooled, wide(num_features))

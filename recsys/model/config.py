@@ -18,6 +18,11 @@ class ModelConfig:
     """Bottom (dense) MLP layer sizes; the last must equal the embedding dim."""
     top_mlp: list[int] = field(default_factory=lambda: [128, 64, 1])
     """Top MLP layer sizes; the last must be 1 (one logit)."""
+    wide: bool = False
+    """Add a wide arm to any arch: a learned scalar weight per id of every sparse feature,
+    summed into the logit (logistic regression's per-id weights). The weights are rows of
+    dim-1 tables ``<table>.wide`` in the embedding store (``recsys.store.wide``): unbounded,
+    sharded and checkpointed like the embeddings, starting at 0."""
     dcn_layers: int = 3
     """Cross layers (``dcn`` only)."""
     dcn_low_rank: int = 64

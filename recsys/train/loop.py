@@ -39,8 +39,9 @@ from torch.nn.parallel import DistributedDataParallel
 from recsys import config as config_mod
 from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
-from recsys.model.arch import model_for
+from recsys.model.arch import model_for, model_inputs
 from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.store.wide import table_names
 from recsys.train import checkpoint as ckpt
 from recsys.train.distributed import init_distributed, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
@@ -180,6 +181,13 @@ class Trainer:
         group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
         self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
                                            run_dir=self.run_dir, job_name=job.name)
+        if job.model.wide:  # the wide arm's dim-1 tables: a store of their own (recsys.store.wide)
+            from recsys.store import wide
+
+            group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
+            self.store = wide.WideStore(self.store, ShardedEmbeddingStore(
+                wide.wide_schema(schema), wide.wide_store_config(job.store), group=group, device=env.device,
+                threaded=True, run_dir=self.run_dir, job_name=job.name))
         self.dense_stats = self._dense_stats(resume)
         self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size,
                                               dense_stats=self.dense_stats)
@@ -314,7 +322,7 @@ class Trainer:
         self.opt.load_state_dict(dense["optimizer"])
         self.sched.load_state_dict(dense["scheduler"])
         torch.set_rng_state(dense["torch_rng"])
-        self.store.load_state_dict(ckpt.load_sparse(path, list(self.job.schema.tables)),
+        self.store.load_state_dict(ckpt.load_sparse(path, table_names(self.job.schema, self.job.model.wide)),
                                    admission=dense.get("admission"))
         self.reader.load_state_dict(meta["reader"])
         self.step = int(meta["step"])
@@ -383,7 +391,7 @@ class Trainer:
                         nxt = self._fetch(it)
                         future = self._submit(nxt, self.step + 1)
                     t2 = time.perf_counter()
-                    logits = self.ddp(cur.dense, lookup.pooled(F))
+                    logits = self.ddp(cur.dense, *model_inputs(lookup, F))
                     if cur.size:
                         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, cur.labels)
                     else:  # an empty batch still joins DDP's all-reduce, with zero gradients
@@ -525,7 +533,7 @@ class Trainer:
                     break
                 cur = (batch or empty_batch(schema, list(cfg.passthrough))).to(env.device)
                 lookup = self.store.lookup(cur.sparse, None, train=False)
-                logits = self.model(cur.dense, lookup.pooled(len(schema.sparse)))
+                logits = self.model(cur.dense, *model_inputs(lookup, len(schema.sparse)))
                 labels.append(cur.labels.cpu().numpy())
                 preds.append(torch.sigmoid(logits).cpu().numpy())
                 seen += cur.size * env.world_size
