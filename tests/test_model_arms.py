@@ -40,7 +40,8 @@ def test_dense_embeddings_by_hand():
     torch.manual_seed(2)
     emb = DenseEmbeddings(["quantile_buckets", "numeric_embedding"], buckets=4, dim=3)
     values = torch.tensor([[0.0, 1.5], [4.0, -1.0], [2.0, 4.0]])
-    out = emb(values)
+    out, first = emb(values)
+    assert first is None
     table, proj, null = emb.tables[0].weight, emb.projections[0], emb.null_vectors[0]
     torch.testing.assert_close(out[:, 0], table[[0, 4, 2]])  # bucket ids; 4 = the null bucket
     # piecewise-linear encoding of 1.5 over 4 bins: [1, 0.5, 0, 0]; of 4 (the top): all ones
@@ -111,7 +112,7 @@ def test_wide_arm_gradient_matches_a_dense_reference():
     model = RankingModel(ModelConfig(bottom_mlp=[8, 4], top_mlp=[8, 1], wide=True), 1, 3, 4)
     dense, pooled = torch.randn(B, 1), torch.randn(B, 3, 4)
     labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
-    deep = model._deep(dense, pooled).detach()
+    deep = model._deep(dense, pooled)[0].detach()
     try:
         # two steps, so the second starts from weights the first moved away from 0
         ref = {("item.wide", k): torch.zeros(1, dtype=torch.float64, requires_grad=True) for k in (11, 12, 13, 14, 15)}
@@ -160,3 +161,21 @@ def test_wide_arm_needs_its_weights():
     model = RankingModel(ModelConfig(bottom_mlp=[8, 4], top_mlp=[8, 1], wide=True), 1, 2, 4)
     with pytest.raises(ValueError, match=r"model.wide = true: the wide weights must be given"):
         model(torch.randn(2, 1), torch.randn(2, 2, 4))
+
+
+def test_wide_first_order_of_embedded_dense_columns_by_hand():
+    torch.manual_seed(6)
+    emb = DenseEmbeddings(["quantile_buckets", "numeric_embedding"], buckets=4, dim=3, wide=True)
+    with torch.no_grad():
+        emb.wide_tables[0].weight.copy_(torch.arange(5.0).unsqueeze(1) / 10)  # bucket b: b / 10
+        emb.wide_projections[0].weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+        emb.wide_nulls[0].fill_(-7.0)
+    values = torch.tensor([[0.0, 1.5], [4.0, -1.0], [2.0, 4.0]])
+    _, first = emb(values)
+    # bucket scalars 0, 0.4, 0.2; encodings [1, .5, 0, 0]·w = 2, null -7, [1, 1, 1, 1]·w = 10
+    torch.testing.assert_close(first, torch.tensor([0.0 + 2.0, 0.4 - 7.0, 0.2 + 10.0]))
+    model = RankingModel(ModelConfig(bottom_mlp=[8, 3], top_mlp=[8, 1], wide=True), 2, 1, 3,
+                         ["quantile_buckets", "numeric_embedding"], buckets=4)
+    pooled, wide = torch.randn(3, 1, 3), torch.randn(3, 1, 1)
+    logit, first = model._deep(values, pooled)
+    torch.testing.assert_close(model(values, pooled, wide), logit + first + wide.sum(dim=(1, 2)))

@@ -12,6 +12,8 @@ embedding dim, ``K = F + E``.
        dcn:    low-rank cross layers over the K·D+D concat (torchrec InteractionDCNArch)
        deepfm: top MLP over the K·D+D concat, plus the FM term ½ Σ_d((Σ_k v_kd)² − Σ_k v_kd²)
     wide (model.wide, any arch): + Σ_f (pooled scalar weights of feature f's ids)   [B, F, 1]
+                                 + Σ_e (embedded dense column e's scalar: per bucket, or
+                                   linear in its piecewise-linear encoding)
 
 An embedded column holds a bucket id (its row of a table of N_b + 1 rows, the last for
 nulls) or a position p in [0, N_b] (the piecewise-linear encoding clamp(p − k, 0, 1),
@@ -69,12 +71,18 @@ class FMInteraction(nn.Module):
 
 
 class DenseEmbeddings(nn.Module):
-    """The vectors of the embedded dense columns: [B, E] values → [B, E, D]."""
+    """The vectors of the embedded dense columns: [B, E] values → [B, E, D].
 
-    def __init__(self, kinds: list[str], buckets: int, dim: int) -> None:
+    With ``wide``, also their first-order term [B]: a learned scalar per bucket (and for the
+    null bucket), or a linear map of the piecewise-linear encoding (and a null scalar): the
+    per-value effect logistic regression on one-hot buckets learns, for dense columns.
+    """
+
+    def __init__(self, kinds: list[str], buckets: int, dim: int, wide: bool = False) -> None:
         super().__init__()
         self.buckets = buckets
         self.kinds = list(kinds)
+        self.wide = wide
         bound = 1.0 / math.sqrt(dim)  # the store's default initial scale for sparse rows
         self.tables = nn.ModuleList()
         self.projections = nn.ModuleList()
@@ -87,21 +95,43 @@ class DenseEmbeddings(nn.Module):
             else:
                 self.projections.append(nn.Linear(buckets, dim))
                 self.null_vectors.append(nn.Parameter(torch.empty(dim).uniform_(-bound, bound)))
+        if wide:  # created after the vectors' parameters: a job without the wide arm keeps its init
+            self.wide_tables = nn.ModuleList()
+            self.wide_projections = nn.ModuleList()
+            self.wide_nulls = nn.ParameterList()
+            for kind in kinds:
+                if kind == "quantile_buckets":
+                    table = nn.Embedding(buckets + 1, 1)
+                    nn.init.zeros_(table.weight)
+                    self.wide_tables.append(table)
+                else:
+                    proj = nn.Linear(buckets, 1, bias=False)
+                    nn.init.zeros_(proj.weight)
+                    self.wide_projections.append(proj)
+                    self.wide_nulls.append(nn.Parameter(torch.zeros(1)))
         self.register_buffer("steps", torch.arange(buckets, dtype=torch.float32), persistent=False)
 
-    def forward(self, values_BE: torch.Tensor) -> torch.Tensor:
-        out, t, p = [], 0, 0
+    def forward(self, values_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return (vectors [B, E, D], first-order term [B] with ``wide``, else None)."""
+        out, first, t, p = [], [], 0, 0
         for e, kind in enumerate(self.kinds):
             x = values_BE[:, e]
             if kind == "quantile_buckets":
-                out.append(self.tables[t](x.long()))
+                ids = x.long()
+                out.append(self.tables[t](ids))
+                if self.wide:
+                    first.append(self.wide_tables[t](ids).squeeze(1))
                 t += 1
             else:
+                null = x < 0
                 encoded = (x.unsqueeze(1) - self.steps).clamp(0.0, 1.0)
                 vec = self.projections[p](encoded)
-                out.append(torch.where((x < 0).unsqueeze(1), self.null_vectors[p], vec))
+                out.append(torch.where(null.unsqueeze(1), self.null_vectors[p], vec))
+                if self.wide:
+                    lin = self.wide_projections[p](encoded).squeeze(1)
+                    first.append(torch.where(null, self.wide_nulls[p], lin))
                 p += 1
-        return torch.stack(out, dim=1)
+        return torch.stack(out, dim=1), (torch.stack(first, dim=1).sum(dim=1) if self.wide else None)
 
 
 class RankingModel(nn.Module):
@@ -132,7 +162,7 @@ class RankingModel(nn.Module):
         if self.split:
             self.register_buffer("plain_idx", torch.tensor(plain, dtype=torch.long), persistent=False)
             self.register_buffer("embedded_idx", torch.tensor(embedded, dtype=torch.long), persistent=False)
-            self.dense_embeddings = DenseEmbeddings([kinds[j] for j in embedded], buckets, dim)
+            self.dense_embeddings = DenseEmbeddings([kinds[j] for j in embedded], buckets, dim, wide=cfg.wide)
         # with every column embedded the bottom MLP still gives the interaction its dense
         # vector, from a constant input (a learned bias)
         self.dense_arch = DenseArch(max(1, len(plain)), cfg.bottom_mlp)
@@ -159,23 +189,28 @@ class RankingModel(nn.Module):
             raise ValueError(f"model.wide = {str(self.wide).lower()}: the wide weights must be given "
                              f"{'' if self.wide else 'only '}with the wide arm, found "
                              f"{'none' if wide_BF1 is None else 'some'}")
-        logit = self._deep(dense_BN, pooled_BFD)
-        return logit if wide_BF1 is None else logit + wide_BF1.sum(dim=(1, 2))
+        logit, first = self._deep(dense_BN, pooled_BFD)
+        if wide_BF1 is None:
+            return logit
+        logit = logit + wide_BF1.sum(dim=(1, 2))
+        return logit if first is None else logit + first
 
-    def _deep(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> torch.Tensor:
+    def _deep(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return (the arch's logit [B], the embedded dense columns' first-order term [B] or None)."""
+        first = None
         if self.split:
             plain = dense_BN.index_select(1, self.plain_idx)
             if plain.shape[1] == 0:
                 plain = dense_BN.new_ones(dense_BN.shape[0], 1)
-            vectors = self.dense_embeddings(dense_BN.index_select(1, self.embedded_idx))
+            vectors, first = self.dense_embeddings(dense_BN.index_select(1, self.embedded_idx))
             pooled_BFD = torch.cat((pooled_BFD, vectors), dim=1)
             dense_BN = plain
         dense_BD = self.dense_arch(dense_BN)
         if self.arch == "deepfm":
             flat, fm = self.interaction(dense_BD, pooled_BFD)
-            return self.over_arch(flat).squeeze(-1) + fm
+            return self.over_arch(flat).squeeze(-1) + fm, first
         inter = self.interaction(dense_BD, pooled_BFD)
-        return self.over_arch(inter).squeeze(-1)
+        return self.over_arch(inter).squeeze(-1), first
 
 
 def model_for(job) -> RankingModel:
