@@ -15,7 +15,7 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError, user_message
 
-BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live")
+BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "quality")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:

@@ -36,14 +36,24 @@ def _reader_dense(job, stats, paths) -> np.ndarray:
         return np.concatenate([b.dense.numpy() for b in reader])
 
 
-def test_training_eval_and_serving_transform_identically(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def transform_run(tiny_data, tmp_path_factory):
+    """(run directory, final result) of a 6-step run with every kind of transform."""
+    run_dir = tmp_path_factory.mktemp("transforms") / "run"
+    return run_dir, tt.run(tiny_data, run_dir, "train.max_steps=6", *TRANSFORMS)
+
+
+def _dense_body(table, columns) -> dict:
+    return {"values": {c: table.column(c).to_pylist() for c in columns}}
+
+
+def test_training_eval_and_serving_transform_identically(tiny_data, transform_run):
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
     from recsys.dense import DenseStats
     from recsys.eval.run import dense_stats_of, evaluate_checkpoint, load_trained
 
-    run_dir = tmp_path / "run"
-    result = tt.run(tiny_data, run_dir, "train.max_steps=6", *TRANSFORMS)
+    run_dir, result = transform_run
     saved = json.loads((run_dir / "dense_stats.json").read_text())
     assert _stats_of(run_dir) == saved
     stats = DenseStats.from_json(saved)
@@ -64,7 +74,7 @@ def test_training_eval_and_serving_transform_identically(tiny_data, tmp_path):
 
     rows = 200
     table = pq.read_table(files[0]).slice(0, rows)
-    body = {"values": {c: table.column(c).to_pylist() for c in job.schema.dense}}
+    body = _dense_body(table, job.schema.dense)
     with LiveServer(create_app(ServeSettings(checkpoint=str(run_dir)))) as server:
         r = httpx.post(f"{server.url}/v1/dense", json=body, timeout=30)
         assert r.status_code == 200, r.text
@@ -76,6 +86,26 @@ def test_training_eval_and_serving_transform_identically(tiny_data, tmp_path):
     again = evaluate_checkpoint(run_dir)
     assert again["auc"] == pytest.approx(result["auc"], abs=1e-12)
     assert again["log_loss"] == pytest.approx(result["log_loss"], rel=1e-6)
+
+
+@pytest.mark.redis
+def test_a_published_version_transforms_as_the_checkpoint(tiny_data, transform_run, redis_server):
+    from embedding_server import publish
+    from embedding_server.app import create_app
+    from embedding_server.settings import ServeSettings
+    from recsys.eval.run import dense_stats_of, load_trained
+
+    run_dir, _ = transform_run
+    job, store, _model, path, meta = load_trained(run_dir)
+    store.close()
+    files = sorted(str(p) for p in (tiny_data / "eval").glob("*.parquet"))
+    want = _reader_dense(job, dense_stats_of(job, meta, path), files[:1])[:100]
+    publish.export(run_dir / "checkpoints" / "latest", redis_server.url, progress=False)
+    with LiveServer(create_app(ServeSettings(redis=redis_server.url))) as server:
+        r = httpx.post(f"{server.url}/v1/dense", json=_dense_body(pq.read_table(files[0]).slice(0, 100),
+                                                                job.schema.dense), timeout=30)
+        assert r.status_code == 200, r.text
+        np.testing.assert_array_equal(np.asarray(r.json()["dense"], dtype=np.float32), want)
 
 
 def _two_ranks(rank, world, data, run_dir):
