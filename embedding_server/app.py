@@ -43,6 +43,7 @@ from embedding_server.metrics import Metrics
 from embedding_server.settings import ServeSettings
 
 log = logging.getLogger(__name__)
+_F32_MAX = float(np.finfo(np.float32).max)
 
 Pooling = Literal["none", "sum", "mean"]
 
@@ -93,6 +94,21 @@ class TableInfoOut(BaseModel):
 
 class TablesResponse(BaseModel):
     tables: list[TableInfoOut]
+    version: str
+
+
+class DenseRequest(BaseModel):
+    """Raw dense values to transform as the job's reader did (``schema.dense_transform``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    values: dict[StrictStr, list[float | None]] = Field(
+        description="every dense column of the job: one value per row (null: a missing value)")
+
+
+class DenseResponse(BaseModel):
+    columns: list[str] = Field(description="the dense columns, in the model's input order")
+    dense: list[list[float]] = Field(description="per row, the model's dense input (recsys.dense): a number, a "
+                                                 "quantile bucket id or a numeric-embedding position per column")
     version: str
 
 
@@ -295,6 +311,42 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         payload = {"results": [{"feature": lk.feature, "embeddings": vec, "found": found}
                                for lk, (vec, found) in zip(body.lookups, results)], "version": version}
         return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
+
+    @app.post("/v1/dense", response_model=DenseResponse, dependencies=guarded, responses=_ERRORS,
+              openapi_extra=_json_body(DenseRequest))
+    async def dense(request: Request) -> Response:
+        """Return raw dense values transformed exactly as training and ``recsys eval`` did."""
+        body = await _parse(request, DenseRequest)
+        snap = await snapshot()
+        transform = snap.catalog.dense_transform()
+        if transform is None:
+            raise _field_error(422, ["body", "values"], "the served version has no dense columns", "no_dense")
+        columns = transform.columns
+        missing = [c for c in columns if c not in body.values]
+        extra = sorted(set(body.values) - set(columns))
+        if missing or extra:
+            what = f"missing {missing}" if missing else f"unknown {extra}"
+            raise _field_error(422, ["body", "values"], f"{what}; expected exactly the dense columns {columns}",
+                               "dense_columns")
+        sizes = {len(body.values[c]) for c in columns}
+        if len(sizes) != 1:
+            raise _field_error(422, ["body", "values"], f"every column needs one value per row, found lengths "
+                               f"{ {c: len(body.values[c]) for c in columns} }", "dense_rows")
+        rows = sizes.pop()
+        if rows * len(columns) > settings.max_ids:
+            raise _field_error(413, ["body", "values"], f"{rows * len(columns)} values in one request, at most "
+                               f"{settings.max_ids} allowed", "too_many_ids")
+        raw = {}
+        for c in columns:
+            v = np.array([np.nan if x is None else x for x in body.values[c]], dtype=np.float64)
+            bad = np.flatnonzero(~np.isfinite(v) & ~np.isnan(v) | (np.abs(np.nan_to_num(v)) > _F32_MAX))
+            if bad.size:
+                raise _field_error(422, ["body", "values", c, int(bad[0])], "a finite number within float32 range "
+                                   f"or null, found {v[bad[0]]!r}", "dense_value")
+            raw[c] = v
+        out = transform.transform(raw)
+        return Response(orjson.dumps({"columns": columns, "dense": out, "version": snap.version},
+                                     option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
     @app.get("/v1/tables", response_model=TablesResponse, dependencies=guarded, responses=_ERRORS)
     async def tables() -> dict:

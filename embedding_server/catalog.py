@@ -82,6 +82,8 @@ class Catalog:
     features: dict[str, FeatureInfo]
     step: int = 0
     source: str = ""
+    dense: dict = dataclasses.field(default_factory=dict)
+    """The dense columns and how the job transformed them (``dense_settings``); {} if none."""
 
     # ------------------------------------------------------------------ building
 
@@ -105,7 +107,11 @@ class Catalog:
                                     num_rows=spec.num_rows, salt=hashing.table_salt(name))
         feats = {f.name: FeatureInfo(name=f.name, table=f.table, kind=f.kind, multi_hot=f.multi_hot, pooling=f.pooling)
                  for f in job.schema.sparse if f.table in infos}
-        return cls(tables=infos, features=feats, step=int(meta.get("step", 0)), source=str(Path(path).resolve()))
+        dense = dense_settings(job.schema, meta.get("dense_stats"))
+        if dense:  # a checkpoint without the statistics its transforms need is refused here, not per request
+            dense_transform_of(dense, f"{path}/meta.json")
+        return cls(tables=infos, features=feats, step=int(meta.get("step", 0)), source=str(Path(path).resolve()),
+                   dense=dense)
 
     def with_tables(self, **changes: TableInfo) -> "Catalog":
         """Return a copy with some tables replaced (e.g. their row counts and checksums)."""
@@ -122,6 +128,7 @@ class Catalog:
             "tables": {n: {k: v for k, v in dataclasses.asdict(t).items() if k not in ("name", "salt")}
                        for n, t in self.tables.items()},
             "features": [dataclasses.asdict(f) for f in self.features.values()],
+            "dense": self.dense,
             **extra,
         }
 
@@ -140,9 +147,16 @@ class Catalog:
             tables[name] = TableInfo(name=name, salt=salt, **t)
         feats = {f["name"]: FeatureInfo(**f) for f in manifest["features"]}
         return cls(tables=tables, features=feats, step=int(manifest.get("step", 0)),
-                   source=manifest.get("source_checkpoint", ""))
+                   source=manifest.get("source_checkpoint", ""), dense=manifest.get("dense") or {})
 
     # ------------------------------------------------------------------ serving
+
+    def dense_transform(self):
+        """Return the ``recsys.dense.DenseTransform`` the job's reader applied (the one
+        implementation), or None when the version has no dense columns."""
+        if not self.dense.get("columns"):
+            return None
+        return dense_transform_of(self.dense)
 
     def feature(self, name: str) -> FeatureInfo:
         """Return the feature ``name``; ``KeyError`` with the served ones listed otherwise."""
@@ -185,3 +199,25 @@ class Catalog:
         if table.num_rows is not None:
             keys = hashing.fold(keys, table.num_rows)
         return keys
+
+
+def dense_settings(schema, stats: dict | None) -> dict:
+    """Return what the served path needs to transform dense values as the reader did: the
+    columns, the schema's dense settings and the checkpoint's statistics (JSON data)."""
+    if not schema.dense:
+        return {}
+    return {"columns": list(schema.dense), "transform": schema.dense_transform, "buckets": schema.dense_buckets,
+            "standardize_log": schema.dense_standardize_log, "fill_null": schema.dense_fill_null,
+            "stats": stats}
+
+
+def dense_transform_of(settings: dict, where: str = "the served version"):
+    """Return the ``DenseTransform`` of ``dense_settings`` output (ValueError if unusable)."""
+    from recsys.dense import DenseStats, DenseTransform
+    from recsys.schema import Schema
+
+    schema = Schema(dense=list(settings["columns"]), dense_transform=settings["transform"],
+                    dense_buckets=int(settings["buckets"]), dense_standardize_log=bool(settings["standardize_log"]),
+                    dense_fill_null=float(settings["fill_null"]))
+    stats = settings.get("stats")
+    return DenseTransform(schema, None if stats is None else DenseStats.from_json(stats, where), where)

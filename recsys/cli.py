@@ -15,7 +15,7 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError, user_message
 
-BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert")
+BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert", "quality")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
@@ -52,6 +52,8 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if not paths:
         raise ConfigError("inspect: give data paths, or --config with data.train.paths")
     print(describe(paths, schema))
+    if args.stats:
+        _print_dense_stats(args, job if args.config else None, paths)
     return 0
 
 
@@ -79,6 +81,22 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.infer:
         print(f"proposed job: {r['proposed_job']} (edit it, then `recsys inspect --config {r['proposed_job']}`)")
     return 0
+
+
+def _print_dense_stats(args: argparse.Namespace, job, paths: list[str]) -> None:
+    """``inspect --stats``: the dense statistics a training run of the job would compute."""
+    import dataclasses
+
+    from recsys.io import dense_stats
+
+    if job is None:
+        raise ConfigError("inspect --stats: give --config (the job's schema names the dense columns)")
+    if not job.schema.dense:
+        raise ConfigError(f"inspect --stats: {args.config} declares no dense columns (schema.dense)")
+    cfg = job.data.train if not args.paths else dataclasses.replace(job.data.train, paths=list(paths),
+                                                                    holdout_fraction=0.0)
+    print()
+    print(dense_stats.compute(cfg, job.schema).format())
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -235,6 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("paths", nargs="*", help="files, directories or globs (default: the job's train paths)")
     p.add_argument("--config", type=Path, help="job file (TOML) whose schema to check")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job setting")
+    p.add_argument("--stats", action="store_true",
+                   help="also the dense columns' statistics (count, nulls, mean, std, quantiles) as a training run "
+                   "computes them (needs --config; schema.dense_stats_rows rows at most)")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser(

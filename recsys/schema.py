@@ -109,8 +109,22 @@ class Schema:
     on a split with 0/1 labels."""
     dense: list[str] = field(default_factory=list)
     """Dense float columns, in model input order."""
-    dense_transform: Literal["none", "signed_log1p"] = "signed_log1p"
-    """Applied to dense values: ``sign(x)·log1p(|x|)`` tames heavy tails."""
+    dense_transform: str | dict[str, str] = "signed_log1p"
+    """How dense values become model inputs (``recsys.dense``), for every column, or per
+    column as a table ``{column = transform}`` (key ``"*"``: the others; unlisted columns
+    keep ``signed_log1p``): ``none``; ``signed_log1p`` (``sign(x)·log1p(|x|)``);
+    ``standardize`` (zero mean, unit std over the training data); ``quantile_buckets`` (the
+    value's quantile bucket, an embedding of its own); ``numeric_embedding`` (piecewise-linear
+    encoding over the quantile edges, projected to an embedding). The last three use the
+    dense statistics a run computes before its first step."""
+    dense_buckets: int = 16
+    """Quantile buckets per column (``quantile_buckets``, ``numeric_embedding``); >= 2. A
+    null value gets a bucket (a learned vector) of its own."""
+    dense_standardize_log: bool = False
+    """``standardize`` takes ``sign(x)·log1p(|x|)`` first (heavy-tailed counts)."""
+    dense_stats_rows: int = 1_000_000
+    """Rows the dense statistics read at most: whole row groups spread evenly over the
+    training split (0: every row)."""
     dense_fill_null: float = 0.0
     """Value used for a null dense cell (before the transform); a finite float32."""
     sparse: list[FeatureSpec] = field(default_factory=list)
@@ -145,12 +159,44 @@ class Schema:
         if self.weight and (self.weight == self.label or self.weight in self.dense
                             or self.weight in {f.column for f in self.sparse}):
             raise ValueError(f"weight column {self.weight!r} is also the label or a feature")
+        self._check_dense_transform()
         fill = self.dense_fill_null
         if not (math.isfinite(fill) and abs(fill) <= _F32_MAX):
             raise ValueError(
                 f"dense_fill_null must be a finite number within float32 range (null dense cells "
                 f"become it and reach the model), found {fill!r}"
             )
+
+    def _check_dense_transform(self) -> None:
+        from recsys.dense import TRANSFORMS
+
+        spec = self.dense_transform
+        items = spec.items() if isinstance(spec, dict) else [("*", spec)]
+        for column, name in items:
+            where = "schema.dense_transform" + ("" if not isinstance(spec, dict) else f".{column}")
+            if name not in TRANSFORMS:
+                raise ValueError(f"{where}: unknown transform {name!r}; expected one of {list(TRANSFORMS)}")
+            if column != "*" and column not in self.dense:
+                raise ValueError(f"{where}: {column!r} is not a dense column; dense columns: {self.dense}")
+        if self.dense_buckets < 2:
+            raise ValueError(f"dense_buckets must be >= 2 (a value's bucket among the training quantiles), "
+                             f"found {self.dense_buckets}")
+        if self.dense_stats_rows < 0:
+            raise ValueError(f"dense_stats_rows must be >= 0 (0: every row), found {self.dense_stats_rows}")
+
+    def transform_of(self, column: str) -> str:
+        """Return the dense transform of ``column`` (``dense_transform``)."""
+        spec = self.dense_transform
+        if isinstance(spec, str):
+            return spec
+        return spec.get(column, spec.get("*", "signed_log1p"))
+
+    @property
+    def needs_dense_stats(self) -> bool:
+        """True when a column's transform reads the training data's dense statistics."""
+        from recsys.dense import NEEDS_STATS
+
+        return any(self.transform_of(c) in NEEDS_STATS for c in self.dense)
 
     @property
     def feature_names(self) -> list[str]:

@@ -343,14 +343,15 @@ def _predictions_writer(out: Path | None):
 def score_one_process(checkpoint, paths, id_cols, passthrough, opts: EvalOptions, need_rows: str | None,
                       predictions: Path | None = None):
     """Score every row of ``paths`` in this process; return (Scored or None, StreamingMetrics or None)."""
-    from recsys.eval.run import iter_predictions, load_trained
+    from recsys.eval.run import dense_stats_of, iter_predictions, load_trained
 
     job, store, model, path, meta = load_trained(checkpoint, opts.device)
+    stats = dense_stats_of(job, meta, path)
     write, close = _predictions_writer(predictions)
     try:
         def batches():
             for y, p, w, extra in iter_predictions(job, store, model, paths, device=opts.device,
-                                                   passthrough=passthrough):
+                                                   passthrough=passthrough, dense_stats=stats):
                 write({k: extra[k] for k in id_cols}, y, p, w)
                 yield y, p, w, extra
         y, p, w, extra = _collect(batches(), opts.max_exact_rows, need_rows, opts.calibration_bins)
@@ -378,13 +379,14 @@ def _rank_scores(rank: int, world_size: int, checkpoint: str, paths: list[str], 
     """
     import torch.distributed as dist
 
-    from recsys.eval.run import PeerStopped, iter_predictions, load_trained
+    from recsys.eval.run import PeerStopped, dense_stats_of, iter_predictions, load_trained
 
     try:
         job, store, model, path, meta = load_trained(checkpoint, device)
         try:
             parts = list(iter_predictions(job, store, model, paths, device=device, passthrough=passthrough,
-                                          rank=rank, world_size=world_size))
+                                          rank=rank, world_size=world_size,
+                                          dense_stats=dense_stats_of(job, meta, path)))
         finally:
             store.close()
     except UserError as exc:

@@ -24,26 +24,52 @@ class PeerStopped(UserError):
     """This rank stopped because another rank of ``iter_predictions`` met bad input."""
 
 
+def dense_stats_of(job, meta: dict, path) -> "DenseStats | None":
+    """Return the checkpoint's dense statistics (None when its schema's transforms read
+    none); a UserError when its transforms need them and it has none."""
+    from recsys.dense import DenseStats
+
+    if not job.schema.needs_dense_stats:
+        return None
+    saved = meta.get("dense_stats")
+    if saved is None:
+        kinds = sorted({job.schema.transform_of(c) for c in job.schema.dense} - {"none", "signed_log1p"})
+        raise UserError(f"{path}/meta.json: schema.dense_transform uses {kinds}, which need the training data's "
+                        "dense statistics, but the checkpoint has none (expected meta.json[\"dense_stats\"], "
+                        "written by every save of a run with such transforms)")
+    try:
+        return DenseStats.from_json(saved, f"{path}/meta.json:dense_stats")
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 def load_trained(checkpoint: str | Path, device: str = "cpu"):
     """Return (job, store, model) restored from ``checkpoint`` for inference in this process."""
-    from recsys.model.arch import RankingModel
+    from recsys.model.arch import model_for
+    from recsys.store import wide
+    from recsys.store.wide import table_names
     from recsys.store.sharded import ShardedEmbeddingStore
     from recsys.train import checkpoint as ckpt
 
     path = ckpt.resolve(checkpoint)
     meta = ckpt.load_meta(path)
     job = config_mod.from_dict(config_mod.JobConfig, tomllib.loads(meta["config"]), f"{path}/meta.json:config")
-    sparse = ckpt.load_sparse(path, list(job.schema.tables))
+    dense_stats_of(job, meta, path)  # a checkpoint without the statistics its transforms need fails here
+    sparse = ckpt.load_sparse(path, table_names(job.schema, job.model.wide))
     # Inference holds every saved row in memory (spilled ones included: a checkpoint has
     # them all) and touches no Redis, so a table's capacity grows to its saved rows.
-    tables = {name: dataclasses.replace(spec, capacity=max(spec.capacity, sparse[name].num_rows))
-              for name, spec in job.schema.tables.items()}
-    schema = dataclasses.replace(job.schema, tables=tables)
-    store = ShardedEmbeddingStore(schema, dataclasses.replace(job.store, spill_url="", device_cache_rows=0),
-                                  device=device)
-    store.load_state_dict(sparse)
-    dims = {t.dim for t in job.schema.tables.values()}
-    model = RankingModel(job.model, len(job.schema.dense), len(job.schema.sparse), dims.pop())
+    def inference_store(schema, cfg):
+        tables = {name: dataclasses.replace(spec, capacity=max(spec.capacity, sparse[name].num_rows))
+                  for name, spec in schema.tables.items()}
+        store = ShardedEmbeddingStore(dataclasses.replace(schema, tables=tables),
+                                      dataclasses.replace(cfg, spill_url="", device_cache_rows=0), device=device)
+        store.load_state_dict({name: sparse[name] for name in tables})
+        return store
+
+    store = inference_store(job.schema, job.store)
+    if job.model.wide:
+        store = wide.WideStore(store, inference_store(wide.wide_schema(job.schema), wide.wide_store_config(job.store)))
+    model = model_for(job)
     model.load_state_dict(ckpt.load_dense(path)["model"])
     model.to(device).eval()
     return job, store, model, path, meta
@@ -51,10 +77,13 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
 
 @torch.no_grad()
 def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | None = None, device: str = "cpu",
-                     passthrough: list[str] | None = None, rank: int = 0, world_size: int = 1):
+                     passthrough: list[str] | None = None, rank: int = 0, world_size: int = 1,
+                     dense_stats=None):
     """Yield (labels, probabilities, weights, {passthrough column: values}) per batch of ``paths``.
 
     ``weights`` are the rows' sample weights (``schema.weight``), None when the job has none.
+    ``dense_stats``: the checkpoint's dense statistics (``dense_stats_of``), for the transforms
+    that read them.
 
     One process reads every row in file order. With ``world_size`` > 1 (a process group
     is up and ``store`` is sharded over it) this rank reads its exactly-once share and the
@@ -66,13 +95,14 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
 
     from recsys.io.reader import ParquetReader
     from recsys.io.batch import empty_batch
+    from recsys.model.arch import model_inputs
 
     extra_cols = list(job.data.eval.passthrough if passthrough is None else passthrough)
     cfg = dataclasses.replace(job.data.eval, paths=list(paths), shuffle=False, passthrough=extra_cols,
                               batch_size=batch_size or job.data.eval.batch_size,
                               num_workers=0 if world_size == 1 else job.data.eval.num_workers)
     F = len(job.schema.sparse)
-    with ParquetReader(cfg, job.schema, rank=rank, world_size=world_size) as reader:
+    with ParquetReader(cfg, job.schema, rank=rank, world_size=world_size, dense_stats=dense_stats) as reader:
         it = iter(reader)
         while True:
             try:
@@ -97,19 +127,21 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
                 cur = batch
             cur = cur.to(device)
             lookup = store.lookup(cur.sparse, None, train=False)
-            logits = model(cur.dense, lookup.pooled(F))
+            logits = model(cur.dense, *model_inputs(lookup, F))
             if batch is not None:
                 yield (cur.labels.cpu().numpy(), torch.sigmoid(logits).cpu().numpy(),
                        None if cur.weights is None else cur.weights.cpu().numpy(),
                        {k: cur.extra[k].cpu().numpy() for k in extra_cols})
 
 
-def predict(job, store, model, paths: list[str], batch_size: int | None = None, device: str = "cpu"):
+def predict(job, store, model, paths: list[str], batch_size: int | None = None, device: str = "cpu",
+            dense_stats=None):
     """Return (labels, probabilities, weights or None, passthrough columns) for every row of
     ``paths``, in file order."""
     labels, probs, weights = [], [], []
     extra: dict[str, list[np.ndarray]] = {k: [] for k in job.data.eval.passthrough}
-    for y, p, w, ex in iter_predictions(job, store, model, paths, batch_size=batch_size, device=device):
+    for y, p, w, ex in iter_predictions(job, store, model, paths, batch_size=batch_size, device=device,
+                                        dense_stats=dense_stats):
         labels.append(y)
         probs.append(p)
         weights.append(w)
@@ -127,6 +159,6 @@ def evaluate_checkpoint(checkpoint: str | Path, data: list[str] | None = None, d
     paths = data or job.data.eval.paths
     if not paths:
         raise config_mod.ConfigError(f"{path}: the job has no eval paths; pass --data")
-    y, p, w, _ = predict(job, store, model, paths, device=device)
+    y, p, w, _ = predict(job, store, model, paths, device=device, dense_stats=dense_stats_of(job, meta, path))
     store.close()
     return {"checkpoint": str(path), "step": meta["step"], "data": list(paths), **evaluate_predictions(y, p, w)}

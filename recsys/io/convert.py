@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 from numba import njit
 
 from recsys import hashing
+from recsys.dense import DenseStats, DenseTransform, signed_log1p_
 from recsys.io.errors import ReadError
 from recsys.io.units import expected_sparse, is_list_type, is_numeric_type
 from recsys.schema import Schema
@@ -264,11 +265,7 @@ def _first_null(arr: pa.Array) -> int:
     return int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
 
 
-def _signed_log1p(x: np.ndarray) -> None:
-    """x ← sign(x)·log1p(|x|) in place (numpy's float32 log1p is vectorized; a scalar loop is ~30x slower)."""
-    a = np.abs(x)
-    np.log1p(a, out=a)
-    np.copysign(a, x, out=x)
+_signed_log1p = signed_log1p_  # one implementation with the served path (recsys.dense)
 
 
 def _take(src: np.ndarray, perm: np.ndarray | None, out: np.ndarray) -> None:
@@ -300,10 +297,10 @@ _EXPECT_UTF8 = "UTF-8 text (the column's type is string; keep raw bytes in a bin
 class UnitConverter:
     """Turns one row group (an Arrow table of the job's columns) into a UnitData."""
 
-    def __init__(self, schema: Schema, passthrough: list[str]) -> None:
+    def __init__(self, schema: Schema, passthrough: list[str], dense_stats: DenseStats | None = None) -> None:
         self.schema = schema
         self.passthrough = list(passthrough)
-        self.log1p = schema.dense_transform == "signed_log1p"
+        self.dense_transform = DenseTransform(schema, dense_stats)
         self.single = []
         self.multi = []
         for f, feat in enumerate(schema.sparse):
@@ -331,11 +328,15 @@ class UnitConverter:
             weights = self._sample_weights(table, where, perm)
         D = len(self.schema.dense)
         dense = np.empty((D, n), dtype=np.float32)
+        dt = self.dense_transform
         for j, c in enumerate(self.schema.dense):
-            done = self._floats(table, c, where, dense[j], allow_null=True, log1p=self.log1p,
-                                expected="a finite number or null")
-            if self.log1p and not done:
+            log1p = dt.kinds[j] == "signed_log1p"
+            done = self._floats(table, c, where, dense[j], allow_null=True, log1p=log1p,
+                                expected="a finite number or null", fill=dt.fills[j])
+            if log1p and not done:
                 _signed_log1p(dense[j])
+            elif not log1p:
+                dt.apply(j, dense[j])
         if perm is not None:  # row by row: 1-D takes run ~3x faster than one take(axis=1)
             permuted = np.empty_like(dense)
             for j in range(D):
@@ -435,13 +436,14 @@ class UnitConverter:
                     "for soft labels in [0, 1])")
         return "a label in [0, 1] (schema.label_kind = 'probability')"
 
-    def _floats(self, table, column, where, out, *, allow_null, expected, log1p=False) -> bool:
-        """Fill ``out`` (float32 [n]) from a numeric column; nulls → fill (if allowed).
+    def _floats(self, table, column, where, out, *, allow_null, expected, log1p=False, fill=None) -> bool:
+        """Fill ``out`` (float32 [n]) from a numeric column; nulls → ``fill`` (if allowed;
+        default ``schema.dense_fill_null``).
 
         Return True if ``out`` already holds transformed values: a value beyond float32's
         range is fine under signed_log1p, so such a column is transformed in float64 first.
         """
-        fill = float(self.schema.dense_fill_null)
+        fill = float(self.schema.dense_fill_null if fill is None else fill)
         row0 = 0
         for chunk in table.column(column).chunks:
             if len(chunk) == 0:

@@ -68,7 +68,10 @@ class ParquetReader:
         rank: int = 0,
         world_size: int = 1,
         filesystem=None,
+        dense_stats=None,
     ) -> None:
+        """``dense_stats``: the training data's ``recsys.dense.DenseStats``, needed by the
+        transforms of ``schema.dense_transform`` that read them."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, found rank={rank}, world_size={world_size}")
         self.cfg = cfg
@@ -88,7 +91,7 @@ class ParquetReader:
         self._key_index = {k: i for i, k in enumerate(self._keys)}
         self._ctx = ReadContext(
             table=table,
-            converter=UnitConverter(schema, list(cfg.passthrough)),
+            converter=UnitConverter(schema, list(cfg.passthrough), dense_stats),
             columns=schema.columns(list(cfg.passthrough)),
             batch_size=cfg.batch_size,
             shuffle=cfg.shuffle,

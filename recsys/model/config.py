@@ -10,12 +10,19 @@ from typing import Literal
 class ModelConfig:
     """Which dense model sits on top of the pooled embeddings, and its sizes."""
 
-    arch: Literal["dlrm", "dcn"] = "dlrm"
-    """``dlrm``: pairwise dot interaction; ``dcn``: DCN-v2 low-rank cross layers."""
+    arch: Literal["dlrm", "dcn", "deepfm"] = "dlrm"
+    """``dlrm``: pairwise dot interaction; ``dcn``: DCN-v2 low-rank cross layers; ``deepfm``:
+    a factorization machine's second-order term over the feature vectors plus a deep tower
+    (the top MLP) over their concatenation."""
     bottom_mlp: list[int] = field(default_factory=lambda: [64, 32, 16])
     """Bottom (dense) MLP layer sizes; the last must equal the embedding dim."""
     top_mlp: list[int] = field(default_factory=lambda: [128, 64, 1])
     """Top MLP layer sizes; the last must be 1 (one logit)."""
+    wide: bool = False
+    """Add a wide arm to any arch: a learned scalar weight per id of every sparse feature,
+    summed into the logit (logistic regression's per-id weights). The weights are rows of
+    dim-1 tables ``<table>.wide`` in the embedding store (``recsys.store.wide``): unbounded,
+    sharded and checkpointed like the embeddings, starting at 0."""
     dcn_layers: int = 3
     """Cross layers (``dcn`` only)."""
     dcn_low_rank: int = 64

@@ -39,8 +39,9 @@ from torch.nn.parallel import DistributedDataParallel
 from recsys import config as config_mod
 from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
-from recsys.model.arch import RankingModel
+from recsys.model.arch import model_for, model_inputs
 from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.store.wide import table_names
 from recsys.train import checkpoint as ckpt
 from recsys.train.distributed import init_distributed, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
@@ -175,11 +176,8 @@ class Trainer:
         self.train_cfg, self.validation_cfg = read_splits(job)  # config errors before any thread starts
         torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
         schema = job.schema
-        dims = {t.dim for t in schema.tables.values()}
-        if len(dims) != 1:
-            raise ValueError(f"all tables need one dim for the interaction, found {sorted(dims)}")
         torch.manual_seed(tc.seed)
-        self.model = RankingModel(job.model, len(schema.dense), len(schema.sparse), dims.pop()).to(env.device)
+        self.model = model_for(job).to(env.device)
         self.ddp = (
             DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
             if env.world_size > 1
@@ -194,7 +192,16 @@ class Trainer:
         group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
         self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
                                            run_dir=self.run_dir, job_name=job.name)
-        self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size)
+        if job.model.wide:  # the wide arm's dim-1 tables: a store of their own (recsys.store.wide)
+            from recsys.store import wide
+
+            group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
+            self.store = wide.WideStore(self.store, ShardedEmbeddingStore(
+                wide.wide_schema(schema), wide.wide_store_config(job.store), group=group, device=env.device,
+                threaded=True, run_dir=self.run_dir, job_name=job.name))
+        self.dense_stats = self._dense_stats(resume)
+        self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size,
+                                              dense_stats=self.dense_stats)
         if tc.validation_fraction and env.is_main:
             record_validation_split(self.validation_cfg, schema, self.run_dir)
         self.step = 0
@@ -250,6 +257,39 @@ class Trainer:
         self.log.event("publish", step=self.step, **{n: int(v) for n, v in zip(names, totals)},
                        ranks_unfinished=int(totals[-1]))
 
+    def _dense_stats(self, resume: str | None):
+        """Return the dense statistics the job's transforms read (None if none does): the
+        checkpoint's when resuming, else one pass over the training split, shared by the
+        ranks (``recsys.io.dense_stats``); rank 0 writes them to ``RUN_DIR/dense_stats.json``."""
+        if not self.job.schema.needs_dense_stats:
+            return None
+        import json
+
+        from recsys.dense import DenseStats
+        from recsys.io import dense_stats
+
+        source = resume or ckpt.latest(self.run_dir / "checkpoints")
+        if source is not None:
+            path = ckpt.resolve(source)
+            saved = ckpt.load_meta(path).get("dense_stats")
+            if saved is not None:
+                return DenseStats.from_json(saved, f"{path}/meta.json:dense_stats")
+        env = self.env
+
+        def gather(mine: list) -> list[list]:
+            parts = [None] * env.world_size
+            dist.all_gather_object(parts, mine)
+            return parts
+
+        stats = dense_stats.compute(self.train_cfg, self.job.schema, env.rank, env.world_size,
+                                    gather if env.world_size > 1 else None)
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            tmp = self.run_dir / "dense_stats.json.tmp"
+            tmp.write_text(json.dumps(stats.to_json(), indent=1) + "\n")
+            os.replace(tmp, self.run_dir / "dense_stats.json")
+        return stats
+
     def _row_recorder(self) -> RowRecorder:
         """Start this attempt's row audit (``train.record_rows``; see ``recsys.train.rows``)."""
         name = [attempt_name(self.run_dir / ROWS_DIR, self.step) if self.env.is_main else None]
@@ -280,6 +320,8 @@ class Trainer:
         meta = {"reader": type(self.reader).merge_states(states), "epoch": self.epoch,
                 "config": config_mod.dumps(self.job), "best": self.best,
                 "evals_without_improvement": self.evals_without_improvement}
+        if self.dense_stats is not None:  # eval and serving transform exactly as training did
+            meta["dense_stats"] = self.dense_stats.to_json()
         path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(),
                          dense={**dense, **self.store.admission_state_dict()},
                          meta=meta, keep_last=self.job.train.keep_last)
@@ -294,7 +336,7 @@ class Trainer:
         self.opt.load_state_dict(dense["optimizer"])
         self.sched.load_state_dict(dense["scheduler"])
         torch.set_rng_state(dense["torch_rng"])
-        self.store.load_state_dict(ckpt.load_sparse(path, list(self.job.schema.tables)),
+        self.store.load_state_dict(ckpt.load_sparse(path, table_names(self.job.schema, self.job.model.wide)),
                                    admission=dense.get("admission"))
         self.reader.load_state_dict(meta["reader"])
         self.step = int(meta["step"])
@@ -363,7 +405,7 @@ class Trainer:
                         nxt = self._fetch(it)
                         future = self._submit(nxt, self.step + 1)
                     t2 = time.perf_counter()
-                    logits = self.ddp(cur.dense, lookup.pooled(F))
+                    logits = self.ddp(cur.dense, *model_inputs(lookup, F))
                     if cur.size:
                         loss = _loss(logits, cur)
                     else:  # an empty batch still joins DDP's all-reduce, with zero gradients
@@ -490,7 +532,7 @@ class Trainer:
         cfg = self.validation_cfg if split == "validation" else self.job.data.eval
         if not cfg.paths:
             return {}
-        reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size)
+        reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size, dense_stats=self.dense_stats)
         self.model.eval()
         labels, preds, weights = [], [], []
         seen = 0
@@ -505,7 +547,7 @@ class Trainer:
                     break
                 cur = (batch or empty_batch(schema, list(cfg.passthrough))).to(env.device)
                 lookup = self.store.lookup(cur.sparse, None, train=False)
-                logits = self.model(cur.dense, lookup.pooled(len(schema.sparse)))
+                logits = self.model(cur.dense, *model_inputs(lookup, len(schema.sparse)))
                 labels.append(cur.labels.cpu().numpy())
                 preds.append(torch.sigmoid(logits).cpu().numpy())
                 if cur.weights is not None:

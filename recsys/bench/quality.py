@@ -1,0 +1,416 @@
+"""``recsys bench quality``: our job per data set against scikit-learn, on the same split.
+
+For each data set: its job file (``jobs/quality_*.toml``) trained with 3 seeds, the epoch
+chosen by the trainer's own early stopping on the validation split (``keep_best = "auc"``),
+the kept checkpoint scored on the eval split; next to it, on the same three splits,
+``HistGradientBoostingClassifier`` and ``LogisticRegression`` with hyper-parameters picked
+by validation AUC (a small grid, seed 0), then fitted with 3 seeds and scored on the eval
+split. Every AUC and log loss comes from ``recsys.eval.metrics.evaluate_predictions``.
+
+Data sets (all inside installed packages, read from there, no download):
+
+    synthetic  recsys gen-synthetic (small; --quick: tiny); the oracle AUC is known
+    randhie    statsmodels.datasets.randhie (RAND Health Insurance Experiment, 20,190 rows):
+               label mdvis > 0 (any outpatient visit)
+    fair       statsmodels.datasets.fair (Fair's affairs survey, 6,366 rows): affairs > 0
+
+The real sets are shuffled once (seed 0) and cut 70 / 15 / 15 % into train, validation and
+eval Parquet files under ``data/quality/<set>`` (the job files' paths). The baselines see
+the dense columns as numbers (logistic regression: ``sign(x)·log1p(|x|)`` standardized) and
+the id columns as categories (gradient boosting: native categorical splits over the 254
+most frequent values; logistic regression: one-hot). Multi-hot columns of the synthetic
+set are left out of the baselines (they have no native form for bags).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT / "data" / "quality"
+RUNS = ROOT / "bench-out"
+SEEDS = (0, 1, 2)
+QUICK_SEEDS = (0,)
+QUICK_EPOCHS = 2
+"""``--quick``: one seed, two epochs, one hyper-parameter setting per baseline (figures not comparable)."""
+SETS_RUN = ("synthetic", "randhie", "fair")
+_MAX_CATEGORIES = 254
+
+
+@dataclasses.dataclass(frozen=True)
+class RealSet:
+    """A real data set shipped inside an installed package."""
+
+    name: str
+    package: str
+    """Module whose directory holds the CSV file."""
+    file: str
+    job: str
+    """Job file, relative to the repository."""
+    dense: tuple[str, ...]
+    ids: tuple[str, ...]
+    rows: int
+    """Rows the CSV holds (checked: a different file is refused)."""
+    by_profile: bool = False
+    """Split by profile: rows with identical features go to one split. ``randhie`` holds up to
+    5 yearly rows per person and no person id; cut by row, 97 % of the validation rows have
+    their exact profile in the training split, and a profile's mean training label alone
+    scores 0.73 AUC there: the benchmark would measure recall of persons, not learning."""
+
+
+SETS = {
+    "randhie": RealSet("randhie", "statsmodels.datasets.randhie", "randhie.csv", "jobs/quality_randhie.toml",
+                       dense=("lncoins", "lpi", "fmde", "physlm", "disea", "hlthg", "hlthf", "hlthp"),
+                       ids=("plan", "idp"), rows=20_190, by_profile=True),
+    "fair": RealSet("fair", "statsmodels.datasets.fair", "fair.csv", "jobs/quality_fair.toml",
+                    dense=("rate_marriage", "age", "yrs_married", "children", "religious", "educ"),
+                    ids=("occupation", "occupation_husb"), rows=6_366),
+}
+SYNTHETIC_JOB = "jobs/quality_synthetic_small.toml"
+
+
+# --------------------------------------------------------------------------- data
+
+
+def read_set(s: RealSet) -> dict[str, np.ndarray]:
+    """Return the set's columns (label 0/1 int8, ids int64, dense float64) from its package."""
+    import pyarrow.csv as pcsv
+
+    try:
+        path = importlib.resources.files(s.package) / s.file
+    except ModuleNotFoundError:
+        raise RuntimeError(f"bench quality needs the package that ships {s.name} ({s.package}); "
+                           "install the test extra: pip install -e '.[test]'") from None
+    table = pcsv.read_csv(str(path))
+    if table.num_rows != s.rows:
+        raise RuntimeError(f"{path}: {table.num_rows} rows, expected {s.rows} (another version of the data)")
+    col = {n: table.column(n).to_numpy().astype(np.float64) for n in table.column_names}
+    out: dict[str, np.ndarray] = {}
+    if s.name == "randhie":
+        out["label"] = (col["mdvis"] > 0).astype(np.int8)
+        levels = np.unique(col["lncoins"])
+        out["plan"] = (np.searchsorted(levels, col["lncoins"]) * 2 + col["idp"]).astype(np.int64)
+        out["idp"] = col["idp"].astype(np.int64)
+    else:
+        out["label"] = (col["affairs"] > 0).astype(np.int8)
+        out["occupation"] = col["occupation"].astype(np.int64)
+        out["occupation_husb"] = col["occupation_husb"].astype(np.int64)
+    for c in s.dense:
+        out[c] = col[c]
+    return out
+
+
+def prepare(s: RealSet, root: Path | None = None) -> Path:
+    """Write the set's train / validation / eval Parquet files under ``root/<name>`` (default
+    ``DATA``; once)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = (root or DATA) / s.name
+    marker = out / "split.json"
+    saved = json.loads(marker.read_text()) if marker.exists() else {}
+    if saved.get("rows") == s.rows and saved.get("by_profile") == s.by_profile:
+        return out
+    cols = read_set(s)
+    n = cols["label"].shape[0]
+    rng = np.random.default_rng(0)
+    if s.by_profile:  # whole profiles, shuffled, dealt until each split has its share of rows
+        features = np.stack([cols[c].astype(np.float64) for c in (*s.dense, *s.ids)], axis=1)
+        _, group = np.unique(features, axis=0, return_inverse=True)
+        order = rng.permutation(group.max() + 1)
+        rank = np.empty_like(order)
+        rank[order] = np.arange(order.shape[0])
+        perm = np.argsort(rank[group.ravel()], kind="stable")
+        g = group.ravel()[perm]
+        a, b = int(0.70 * n), int(0.85 * n)
+        while 0 < a < n and g[a] == g[a - 1]:  # never cut through a profile
+            a += 1
+        while 0 < b < n and g[b] == g[b - 1]:
+            b += 1
+    else:
+        perm = rng.permutation(n)
+        a, b = int(0.70 * n), int(0.85 * n)
+    for split, idx in (("train", perm[:a]), ("validation", perm[a:b]), ("eval", perm[b:])):
+        (out / split).mkdir(parents=True, exist_ok=True)
+        table = pa.table({k: v[np.sort(idx)] for k, v in cols.items()})
+        pq.write_table(table, out / split / "part-00000.parquet", row_group_size=1024)
+    marker.write_text(json.dumps({"rows": s.rows, "source": f"{s.package}/{s.file}", "seed": 0,
+                                  "fractions": [0.70, 0.15, 0.15], "by_profile": s.by_profile}) + "\n")
+    return out
+
+
+def _read_split(paths: list[str], columns: list[str]) -> dict[str, np.ndarray]:
+    """Return the columns of every file of ``paths``: numbers as numpy (nulls NaN), string
+    ids as int64 hashes (the same string, the same number in every split; nulls -1)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    from recsys import hashing
+    from recsys.io.units import expand_paths
+
+    t = pa.concat_tables([pq.read_table(sf.path, columns=columns) for sf in expand_paths(paths)])
+    out = {}
+    for c in columns:
+        col = t.column(c)
+        if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):
+            arr = col.cast(pa.large_string()).combine_chunks()
+            valid = arr.is_valid().to_numpy(zero_copy_only=False)
+            arr = pc.fill_null(arr, "")
+            bufs = arr.buffers()
+            offsets = np.frombuffer(bufs[1], dtype=np.int64, count=arr.offset + len(arr) + 1)[arr.offset:]
+            data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else np.zeros(0, np.uint8)
+            out[c] = np.where(valid, hashing.hash_strings(offsets, data, "bench"), -1)
+        else:
+            out[c] = col.to_numpy(zero_copy_only=False)
+    return out
+
+
+# --------------------------------------------------------------------------- ours
+
+
+def train_ours(job_path: Path, seed: int, run_dir: Path, overrides: list[str]) -> dict:
+    """Train the job with ``seed`` (early stopping on its validation split); return the eval
+    split's figures of the checkpoint early stopping kept."""
+    from recsys.config import load_job
+    from recsys.eval.run import evaluate_checkpoint
+    from recsys.train.loop import Trainer, setup_env
+
+    job = load_job(job_path, [*overrides, f"train.seed={seed}", f"store.seed={seed}"])
+    t0 = time.perf_counter()
+    trainer = Trainer(job, run_dir, setup_env("cpu"))
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    best = run_dir / "checkpoints" / "best"
+    scored = evaluate_checkpoint(best, data=list(job.data.eval.paths))
+    return {"auc": scored["auc"], "log_loss": scored["log_loss"], "best_step": result.get("best", {}).get("step"),
+            "best_validation_auc": result.get("best", {}).get("value"), "steps": result["step"],
+            "epochs": result.get("epoch"), "seconds": time.perf_counter() - t0}
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+@dataclasses.dataclass
+class Features:
+    dense: np.ndarray
+    """float64 [n, dense columns]."""
+    ids: np.ndarray
+    """int64 [n, id columns]; -1 for null."""
+    label: np.ndarray
+
+
+def _features(paths, label: str, dense: list[str], ids: list[str]) -> Features:
+    cols = _read_split(paths, [label, *dense, *ids])
+    d = np.stack([np.asarray(cols[c], dtype=np.float64) for c in dense], axis=1) if dense else np.zeros((0, 0))
+    idc = []
+    for c in ids:
+        v = cols[c]
+        if v.dtype.kind == "f":  # an int column with nulls comes back as floats with NaN
+            v = np.where(np.isnan(v), -1, v)
+        idc.append(np.asarray(v, dtype=np.int64))
+    return Features(dense=d, ids=np.stack(idc, axis=1) if idc else np.zeros((len(cols[label]), 0), np.int64),
+                    label=np.asarray(cols[label], dtype=np.float64))
+
+
+def _hgb_matrix(f: Features, top: list[np.ndarray]) -> np.ndarray:
+    """Dense columns, then each id column as a category code (its top values; others and
+    nulls: one 'other' code)."""
+    parts = [f.dense]
+    for j, values in enumerate(top):
+        code = np.searchsorted(values, f.ids[:, j])
+        hit = (code < values.shape[0]) & (values[np.minimum(code, values.shape[0] - 1)] == f.ids[:, j])
+        parts.append(np.where(hit, code, values.shape[0]).astype(np.float64)[:, None])
+    return np.concatenate(parts, axis=1)
+
+
+def _top_values(ids: np.ndarray) -> list[np.ndarray]:
+    out = []
+    for j in range(ids.shape[1]):
+        v, c = np.unique(ids[:, j][ids[:, j] >= 0], return_counts=True)
+        keep = np.sort(v[np.argsort(-c, kind="stable")[:_MAX_CATEGORIES]])
+        out.append(keep)
+    return out
+
+
+def _lr_matrix(f: Features, mean: np.ndarray, std: np.ndarray, encoder):
+    from scipy import sparse
+
+    d = np.nan_to_num(f.dense, nan=0.0)
+    d = np.copysign(np.log1p(np.abs(d)), d)
+    d = (d - mean) / std
+    parts = [sparse.csr_matrix(d)]
+    if f.ids.shape[1]:
+        parts.append(encoder.transform(f.ids))
+    return sparse.hstack(parts).tocsr()
+
+
+HGB_GRID = [dict(learning_rate=lr, max_leaf_nodes=leaves, min_samples_leaf=leaf, l2_regularization=l2)
+            for lr in (0.03, 0.1) for leaves in (15, 63) for leaf in (20, 100) for l2 in (0.0, 1.0)]
+HGB_GRID_QUICK = HGB_GRID[:1]
+LR_GRID = [0.001, 0.01, 0.1, 1.0, 10.0]
+LR_GRID_QUICK = [1.0]
+
+
+HGB_GRID_LARGE = [dict(learning_rate=0.1, max_leaf_nodes=63, min_samples_leaf=100, l2_regularization=1.0),
+                  dict(learning_rate=0.1, max_leaf_nodes=255, min_samples_leaf=200, l2_regularization=1.0)]
+LR_GRID_LARGE = [0.1, 1.0]
+LARGE_ROWS = 200_000
+"""A training split this large (the synthetic small set) gets the small grids above: each
+fit there takes minutes on 2 cores."""
+
+
+def baselines(train: Features, validation: Features, evaluation: Features, seeds, quick: bool) -> dict:
+    """Return {"gbdt": ..., "logreg": ...}: the chosen hyper-parameters (by validation AUC)
+    and the eval split's figures per seed."""
+    large = train.label.shape[0] >= LARGE_ROWS
+    from sklearn.ensemble import HistGradientBoostingClassifier
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.preprocessing import OneHotEncoder
+
+    from recsys.eval.metrics import evaluate_predictions
+
+    def figures(y, p) -> dict:
+        m = evaluate_predictions(y, p)
+        return {"auc": m["auc"], "log_loss": m["log_loss"]}
+
+    top = _top_values(train.ids)
+    Xtr, Xva, Xev = (_hgb_matrix(f, top) for f in (train, validation, evaluation))
+    cat = [False] * train.dense.shape[1] + [True] * train.ids.shape[1]
+
+    def hgb(params, seed):
+        model = HistGradientBoostingClassifier(max_iter=1000, early_stopping=True, validation_fraction=0.1,
+                                               n_iter_no_change=20, categorical_features=cat or None,
+                                               random_state=seed, **params)
+        return model.fit(Xtr, train.label)
+
+    grid = HGB_GRID_QUICK if quick else HGB_GRID_LARGE if large else HGB_GRID
+    scores = [figures(validation.label, hgb(p, 0).predict_proba(Xva)[:, 1])["auc"] for p in grid]
+    chosen = grid[int(np.argmax(scores))]
+    gbdt = {"chosen": chosen, "validation_auc": max(scores), "grid": len(grid),
+            "runs": [figures(evaluation.label, hgb(chosen, s).predict_proba(Xev)[:, 1]) for s in seeds]}
+
+    d = np.nan_to_num(train.dense, nan=0.0)
+    d = np.copysign(np.log1p(np.abs(d)), d)
+    mean, std = d.mean(axis=0), d.std(axis=0)
+    std[std == 0] = 1.0
+    encoder = OneHotEncoder(handle_unknown="ignore").fit(train.ids) if train.ids.shape[1] else None
+    Ltr, Lva, Lev = (_lr_matrix(f, mean, std, encoder) for f in (train, validation, evaluation))
+
+    def lr(C, seed):
+        return LogisticRegression(C=C, max_iter=1000 if large else 5000, random_state=seed).fit(Ltr, train.label)
+
+    grid = LR_GRID_QUICK if quick else LR_GRID_LARGE if large else LR_GRID
+    scores = [figures(validation.label, lr(C, 0).predict_proba(Lva)[:, 1])["auc"] for C in grid]
+    C = grid[int(np.argmax(scores))]
+    logreg = {"chosen": {"C": C}, "validation_auc": max(scores), "grid": len(grid),
+              "runs": [figures(evaluation.label, lr(C, s).predict_proba(Lev)[:, 1]) for s in seeds]}
+    return {"gbdt": gbdt, "logreg": logreg}
+
+
+# --------------------------------------------------------------------------- the bench
+
+
+def _summary(runs: list[dict]) -> dict:
+    auc = np.array([r["auc"] for r in runs])
+    ll = np.array([r["log_loss"] for r in runs])
+    return {"auc_mean": float(auc.mean()), "auc_std": float(auc.std(ddof=1)) if len(auc) > 1 else 0.0,
+            "log_loss_mean": float(ll.mean()), "log_loss_std": float(ll.std(ddof=1)) if len(ll) > 1 else 0.0,
+            "seeds": len(runs)}
+
+
+def _synthetic(quick: bool, data: Path | None) -> tuple[Path, Path, list[str], dict]:
+    """Return (job file, data directory, overrides, oracle) of the synthetic set."""
+    from recsys import synth
+
+    if quick:
+        root = data or ROOT / "bench-out" / "data" / "quality-tiny"
+        if not (root / "oracle.json").exists():
+            synth.generate("tiny", root, seed=0)
+        files = sorted(str(p) for p in (root / "train").glob("*.parquet"))
+        overrides = [f"data.train.paths={json.dumps(files[:-1])}", f"data.validation.paths={json.dumps(files[-1:])}",
+                     f"data.eval.paths=['{root / 'eval'}']", "data.train.batch_size=256", f"train.epochs={QUICK_EPOCHS}",
+                     "train.warmup_steps=0"]
+    else:
+        root = data or ROOT / "data" / "synthetic_small"
+        if not (root / "oracle.json").exists():
+            synth.generate("small", root, seed=0)
+        overrides = [f"data.train.paths=['{root / 'train'}/part-0000[0-9].parquet', "
+                     f"'{root / 'train'}/part-0001[0-2].parquet']",
+                     f"data.validation.paths=['{root / 'train'}/part-00013.parquet']",
+                     f"data.eval.paths=['{root / 'eval'}']"]
+    oracle = json.loads((root / "oracle.json").read_text())["eval"]
+    return ROOT / SYNTHETIC_JOB, root, overrides, oracle
+
+
+def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None = None) -> dict:
+    """Run every data set (or ``sets``); return the figures and the comparison rows."""
+    from recsys.config import load_job
+
+    seeds = QUICK_SEEDS if quick else SEEDS
+    out_root = RUNS / ("quality-quick" if quick else "quality") / time.strftime("%Y%m%d-%H%M%S")
+    results, comparisons = {}, []
+    for name in sets or SETS_RUN:
+        oracle = None
+        if name == "synthetic":
+            job_path, _, overrides, oracle = _synthetic(quick, data)
+        else:
+            s = SETS[name]
+            root = prepare(s)
+            job_path = ROOT / s.job
+            overrides = [f"data.train.paths=['{root / 'train'}']", f"data.validation.paths=['{root / 'validation'}']",
+                         f"data.eval.paths=['{root / 'eval'}']"]
+            if quick:
+                overrides += [f"train.epochs={QUICK_EPOCHS}"]
+        job = load_job(job_path, overrides)
+        t0 = time.perf_counter()
+        ours = [train_ours(job_path, seed, out_root / name / f"seed-{seed}", overrides) for seed in seeds]
+        ours_s = time.perf_counter() - t0
+        single = [f.name for f in job.schema.sparse if not f.multi_hot]
+        feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
+                 for cfg in (job.data.train, job.data.validation, job.data.eval)]
+        t0 = time.perf_counter()
+        base = baselines(*feats, seeds=seeds, quick=quick)
+        entry = {"job": str(job_path.relative_to(ROOT)), "rows": {k: int(f.label.shape[0]) for k, f in
+                                                                  zip(("train", "validation", "eval"), feats)},
+                 "ours": {"summary": _summary(ours), "runs": ours, "seconds": ours_s},
+                 "gbdt": {**base["gbdt"], "summary": _summary(base["gbdt"]["runs"])},
+                 "logreg": {**base["logreg"], "summary": _summary(base["logreg"]["runs"])},
+                 "baseline_seconds": time.perf_counter() - t0}
+        if oracle is not None:
+            entry["oracle"] = {"auc": oracle["auc"], "log_loss": oracle["log_loss"],
+                               "gap": oracle["auc"] - entry["ours"]["summary"]["auc_mean"]}
+        results[name] = entry
+        o = entry["ours"]["summary"]["auc_mean"]
+        for peer in ("gbdt", "logreg"):
+            b = entry[peer]["summary"]["auc_mean"]
+            comparisons.append({"name": f"{name}: eval AUC, ours vs {peer}", "ours": o, "baseline": b,
+                                "ratio": o / b if b else math.nan, "unit": "AUC", "difference": o - b})
+        if oracle is not None:
+            comparisons.append({"name": f"{name}: eval AUC, ours vs the oracle", "ours": o, "baseline": oracle["auc"],
+                                "ratio": o / oracle["auc"], "unit": "AUC", "difference": o - oracle["auc"]})
+        print(format_set(name, entry), flush=True)
+    return {"sets": results, "comparisons": comparisons, "seeds": list(seeds), "runs_dir": str(out_root)}
+
+
+def format_set(name: str, entry: dict) -> str:
+    """Return one data set's lines: AUC and log loss, mean ± std over the seeds, per model."""
+    lines = [f"{name} (train {entry['rows']['train']:,} / validation {entry['rows']['validation']:,} / eval "
+             f"{entry['rows']['eval']:,} rows)"]
+    for key, label in (("ours", f"ours ({entry['job']})"), ("gbdt", "HistGradientBoosting"),
+                       ("logreg", "LogisticRegression")):
+        s = entry[key]["summary"]
+        lines.append(f"  {label:<40} AUC {s['auc_mean']:.4f} ± {s['auc_std']:.4f}   "
+                     f"log loss {s['log_loss_mean']:.4f} ± {s['log_loss_std']:.4f}")
+    if "oracle" in entry:
+        lines.append(f"  {'oracle':<40} AUC {entry['oracle']['auc']:.4f}   gap {entry['oracle']['gap']:.4f}")
+    return "\n".join(lines)

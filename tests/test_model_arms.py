@@ -1,0 +1,181 @@
+"""Model arms: DeepFM's FM term against the explicit pairwise sum, the dense columns'
+embeddings (quantile buckets, piecewise-linear numeric embeddings) against hand computation."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from recsys.model.arch import DenseEmbeddings, RankingModel, fm_second_order
+from recsys.model.config import ModelConfig
+
+
+def test_fm_term_equals_the_explicit_pairwise_sum():
+    torch.manual_seed(0)
+    v = torch.randn(5, 7, 4, dtype=torch.float64)
+    explicit = torch.stack([sum((v[b, i] * v[b, j]).sum() for i, j in itertools.combinations(range(7), 2))
+                            for b in range(5)])
+    torch.testing.assert_close(fm_second_order(v), explicit)
+
+
+def test_deepfm_logit_is_the_deep_tower_plus_the_fm_term():
+    torch.manual_seed(1)
+    model = RankingModel(ModelConfig(arch="deepfm", bottom_mlp=[8, 4], top_mlp=[16, 1]), 3, 2, 4)
+    dense = torch.randn(6, 3)
+    pooled = torch.randn(6, 2, 4, requires_grad=True)
+    logits = model(dense, pooled)
+    d = model.dense_arch(dense)
+    vectors = torch.cat([d.unsqueeze(1), pooled], dim=1)  # [B, 3, D]
+    fm = sum((vectors[:, i] * vectors[:, j]).sum(1) for i, j in itertools.combinations(range(3), 2))
+    deep = model.over_arch(vectors.flatten(1)).squeeze(-1)
+    torch.testing.assert_close(logits, deep + fm)
+    logits.sum().backward()
+    assert pooled.grad.abs().sum() > 0 and all(p.grad is not None for p in model.parameters())
+
+
+def test_dense_embeddings_by_hand():
+    torch.manual_seed(2)
+    emb = DenseEmbeddings(["quantile_buckets", "numeric_embedding"], buckets=4, dim=3)
+    values = torch.tensor([[0.0, 1.5], [4.0, -1.0], [2.0, 4.0]])
+    out, first = emb(values)
+    assert first is None
+    table, proj, null = emb.tables[0].weight, emb.projections[0], emb.null_vectors[0]
+    torch.testing.assert_close(out[:, 0], table[[0, 4, 2]])  # bucket ids; 4 = the null bucket
+    # piecewise-linear encoding of 1.5 over 4 bins: [1, 0.5, 0, 0]; of 4 (the top): all ones
+    enc = torch.tensor([[1.0, 0.5, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    torch.testing.assert_close(out[[0, 2], 1], proj(enc))
+    torch.testing.assert_close(out[1, 1], null.detach())  # a null: the learned null vector
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn", "deepfm"])
+def test_embedded_dense_columns_join_the_interaction(arch):
+    torch.manual_seed(3)
+    cfg = ModelConfig(arch=arch, bottom_mlp=[8, 4], top_mlp=[16, 1], dcn_low_rank=4)
+    kinds = ["quantile_buckets", "signed_log1p", "numeric_embedding"]
+    model = RankingModel(cfg, 3, 2, 4, kinds, buckets=4)
+    dense = torch.tensor([[0.0, 0.3, 2.5], [4.0, -1.0, -1.0], [3.0, 0.0, 0.0]])
+    pooled = torch.randn(3, 2, 4, requires_grad=True)
+    logits = model(dense, pooled)
+    assert logits.shape == (3,)
+    logits.sum().backward()
+    assert model.dense_embeddings.tables[0].weight.grad[[0, 4, 3]].abs().sum(1).gt(0).all()
+    assert model.dense_embeddings.tables[0].weight.grad[[1, 2]].abs().sum() == 0  # buckets no row fell in
+    # every column embedded: the bottom MLP still gives the interaction its (learned, constant) vector
+    only = RankingModel(cfg, 2, 2, 4, ["quantile_buckets", "numeric_embedding"], buckets=4)
+    assert only(dense[:, [0, 2]], pooled.detach()).shape == (3,)
+
+
+def test_default_model_is_unchanged_by_the_new_arms():
+    """No dense kinds given (or all plain): the same modules, parameters and order as before."""
+    cfg = ModelConfig(bottom_mlp=[8, 4], top_mlp=[16, 1])
+    torch.manual_seed(4)
+    a = RankingModel(cfg, 5, 3, 4)
+    torch.manual_seed(4)
+    b = RankingModel(cfg, 5, 3, 4, ["signed_log1p"] * 4 + ["standardize"])
+    assert [n for n, _ in a.named_parameters()] == [n for n, _ in b.named_parameters()]
+    assert not any(n.startswith("dense_embeddings") for n, _ in a.named_parameters())
+    for pa, pb in zip(a.parameters(), b.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def _wide_store(optimizer="sgd", lr=0.5):
+    from recsys.schema import FeatureSpec, Schema, TableSpec
+    from recsys.store.config import StoreConfig
+    from recsys.store.sharded import ShardedEmbeddingStore
+    from recsys.store.wide import wide_schema, wide_store_config
+
+    schema = Schema(dense=["x"], tables={"item": TableSpec(dim=4), "user": TableSpec(dim=4)}, sparse=[
+        FeatureSpec(name="item"), FeatureSpec(name="user"),
+        FeatureSpec(name="hist", table="item", multi_hot=True, pooling="mean")])
+    cfg = wide_store_config(StoreConfig(optimizer=optimizer, lr=lr))
+    return schema, ShardedEmbeddingStore(wide_schema(schema), cfg)
+
+
+def test_wide_arm_gradient_matches_a_dense_reference():
+    """The wide weights' update through the store (lookup, pooling, push, sparse SGD) equals
+    the update of a dense weight vector over the same ids trained by autograd."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    schema, store = _wide_store()
+    B = 4
+    item = [11, 12, 11, 13]
+    user = [7, 7, 8, 9]
+    hist = [[12, 14], [], [11, 11, 15], [14]]
+    values = item + user + [k for bag in hist for k in bag]
+    lengths = [1] * B + [1] * B + [len(b) for b in hist]
+    kjt = KeyedJaggedTensor(keys=["item", "user", "hist"], values=torch.tensor(values, dtype=torch.int64),
+                            lengths=torch.tensor(lengths, dtype=torch.int32))
+    torch.manual_seed(5)
+    model = RankingModel(ModelConfig(bottom_mlp=[8, 4], top_mlp=[8, 1], wide=True), 1, 3, 4)
+    dense, pooled = torch.randn(B, 1), torch.randn(B, 3, 4)
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0])
+    deep = model._deep(dense, pooled)[0].detach()
+    try:
+        # two steps, so the second starts from weights the first moved away from 0
+        ref = {("item.wide", k): torch.zeros(1, dtype=torch.float64, requires_grad=True) for k in (11, 12, 13, 14, 15)}
+        ref.update({("user.wide", k): torch.zeros(1, dtype=torch.float64, requires_grad=True) for k in (7, 8, 9)})
+        for step in range(2):
+            lookup = store.lookup(kjt, step)
+            wide = lookup.pooled(3)
+            logits = model(dense, pooled, wide)
+            torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).backward()
+            store.push(lookup)
+            store.flush()
+            ref_logits = []
+            for b in range(B):
+                s = ref[("item.wide", item[b])] + ref[("user.wide", user[b])]
+                if hist[b]:
+                    s = s + sum(ref[("item.wide", k)] for k in hist[b]) / len(hist[b])
+                ref_logits.append(deep[b].double() + s[0])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(torch.stack(ref_logits), labels.double())
+            grads = torch.autograd.grad(loss, list(ref.values()))
+            with torch.no_grad():
+                for w, g in zip(ref.values(), grads):
+                    w -= 0.5 * g
+        for table in ("item.wide", "user.wide"):
+            keys = np.array([k for t, k in ref if t == table], dtype=np.int64)
+            got = store.peek_rows(table, keys)[:, 0]
+            want = np.array([ref[(table, k)].item() for k in keys])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+            assert np.abs(want).min() > 0  # every weight moved
+    finally:
+        store.close()
+
+
+def test_wide_weights_of_unseen_ids_are_zero():
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    _, store = _wide_store()
+    try:
+        kjt = KeyedJaggedTensor(keys=["item", "user", "hist"], values=torch.tensor([1, 2, 3], dtype=torch.int64),
+                                lengths=torch.tensor([1, 1, 1], dtype=torch.int32))
+        assert torch.equal(store.lookup(kjt, None, train=False).pooled(3), torch.zeros(1, 3, 1))
+    finally:
+        store.close()
+
+
+def test_wide_arm_needs_its_weights():
+    model = RankingModel(ModelConfig(bottom_mlp=[8, 4], top_mlp=[8, 1], wide=True), 1, 2, 4)
+    with pytest.raises(ValueError, match=r"model.wide = true: the wide weights must be given"):
+        model(torch.randn(2, 1), torch.randn(2, 2, 4))
+
+
+def test_wide_first_order_of_embedded_dense_columns_by_hand():
+    torch.manual_seed(6)
+    emb = DenseEmbeddings(["quantile_buckets", "numeric_embedding"], buckets=4, dim=3, wide=True)
+    with torch.no_grad():
+        emb.wide_tables[0].weight.copy_(torch.arange(5.0).unsqueeze(1) / 10)  # bucket b: b / 10
+        emb.wide_projections[0].weight.copy_(torch.tensor([[1.0, 2.0, 3.0, 4.0]]))
+        emb.wide_nulls[0].fill_(-7.0)
+    values = torch.tensor([[0.0, 1.5], [4.0, -1.0], [2.0, 4.0]])
+    _, first = emb(values)
+    # bucket scalars 0, 0.4, 0.2; encodings [1, .5, 0, 0]·w = 2, null -7, [1, 1, 1, 1]·w = 10
+    torch.testing.assert_close(first, torch.tensor([0.0 + 2.0, 0.4 - 7.0, 0.2 + 10.0]))
+    model = RankingModel(ModelConfig(bottom_mlp=[8, 3], top_mlp=[8, 1], wide=True), 2, 1, 3,
+                         ["quantile_buckets", "numeric_embedding"], buckets=4)
+    pooled, wide = torch.randn(3, 1, 3), torch.randn(3, 1, 1)
+    logit, first = model._deep(values, pooled)
+    torch.testing.assert_close(model(values, pooled, wide), logit + first + wide.sum(dim=(1, 2)))
