@@ -143,8 +143,10 @@ def _assert_same_training(reference: Path, run_dir: Path) -> None:
 def test_a_node_leaves_and_one_joins_rows_exactly_once(tiny_data, tmp_path):
     """Fast variant: one leave and one join in a one-epoch job."""
     run_dir = tmp_path / "elastic"
-    # few periodic checkpoints (each writes every table): the one to resume from is enough
-    sets = _sets(tiny_data, "data.train.batch_size=16", "train.epochs=1", "train.log_every=2",
+    # few periodic checkpoints (each writes every table): the one to resume from is enough.
+    # Batch 8: enough steps that the epoch outlasts a join (~16 s) on a fast host; at batch 16
+    # a job on an AVX-512 host ended before the new node joined
+    sets = _sets(tiny_data, "data.train.batch_size=8", "train.epochs=1", "train.log_every=2",
                  "train.checkpoint_every_steps=25")
     figures = leave_and_join(run_dir, sets, 1)
     worlds = [w for _, w in figures["trajectory"]]
