@@ -342,15 +342,13 @@ class LiveWriter:
             return 0
         if cluster:
             return self._write_guarded(client, chunks, step_hex, fenced=False)
-        written, guarded = 0, []
-        for tx in _transactions(chunks, ROWS_PER_TRANSACTION):
+        written, txs = 0, _transactions(chunks, ROWS_PER_TRANSACTION)
+        for i, tx in enumerate(txs):
             done = self._write_fenced(client, tx, step_hex)
-            if done is None:
-                guarded += tx
-            else:
-                written += done
-        if guarded:
-            written += self._write_guarded(client, guarded, step_hex, fenced=True)
+            if done is None:  # refused (the same step would be again) or raced: the rest go guarded
+                rest = [chunk for later in txs[i:] for chunk in later]
+                return written + self._write_guarded(client, rest, step_hex, fenced=True)
+            written += done
         return written
 
     def _write_fenced(self, client, chunks: list[tuple[np.ndarray, np.ndarray]], step_hex: bytes) -> int | None:

@@ -265,7 +265,6 @@ def _first_null(arr: pa.Array) -> int:
     return int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
 
 
-_signed_log1p = signed_log1p_  # one implementation with the served path (recsys.dense)
 
 
 def _take(src: np.ndarray, perm: np.ndarray | None, out: np.ndarray) -> None:
@@ -334,7 +333,7 @@ class UnitConverter:
             done = self._floats(table, c, where, dense[j], allow_null=True, log1p=log1p,
                                 expected="a finite number or null", fill=dt.fills[j])
             if log1p and not done:
-                _signed_log1p(dense[j])
+                signed_log1p_(dense[j])  # one implementation with the served path (recsys.dense)
             elif not log1p:
                 dt.apply(j, dense[j])
         if perm is not None:  # row by row: 1-D takes run ~3x faster than one take(axis=1)

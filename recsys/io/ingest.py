@@ -399,6 +399,16 @@ _INT = re.compile(r"^\s*[+-]?\d+\s*$")
 _FLOAT = re.compile(r"^\s*[+-]?(\d+\.?\d*([eE][+-]?\d+)?|\.\d+([eE][+-]?\d+)?|nan|NaN|inf|Inf|infinity|Infinity)\s*$")
 
 
+def _number(value, text: bool, pattern: re.Pattern, cast, types):
+    """Return ``value`` (a CSV field when ``text``, else a JSON value) as a number of ``cast``'s
+    type, or None when it is not one (``pattern`` checks a field; a JSON bool is no number)."""
+    if text:
+        return cast(value) if pattern.match(value) else None
+    if isinstance(value, bool) or not isinstance(value, types):
+        return None
+    return cast(value)
+
+
 def _value_problem(col: Column, value, text: bool) -> tuple[str, str] | None:
     """Return (expected, found) if ``value`` (a CSV field, or a JSON value) does not fit ``col``."""
     t = col.type
@@ -407,14 +417,9 @@ def _value_problem(col: Column, value, text: bool) -> tuple[str, str] | None:
             return _EXPECTED[col.role], "null (an empty field)" if text else "null"
         return None
     if pa.types.is_integer(t):
-        if text:
-            if not _INT.match(value):
-                return _EXPECTED.get(col.role, "an integer"), repr(value)
-            number = int(value)
-        elif isinstance(value, bool) or not isinstance(value, int):
+        number = _number(value, text, _INT, int, int)
+        if number is None:
             return _EXPECTED.get(col.role, "an integer"), repr(value)
-        else:
-            number = value
         bits = t.bit_width
         lo, hi = (0, 2**bits - 1) if pa.types.is_unsigned_integer(t) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
         if not lo <= number <= hi:
@@ -423,14 +428,9 @@ def _value_problem(col: Column, value, text: bool) -> tuple[str, str] | None:
             return _EXPECTED["label"], repr(value)
         return None
     if pa.types.is_floating(t):
-        if text:
-            if not _FLOAT.match(value):
-                return _EXPECTED.get(col.role, "a number"), repr(value)
-            number = float(value)
-        elif isinstance(value, bool) or not isinstance(value, (int, float)):
+        number = _number(value, text, _FLOAT, float, (int, float))
+        if number is None:
             return _EXPECTED.get(col.role, "a number"), repr(value)
-        else:
-            number = float(value)
         if pa.types.is_float32(t) and math.isfinite(number) and abs(number) > 3.4028234663852886e38:
             number = math.inf
         if col.role == "dense" and not math.isfinite(number):
