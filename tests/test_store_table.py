@@ -616,3 +616,30 @@ def test_store_config_checks_and_loads_from_plain_data():
     ]:
         with pytest.raises(ValueError, match=match):
             StoreConfig(**bad)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096
+
+
+@pytest.mark.parametrize("optimizer", ["rowwise_adagrad", "adam"])
+def test_prefault_commits_the_tables_memory_and_changes_no_row(optimizer):
+    """``prefault`` backs the rows and the optimizer state with memory at construction
+    (np.zeros of this size is lazily mapped otherwise) and leaves every value as it was."""
+    spec = TableSpec(dim=64, capacity=200_000)
+    growth, tables = {}, {}
+    for prefault in (False, True):
+        before = _rss_bytes()
+        tables[prefault] = EmbeddingTable("t", spec, StoreConfig(optimizer=optimizer, prefault=prefault))
+        growth[prefault] = _rss_bytes() - before
+    t = tables[True]
+    committed = t.weights_CD.nbytes + sum(a.nbytes for a in t._state.values())
+    assert growth[True] - growth[False] >= 0.9 * committed, (growth, committed)
+    assert not t.weights_CD.any() and not any(a.any() for a in t._state.values())
+    keys = hashing.hash_int64(np.arange(5000), "t")
+    grads = np.random.default_rng(0).standard_normal((5000, 64)).astype(np.float32)
+    for table in tables.values():
+        table.lookup(keys, 0)
+        table.apply_gradients(keys, grads, 0)
+    np.testing.assert_array_equal(tables[True].peek(keys), tables[False].peek(keys))

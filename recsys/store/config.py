@@ -45,6 +45,13 @@ class StoreConfig:
     """Seed of the initial vectors (with the table name and the key, nothing else)."""
     staleness: int = 0
     """Lookups of step t see the pushes of steps <= t - staleness - 1, exactly (0: synchronous)."""
+    prefault: bool = True
+    """Commit every table's memory (rows, optimizer state, key map) when the store is built,
+    as fbgemm's TBE does when it initializes its weights, so that no training step pays the
+    first-touch page faults of the rows it inserts. Measured on a 2-core VM: those faults
+    cost ~16 % of the store's train step (4 of 24 ms at batch 4096, 8.8 k new rows a step),
+    and their price varies from host to host. False: memory is committed as rows arrive
+    (resident memory grows with the rows held; build time is shorter)."""
     device_cache_rows: int = 0
     """Rows per table and shard cached on the compute device, write-back (0: no device cache)."""
     spill_url: str = ""

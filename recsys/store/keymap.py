@@ -294,6 +294,14 @@ def _pool_valid_kernel(pool_slots, pool_steps, slot_used, slot_step, slot_call, 
 # --------------------------------------------------------------------------- the map
 
 
+def commit_pages(zeroed: np.ndarray, page: int = 4096) -> None:
+    """Write a zero byte every ``page`` bytes of the all-zero array ``zeroed``, so the kernel
+    backs all of it with memory now rather than at the first write of each page (a read
+    would not: untouched pages of ``np.zeros`` read as the shared zero page)."""
+    flat = zeroed.reshape(-1).view(np.uint8)  # a view: C-contiguous, as every array here
+    flat[::page] = 0
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
 
@@ -321,6 +329,12 @@ class KeyMap:
         self._has_clock = False
         self._pool_target = max(1, int(self.capacity * pool_fraction))
         self._drop_pool()
+
+    def commit_pages(self) -> None:
+        """Back every per-slot array with memory now (see ``StoreConfig.prefault``); the
+        buckets and the free list are written in full at construction already."""
+        for arr in (self.slot_key, self.slot_step, self._slot_used, self._slot_call):
+            commit_pages(arr)
 
     # ------------------------------------------------------------------ queries
 

@@ -71,7 +71,7 @@ from recsys.store import optim
 from recsys.store.config import StoreConfig
 from recsys.store.init import init_kernel as _init_kernel
 from recsys.store.init import init_salt, init_vectors
-from recsys.store.keymap import FrequencySketch, KeyMap, as_keys
+from recsys.store.keymap import FrequencySketch, KeyMap, as_keys, commit_pages
 
 __all__ = ["EmbeddingTable", "RowBlock", "init_vectors", "COUNTERS", "to_float16", "to_float32"]
 
@@ -291,6 +291,10 @@ class EmbeddingTable:
             for c in self._columns
         }
         self._state_init = {c.name: optim.initial_state_value(cfg, c) for c in self._columns}
+        if cfg.prefault:
+            for arr in (self.weights_CD, *self._state.values()):
+                commit_pages(arr)
+            self._map.commit_pages()
         self._sketch = (
             FrequencySketch(max(2 * self.capacity, 4096), cap=cfg.min_count) if cfg.min_count > 1 else None
         )
