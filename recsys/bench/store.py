@@ -73,9 +73,9 @@ class Settings:
     dim: int = 64
     universes: tuple[int, ...] = CRITEO_CARDINALITIES  # one table (and feature) per entry
     zipf_a: float = 1.05
-    steps: int = 5  # steps per timed run (short runs: more chances of a quiet moment)
+    steps: int = 10  # steps per timed run
     warmup_rounds: int = 2  # untimed rounds (fresh batches) before the timed ones
-    repeats: int = 12  # timed rounds; best run of each side is kept
+    repeats: int = 20  # timed rounds: paired ratios per round (median, min-max) and best-of
     threads: int = 2  # torch threads of both sides in comparison 1 (4 uses 2 vs 1 + 1)
     lr: float = 0.01
     capacity_headroom: float = 1.25  # ours: capacity = headroom x distinct keys (+64)
@@ -98,7 +98,7 @@ class Settings:
 FULL = Settings()
 QUICK = Settings(
     universes=tuple(min(u, 200_000) for u in CRITEO_CARDINALITIES),
-    steps=3, warmup_rounds=1, repeats=4, mem_capacity=200_000, lru_ids=1_000_000,
+    steps=5, warmup_rounds=1, repeats=6, mem_capacity=200_000, lru_ids=1_000_000,
     lru_universe=2_000_000, dist_steps=3, dist_warmup_rounds=1, dist_repeats=3,
 )
 

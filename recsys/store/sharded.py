@@ -58,6 +58,7 @@ from recsys import hashing
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch, unique_inverse
+from recsys.store.malloc import keep_freed_memory
 from recsys.store.pooling import pool_backward, pool_forward, pool_torch, scatter_add
 
 log = logging.getLogger(__name__)
@@ -198,6 +199,8 @@ class ShardedEmbeddingStore:
         run_dir: str | os.PathLike | None = None,
         job_name: str = "job",
     ) -> None:
+        if cfg.keep_freed_memory:
+            keep_freed_memory()
         self.schema = schema
         self.run_dir = None if run_dir is None else Path(os.path.abspath(run_dir))
         if cfg.spill_url and self.run_dir is not None:
