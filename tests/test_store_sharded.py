@@ -315,3 +315,66 @@ def test_rows_gradient_and_pooled_gradient_are_pushed_together():
             row = before[part.name][i]
             want = row - (2 * row + counts[part.name][int(key)])
             np.testing.assert_allclose(got[i], want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_any_thread_count_gives_the_same_numbers(threaded):
+    """``store.threads``: tables split over threads (keys, rows, pooling backward, optimizer)
+    and the batch split for pooling forward give bit-identical pooled outputs and rows,
+    with evictions (capacity below the ids seen) and a mean-pooled bag sharing a table."""
+    from store_data import random_kjts, three_feature_schema, train_pooled
+
+    dim, B = 8, 600
+    schema = three_feature_schema(dim, capacity=1600)
+    kjts = random_kjts(6, vocab=4000, seed=3, B=B)
+    runs = {}
+    for threads in (1, 2, 3):
+        store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.1, threads=threads), threaded=threaded)
+        assert store._lanes.n == threads
+        pooled = train_pooled(store, kjts, dim)
+        runs[threads] = (pooled, {t: v.sort_by("key") for t, v in store.state_dict().items()})
+        store.close()
+    for threads in (2, 3):
+        for a, b in zip(runs[1][0], runs[threads][0]):
+            assert torch.equal(a, b)
+        for t in runs[1][1]:
+            assert runs[1][1][t].equals(runs[threads][1][t]), t
+    assert runs[1][1]["item"].num_rows == 1600  # full: evictions happened
+
+
+def test_a_failing_table_raises_as_in_table_order_with_threads():
+    """Two tables fail in one call: the first in schema order is the error raised, whichever
+    thread ran which table."""
+    schema = Schema(tables={n: TableSpec(dim=4, capacity=4) for n in ("a", "b", "c")},
+                    sparse=[FeatureSpec(name=n) for n in ("a", "b", "c")])
+    # 8 rows: table a holds 1 distinct id, b 6 (> capacity 4), c 5 (> capacity 4)
+    values = np.concatenate([np.zeros(8), [0, 1, 2, 3, 4, 5, 0, 1], [0, 1, 2, 3, 4, 0, 1, 2]]).astype(np.int64)
+    kjt = KeyedJaggedTensor(keys=["a", "b", "c"], values=torch.from_numpy(values),
+                            lengths=torch.ones(24, dtype=torch.int32))
+    messages = {}
+    for threads in (1, 2, 3):
+        store = ShardedEmbeddingStore(schema, StoreConfig(threads=threads))
+        with pytest.raises(ValueError) as err:
+            store.lookup(kjt, 0)
+        messages[threads] = str(err.value)
+        store.close()
+    assert "6 distinct keys" in messages[1], messages[1]
+    assert messages[2] == messages[1] and messages[3] == messages[1]
+
+
+def test_lanes_split_every_item_once_and_balance():
+    from recsys.store.sharded import _Lanes
+
+    lanes = _Lanes(3)
+    try:
+        costs = [5.0, 1.0, 1.0, 4.0, 3.0, 9.0, 0.0]
+        groups = lanes.split(costs)
+        assert sorted(i for g in groups for i in g) == list(range(len(costs)))
+        assert all(g == sorted(g) for g in groups)
+        loads = sorted(sum(costs[i] for i in g) for g in groups)
+        assert loads[-1] - loads[0] <= max(costs)
+        seen = []
+        lanes.ranges(1000, lambda a, b: seen.append((a, b)), min_size=100)
+        assert sorted(seen) == [(0, 333), (333, 666), (666, 1000)]
+    finally:
+        lanes.close()

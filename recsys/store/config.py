@@ -52,6 +52,12 @@ class StoreConfig:
     cost ~16 % of the store's train step (4 of 24 ms at batch 4096, 8.8 k new rows a step),
     and their price varies from host to host. False: memory is committed as rows arrive
     (resident memory grows with the rows held; build time is shorter)."""
+    threads: int = 0
+    """Threads of the store's per-table work (key lookups and inserts, row reads, the pooling
+    backward and the optimizer; pooling forward splits the batch): the store's worker and
+    ``threads - 1`` helpers. 0: torch's intra-op thread count when the store is built. The
+    numbers are the same for any count (tables share no arrays). Only tables without a
+    spill tier or device cache use helpers."""
     keep_freed_memory: bool = True
     """Set glibc's malloc to keep freed memory for reuse (``recsys.store.malloc``), process-wide,
     when a store is built: a step's large arrays (rows, pooled embeddings, gradients) then
@@ -126,6 +132,8 @@ class StoreConfig:
             raise ValueError(f"staleness must be >= 0, found {self.staleness}")
         if not 1 <= self.min_count <= MAX_MIN_COUNT:
             raise ValueError(f"min_count must be in [1, {MAX_MIN_COUNT}], found {self.min_count}")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: torch's intra-op thread count), found {self.threads}")
         if self.device_cache_rows < 0:
             raise ValueError(f"device_cache_rows must be >= 0 (0: no device cache), found {self.device_cache_rows}")
         if self.spill_url and not self.spill_url.startswith(SPILL_SCHEMES):

@@ -21,12 +21,14 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, weights, has_weights, multi_cols, out_BFD):
+def _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, weights, has_weights, multi_cols, out_BFD,
+                 b0, b1):
     """out[b, single_cols[j]] = rows[single_idx[b, j]]; out[b, multi_cols[m]] = the weighted
-    sum of bag m·B + b. Sample-major, so each sample's [F, D] block is written once."""
+    sum of bag m·B + b, for samples b0 <= b < b1. Sample-major, so each sample's [F, D]
+    block is written once."""
     B = out_BFD.shape[0]
     D = rows_RD.shape[1]
-    for b in range(B):
+    for b in range(b0, b1):
         for j in range(single_cols.shape[0]):
             r = single_idx[b, j]
             c = single_cols[j]
@@ -46,17 +48,24 @@ def _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, weights, has
 
 @njit(nogil=True, cache=True)
 def _pool_grad_kernel(grad_BFD, single_idx, single_cols, values, offsets, weights, has_weights, multi_cols,
-                      out_RD):
+                      out_RD, use_col, masked):
+    """The row gradients of ``_pool_kernel``; with ``masked``, of the columns c with
+    ``use_col[c]`` only. A row's additions come in the same (sample, column) order either
+    way, so the columns of a table can be done apart from the others' bit for bit."""
     B = grad_BFD.shape[0]
     D = out_RD.shape[1]
     for b in range(B):
         for j in range(single_cols.shape[0]):
             r = single_idx[b, j]
             c = single_cols[j]
+            if masked and not use_col[c]:
+                continue
             for d in range(D):
                 out_RD[r, d] += grad_BFD[b, c, d]
         for m in range(multi_cols.shape[0]):
             c = multi_cols[m]
+            if masked and not use_col[c]:
+                continue
             bag = m * B + b
             for i in range(offsets[bag], offsets[bag + 1]):
                 w = weights[i] if has_weights else np.float32(1.0)
@@ -81,24 +90,30 @@ def scatter_add(idx_N: np.ndarray, values_ND: np.ndarray, out_RD: np.ndarray, sc
 
 def pool_forward(rows_RD: np.ndarray, single_idx: np.ndarray, single_cols: np.ndarray, values: np.ndarray,
                  offsets: np.ndarray, weights: np.ndarray | None, multi_cols: np.ndarray,
-                 out_BFD: np.ndarray) -> np.ndarray:
+                 out_BFD: np.ndarray, samples: tuple[int, int] | None = None) -> np.ndarray:
     """Fill ``out_BFD`` with pooled rows in one pass and return it: feature ``single_cols[j]``
     is ``rows_RD[single_idx[:, j]]``; feature ``multi_cols[m]`` sums (times ``weights``) the
     bags ``m·B .. m·B + B - 1`` of ``values`` / ``offsets``. Every column appears once.
+    ``samples=(b0, b1)``: fill samples b0 <= b < b1 only (disjoint ranges may run at once).
     Measured here (B 4096, 26 single-hot + 2 multi-hot features, D 16): ~2x faster than a
     gather, two bag sums and a concatenation."""
     w = weights if weights is not None else np.empty(0, dtype=np.float32)
-    _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, w, weights is not None, multi_cols, out_BFD)
+    b0, b1 = (0, out_BFD.shape[0]) if samples is None else samples
+    _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, w, weights is not None, multi_cols, out_BFD,
+                 b0, b1)
     return out_BFD
 
 
 def pool_backward(grad_BFD: np.ndarray, single_idx: np.ndarray, single_cols: np.ndarray, values: np.ndarray,
                   offsets: np.ndarray, weights: np.ndarray | None, multi_cols: np.ndarray,
-                  out_RD: np.ndarray) -> np.ndarray:
-    """Add the row gradients of ``pool_forward`` (upstream ``grad_BFD``) into ``out_RD``."""
+                  out_RD: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+    """Add the row gradients of ``pool_forward`` (upstream ``grad_BFD``) into ``out_RD``.
+    ``columns`` (bool [F]): only those feature columns' (calls over columns whose rows
+    differ may run at once; a row's sum is the same as in one call)."""
     w = weights if weights is not None else np.empty(0, dtype=np.float32)
+    use = np.ones(0, dtype=np.bool_) if columns is None else np.ascontiguousarray(columns, dtype=np.bool_)
     _pool_grad_kernel(np.ascontiguousarray(grad_BFD), single_idx, single_cols, values, offsets, w,
-                      weights is not None, multi_cols, out_RD)
+                      weights is not None, multi_cols, out_RD, use, columns is not None)
     return out_RD
 
 

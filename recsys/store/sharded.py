@@ -44,7 +44,7 @@ import os
 import queue
 import sys
 import threading
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -104,6 +104,88 @@ class _Failed:
     exc: Exception
 
 
+class _Lanes:
+    """Runs one call's per-table work on up to ``n`` threads: the calling thread and ``n - 1``
+    helpers (numba kernels release the GIL). Tables share no arrays, so which thread does a
+    table changes no number; a group that fails reports its first failing item, and of
+    those the lowest item's error is raised, as a loop in item order would raise it."""
+
+    def __init__(self, n: int) -> None:
+        self.n = max(1, int(n))
+        self._pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="store-lane") if self.n > 1 else None
+
+    def split(self, costs: list[float]) -> list[list[int]]:
+        """Return up to ``n`` groups of item indices, balanced by cost (largest first onto
+        the least loaded group), each in ascending order."""
+        k = min(self.n, len(costs))
+        if k <= 1:
+            return [list(range(len(costs)))]
+        load = [0.0] * k
+        groups: list[list[int]] = [[] for _ in range(k)]
+        for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+            g = load.index(min(load))
+            groups[g].append(i)
+            load[g] += costs[i]
+        return [sorted(g) for g in groups if g]
+
+    def each(self, items: list, costs: list[float], fn: Callable, before: Callable | None = None) -> None:
+        """Call ``fn(item)`` for every item (``before(group's items)`` first in each group)."""
+        groups = self.split(costs)
+        if len(groups) == 1:
+            if before is not None:
+                before(items)
+            for item in items:
+                fn(item)
+            return
+
+        def run(group: list[int]):
+            try:
+                if before is not None:
+                    before([items[i] for i in group])
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller, in item order
+                return -1, exc
+            for i in group:
+                try:
+                    fn(items[i])
+                except BaseException as exc:  # noqa: BLE001
+                    return i, exc
+            return None
+
+        futures = [self._pool.submit(run, g) for g in groups[1:]]
+        failed = [run(groups[0])] + [f.result() for f in futures]
+        failed = [x for x in failed if x is not None]
+        if failed:
+            raise min(failed, key=lambda x: x[0])[1]
+
+    def ranges(self, n: int, fn: Callable[[int, int], None], min_size: int = 256) -> None:
+        """Call ``fn(start, stop)`` over ``range(n)`` cut into contiguous pieces, one per thread."""
+        k = min(self.n, max(1, n // min_size))
+        if k <= 1:
+            fn(0, n)
+            return
+        cuts = [n * i // k for i in range(k + 1)]
+        futures = [self._pool.submit(fn, cuts[i], cuts[i + 1]) for i in range(1, k)]
+        err = None
+        try:
+            fn(cuts[0], cuts[1])
+        except BaseException as exc:  # noqa: BLE001 - after the helpers finished
+            err = exc
+        for f in futures:
+            try:
+                f.result()
+            except BaseException as exc:  # noqa: BLE001
+                err = err or exc
+        if err is not None:
+            raise err
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+_SERIAL = _Lanes(1)
+
+
 @dataclasses.dataclass(slots=True)
 class Lookup:
     """The result of ``lookup``: the batch's rows of every table, ready for pooling and push.
@@ -127,6 +209,7 @@ class Lookup:
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
     recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
+    lanes: _Lanes = _SERIAL  # the store's threads for pooling
 
     @property
     def rows(self) -> dict[str, torch.Tensor]:
@@ -158,17 +241,19 @@ class Lookup:
         w = self.multi_weights
         F = self.single_cols.shape[0] + self.multi_cols.shape[0]
         out = torch.empty((self.batch_size, F, self.rows_all.shape[1]), dtype=torch.float32)
-        pool_forward(self.rows_all.detach().numpy(), self.single_idx.numpy(), self.single_cols.numpy(),
-                     self.multi_values.numpy(), self.multi_offsets.numpy(), None if w is None else w.numpy(),
-                     self.multi_cols.numpy(), out.numpy())
+        args = (self.rows_all.detach().numpy(), self.single_idx.numpy(), self.single_cols.numpy(),
+                self.multi_values.numpy(), self.multi_offsets.numpy(), None if w is None else w.numpy(),
+                self.multi_cols.numpy(), out.numpy())
+        self.lanes.ranges(self.batch_size, lambda b0, b1: pool_forward(*args, samples=(b0, b1)))
         self.pooled_leaf = out.requires_grad_(self.rows_all.requires_grad)
 
-    def pool_backward(self, grad_BFD: np.ndarray, out_RD: np.ndarray) -> None:
-        """Add the row gradients of ``pooled_leaf``'s upstream gradient into ``out_RD``."""
+    def pool_backward(self, grad_BFD: np.ndarray, out_RD: np.ndarray, columns: np.ndarray | None = None) -> None:
+        """Add the row gradients of ``pooled_leaf``'s upstream gradient into ``out_RD``
+        (``columns``, bool [F]: of those feature columns only)."""
         w = self.multi_weights
         pool_backward(grad_BFD, self.single_idx.numpy(), self.single_cols.numpy(), self.multi_values.numpy(),
                       self.multi_offsets.numpy(), None if w is None else w.numpy(), self.multi_cols.numpy(),
-                      out_RD)
+                      out_RD, columns)
 
 
 class ShardedEmbeddingStore:
@@ -243,6 +328,11 @@ class ShardedEmbeddingStore:
         self._tf_ptr = np.cumsum([0] + [len(self._features_of[t]) for t in self.table_names]).astype(np.int64)
         self._single_col = np.full(len(schema.sparse), -1, dtype=np.int64)
         self._single_col[self._single_features] = np.arange(len(self._single_features))
+        self._table_columns = {t: np.isin(np.arange(len(schema.sparse)), self._features_of[t]) for t in self.table_names}
+        # per-table work on several threads: plain host tables only (a spill tier's Redis
+        # client and a device cache stay on the worker thread)
+        plain = table_factory is None and not cfg.spill_url and cfg.device_cache_rows == 0
+        self._lanes = _Lanes((cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1)
         self._single_cols_t = torch.tensor(self._single_features, dtype=torch.int64, device=self.device)
         self._multi_cols_t = torch.tensor(self._multi_features, dtype=torch.int64, device=self.device)
         # the schedule
@@ -418,6 +508,7 @@ class ShardedEmbeddingStore:
                 self._apply_pushes_through(float("inf"))
         except BaseException as exc:  # noqa: BLE001 - raised below, after the tables closed
             errors.append(exc)
+        self._lanes.close()
         for table in self.tables.values():
             close = getattr(table, "close", None)
             if close is not None:
@@ -755,11 +846,15 @@ class ShardedEmbeddingStore:
         if self.world_size > 1:
             prep.comm = self._exchange_keys(prep.parts)
         if train:
-            for p in prep.parts:
-                served = p.keys_U if self.world_size == 1 else p.served_U
-                table = self.tables[p.name]
-                if len(served) and getattr(table, "reserves_early", False):
-                    p.slots = table.reserve(served, step)
+            def served(p: _TablePart) -> np.ndarray:
+                return p.keys_U if self.world_size == 1 else p.served_U
+
+            def reserve(p: _TablePart) -> None:
+                p.slots = self.tables[p.name].reserve(served(p), step)
+
+            todo = [p for p in prep.parts
+                    if len(served(p)) and getattr(self.tables[p.name], "reserves_early", False)]
+            self._lanes.each(todo, [len(served(p)) for p in todo], reserve)
         prep.reserved = True
 
     def _read(self, prep: _Prepared, step: int | None, train: bool) -> Lookup:
@@ -769,15 +864,15 @@ class ShardedEmbeddingStore:
         rows_np = np.empty((n + 1, self.dim), dtype=np.float32)
         rows_np[n] = 0.0
         if self.world_size == 1:
-            for p in parts:
-                if len(p.keys_U):
-                    self._serve(p, p.keys_U, step, train, rows_np[p.base : p.base + len(p.keys_U)])
+            todo = [p for p in parts if len(p.keys_U)]
+            self._lanes.each(todo, [len(p.keys_U) for p in todo],
+                             lambda p: self._serve(p, p.keys_U, step, train, rows_np[p.base : p.base + len(p.keys_U)]))
         else:
             self._gather_remote(parts, prep.comm, rows_np, step, train)
         rows_all = torch.from_numpy(rows_np).to(self.device).requires_grad_(train)
         lookup = Lookup(
             step, prep.batch_size, parts, rows_all, prep.single_idx, self._single_cols_t, prep.multi_values,
-            prep.multi_offsets, prep.multi_weights, self._multi_cols_t, **prep.comm,
+            prep.multi_offsets, prep.multi_weights, self._multi_cols_t, **prep.comm, lanes=self._lanes,
         )
         return lookup
 
@@ -818,10 +913,14 @@ class ShardedEmbeddingStore:
         """Fill ``rows_np`` with rows fetched from their owners (keys sent by ``_exchange_keys``)."""
         W, D = self.world_size, self.dim
         send_counts, recv_counts = comm["send_counts"], comm["recv_counts"]
-        served = []
-        for p in parts:
-            rows = self._serve(p, p.served_U, step, train) if len(p.served_U) else np.empty((0, D), np.float32)
-            served.append(rows[p.served_inverse])
+        served = [np.empty((0, D), np.float32)] * len(parts)
+
+        def serve(i: int) -> None:
+            p = parts[i]
+            served[i] = self._serve(p, p.served_U, step, train)[p.served_inverse]
+
+        todo = [i for i, p in enumerate(parts) if len(p.served_U)]
+        self._lanes.each(todo, [len(parts[i].served_U) for i in todo], serve)
         served_split = [np.split(rows, np.cumsum(recv_counts[:, i])[:-1]) for i, rows in enumerate(served)]
         send_rows = np.concatenate([served_split[i][r] for r in range(W) for i in range(len(parts))])
         recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32)
@@ -834,26 +933,42 @@ class ShardedEmbeddingStore:
             grads = np.zeros(tuple(lookup.rows_all.shape), dtype=np.float32)
         else:
             grads = np.array(g_rows.numpy(), dtype=np.float32)  # ours to add into
-        if g_pooled is not None:
-            lookup.pool_backward(g_pooled.numpy(), grads)
+        parts = lookup.parts
+        # a table's share of the pooling backward: its ids' rows (its feature columns) plus
+        # a weight per key of its update
+        costs = [len(p.keys_U) + 0.25 * lookup.batch_size * len(self._features_of[p.name]) for p in parts]
+
+        def pool_backward(group: list[_TablePart]) -> None:
+            if g_pooled is not None:
+                columns = None
+                if len(group) < len(parts):
+                    columns = np.logical_or.reduce([self._table_columns[p.name] for p in group])
+                lookup.pool_backward(g_pooled.numpy(), grads, columns)
+
         if self.world_size == 1:
-            for p in lookup.parts:
+            def apply(p: _TablePart) -> None:
                 if len(p.keys_U):
                     self._apply(p, p.keys_U, grads[p.base : p.base + len(p.keys_U)], lookup.step)
+
+            self._lanes.each(parts, costs, apply, before=pool_backward)
             if self.publisher is not None:  # rows now reflect lookup.step + 1 optimizer steps (the trainer's count)
                 self.publisher.after_push(lookup.step + 1, [(p.name, p.keys_U) for p in lookup.parts])
             return
         W, D = self.world_size, self.dim
+        self._lanes.each(parts, costs, lambda p: None, before=pool_backward)
         send = np.ascontiguousarray(grads[lookup.dest]).reshape(-1)
         recv = self._exchange(send, lookup.send_counts.sum(1) * D, lookup.recv_counts.sum(1) * D, torch.float32)
         got = _split_rank_table(recv.reshape(-1, D), lookup.recv_counts)
-        for i, p in enumerate(lookup.parts):
-            if not len(p.served_U):
-                continue
+
+        def apply_served(i: int) -> None:
+            p = parts[i]
             g = np.concatenate([got[r][i] for r in range(W)])
             # each rank's loss is a mean over its own rows: the gradients sum over ranks / W
             summed = scatter_add(p.served_inverse, g, np.zeros((len(p.served_U), D), dtype=np.float32), 1.0 / W)
             self._apply(p, p.served_U, summed, lookup.step)
+
+        todo = [i for i, p in enumerate(parts) if len(p.served_U)]
+        self._lanes.each(todo, [len(parts[i].served_U) for i in todo], apply_served)
         if self.publisher is not None:  # this rank's owned keys the push updated; as above
             self.publisher.after_push(lookup.step + 1, [(p.name, p.served_U) for p in lookup.parts
                                                         if p.served_U is not None])
