@@ -68,6 +68,16 @@ def test_store_bench_quick_writes_json(tmp_path, monkeypatch, capsys):
     assert d["train_step"]["max_abs_loss_diff"] <= 1e-4 * max(1.0, d["train_step"]["max_abs_loss"])
     assert d["train_step"]["store_evictions"] == 0
     assert d["two_ranks"]["max_abs_loss_diff_2_vs_1"] < 1e-4
+    # the all-to-all profile: 4 per step at staleness 0 (counts, keys, rows, gradients)
+    a2a = d["two_ranks"]["all_to_all"]
+    assert sorted(a2a["kinds"]) == ["counts", "grads", "keys", "rows"]
+    for kind, k in a2a["kinds"].items():
+        assert k["calls_per_step"] == 1.0, kind
+        assert k["kib_sent_per_step_rank0"] > 0 and k["transfer_only_ms_per_call"] > 0, kind
+    keys, rows, grads = (a2a["kinds"][k] for k in ("keys", "rows", "grads"))
+    # rank 0 gets a row for every key it sent, and sends back a gradient of each row
+    assert rows["kib_received_per_step_rank0"] == pytest.approx(keys["kib_sent_per_step_rank0"] / 8 * TINY.dim * 4)
+    assert grads["kib_sent_per_step_rank0"] == pytest.approx(rows["kib_received_per_step_rank0"])
     # memory: every array counted, at least the payload
     assert mem["baseline"] == TINY.dim * 4 + 4
     assert mem["ours"] * TINY.mem_capacity == pytest.approx(sum(d["memory"]["arrays_bytes"].values()))

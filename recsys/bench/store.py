@@ -538,8 +538,11 @@ def _dist_rank(rank: int, world: int, s: Settings) -> dict:
     schema = _schema(s, capacities)
     cfg = StoreConfig(lr=s.lr)
     solo_group = dist.new_group(ranks=[0], backend="gloo")
-    store2 = ShardedEmbeddingStore(schema, cfg)  # its own gloo group of all ranks
-    store1 = ShardedEmbeddingStore(schema, cfg, group=solo_group) if rank == 0 else None
+    # threads: the store's per-table threads as a 1-process job of 2 threads and a
+    # 2-process job of 1 thread each would have them
+    store2 = ShardedEmbeddingStore(schema, dataclasses.replace(cfg, threads=1))  # its own gloo group of all ranks
+    store1 = (ShardedEmbeddingStore(schema, dataclasses.replace(cfg, threads=2), group=solo_group)
+              if rank == 0 else None)
     kjt_half = [_kjt(keys[b, :, rank * half : (rank + 1) * half]) for b in range(n_b)]
     kjt_full = [_kjt(keys[b]) for b in range(n_b)] if rank == 0 else None
     del keys
@@ -547,6 +550,7 @@ def _dist_rank(rank: int, world: int, s: Settings) -> dict:
     times = {"1 rank": [], "2 ranks": []}
     losses = {"1 rank": [], "2 ranks": []}
     idle_cpu = []
+    comm0: dict = {}
     for r in range(rounds):
         batches = range(r * s.dist_steps, (r + 1) * s.dist_steps)
         order = ("1 rank", "2 ranks") if r % 2 == 0 else ("2 ranks", "1 rank")
@@ -569,10 +573,41 @@ def _dist_rank(rank: int, world: int, s: Settings) -> dict:
                 dt = time.perf_counter() - t0
             if r >= s.dist_warmup_rounds:
                 times[phase].append(dt)
+        if r == s.dist_warmup_rounds - 1:
+            comm0 = store2.comm_stats()
+    comm = {k: {f: v[f] - comm0.get(k, {}).get(f, 0) for f in v} for k, v in store2.comm_stats().items()}
+    transfer = _transfer_only(comm, store2.group, s.dist_repeats * s.dist_steps)
     store2.close()
     if store1 is not None:
         store1.close()
-    return {"times": times, "losses": losses, "idle_cpu_s": idle_cpu, "distinct": distinct}
+    return {"times": times, "losses": losses, "idle_cpu_s": idle_cpu, "distinct": distinct, "comm": comm,
+            "transfer_only": transfer}
+
+
+def _transfer_only(comm: dict, group, steps: int, repeats: int = 15) -> dict:
+    """Return the median seconds of one all-to-all of each kind's mean payload per call,
+    both ranks ready (a barrier first): what the transfer costs without waiting for a peer."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    world = dist.get_world_size(group)
+    for kind, c in sorted(comm.items()):
+        mine = max(1, int(round(c["bytes_sent"] / max(c["calls"], 1) / 4 / max(world - 1, 1))))
+        agreed = torch.tensor([mine], dtype=torch.int64)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)  # one payload size for every rank
+        per_rank = int(agreed.item())
+        send = torch.zeros(per_rank * world, dtype=torch.float32)
+        recv = torch.empty_like(send)
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(recv, send, group=group)
+            times.append(time.perf_counter() - t0)
+        out[kind] = {"bytes_per_peer": per_rank * 4, "median_s": float(np.median(times)),
+                     "calls_per_step": c["calls"] / steps}
+    return out
 
 
 def _measure_dist(s: Settings) -> dict:
@@ -597,8 +632,34 @@ def _measure_dist(s: Settings) -> dict:
             "median_samples_per_s": {k: samples / float(np.median(v)) for k, v in r0["times"].items()},
             "idle_rank1_cpu_s_during_1_rank_runs": r1["idle_cpu_s"],
             "max_abs_loss_diff_2_vs_1": float(np.max(np.abs(one - two))),
+            "all_to_all": _all_to_all_report(r0, r1, s),
         },
     }
+
+
+def _all_to_all_report(r0: dict, r1: dict, s: Settings) -> dict:
+    """Per step of the 2-rank runs: each kind's all-to-alls, time inside them (transfer and
+    waiting for the other rank) per rank, bytes that crossed, and the same payload's
+    transfer alone; against the 2-rank step's median time."""
+    steps = s.dist_repeats * s.dist_steps
+    step_s = float(np.median(r0["times"]["2 ranks"])) / s.dist_steps
+    kinds = {}
+    for kind in sorted(r0["comm"]):
+        c0, c1 = r0["comm"][kind], r1["comm"].get(kind, {})
+        kinds[kind] = {
+            "calls_per_step": c0["calls"] / steps,
+            "ms_per_step_rank0": 1e3 * c0["seconds"] / steps,
+            "ms_per_step_rank1": 1e3 * c1.get("seconds", 0.0) / steps,
+            "kib_sent_per_step_rank0": c0["bytes_sent"] / steps / 1024,
+            "kib_received_per_step_rank0": c0["bytes_received"] / steps / 1024,
+            "transfer_only_ms_per_call": 1e3 * r0["transfer_only"][kind]["median_s"],
+        }
+    total0 = sum(k["ms_per_step_rank0"] for k in kinds.values())
+    total1 = sum(k["ms_per_step_rank1"] for k in kinds.values())
+    transfer = sum(k["transfer_only_ms_per_call"] * k["calls_per_step"] for k in kinds.values())
+    return {"step_ms": 1e3 * step_s, "in_all_to_all_ms_per_step": {"rank0": total0, "rank1": total1},
+            "transfer_only_ms_per_step": transfer,
+            "share_of_step_rank0": total0 / (1e3 * step_s), "kinds": kinds}
 
 
 # --------------------------------------------------------------------------- entry

@@ -44,6 +44,7 @@ import os
 import queue
 import sys
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -345,6 +346,7 @@ class ShardedEmbeddingStore:
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
         self.publisher = None  # recsys.train.publish.LivePublisher: told of every applied push
+        self._comm: dict[str, dict] = {}  # all-to-all accounting (``comm_stats``)
         if threaded:
             self._ops = queue.Queue()
             self._worker = threading.Thread(target=self._work, name="store-worker", daemon=True)
@@ -902,7 +904,7 @@ class ShardedEmbeddingStore:
         blocks = [(p, p.order_U[starts[i][r] : starts[i][r + 1]]) for r in range(W) for i, p in enumerate(parts)]
         send_keys = np.concatenate([p.keys_U[sel] for p, sel in blocks]) if blocks else np.empty(0, np.int64)
         dest = np.concatenate([p.base + sel for p, sel in blocks]) if blocks else np.empty(0, np.int64)
-        recv_keys = self._exchange(send_keys, send_counts.sum(1), recv_counts.sum(1), torch.int64)
+        recv_keys = self._exchange(send_keys, send_counts.sum(1), recv_counts.sum(1), torch.int64, "keys")
         # owner side: each table's requested keys, deduplicated across requesters
         recv_split = _split_rank_table(recv_keys, recv_counts)
         for i, p in enumerate(parts):
@@ -923,7 +925,8 @@ class ShardedEmbeddingStore:
         self._lanes.each(todo, [len(parts[i].served_U) for i in todo], serve)
         served_split = [np.split(rows, np.cumsum(recv_counts[:, i])[:-1]) for i, rows in enumerate(served)]
         send_rows = np.concatenate([served_split[i][r] for r in range(W) for i in range(len(parts))])
-        recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32)
+        recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32,
+                                   "rows")
         rows_np[comm["dest"]] = recv_rows.reshape(-1, D)
 
     def _do_push(self, lookup: Lookup, g_rows: torch.Tensor | None, g_pooled: torch.Tensor | None) -> None:
@@ -957,7 +960,8 @@ class ShardedEmbeddingStore:
         W, D = self.world_size, self.dim
         self._lanes.each(parts, costs, lambda p: None, before=pool_backward)
         send = np.ascontiguousarray(grads[lookup.dest]).reshape(-1)
-        recv = self._exchange(send, lookup.send_counts.sum(1) * D, lookup.recv_counts.sum(1) * D, torch.float32)
+        recv = self._exchange(send, lookup.send_counts.sum(1) * D, lookup.recv_counts.sum(1) * D, torch.float32,
+                              "grads")
         got = _split_rank_table(recv.reshape(-1, D), lookup.recv_counts)
 
         def apply_served(i: int) -> None:
@@ -987,21 +991,44 @@ class ShardedEmbeddingStore:
             return send_counts.copy()
         W, T = send_counts.shape
         out = torch.empty(W * T, dtype=torch.int64)
+        t0 = time.perf_counter()
         dist.all_to_all_single(out, torch.from_numpy(send_counts.reshape(-1).astype(np.int64)), group=self.group)
+        self._count_exchange("counts", t0, out.numel() * 8, out.numel() * 8)
         return out.numpy().reshape(W, T)
 
-    def _exchange(self, send: np.ndarray, send_sizes: np.ndarray, recv_sizes: np.ndarray, dtype) -> np.ndarray:
+    def _exchange(self, send: np.ndarray, send_sizes: np.ndarray, recv_sizes: np.ndarray, dtype,
+                  kind: str = "data") -> np.ndarray:
         if self.world_size == 1:
             return send
         out = torch.empty(int(recv_sizes.sum()), dtype=dtype)
+        src = torch.from_numpy(np.ascontiguousarray(send)).to(dtype)
+        t0 = time.perf_counter()
         dist.all_to_all_single(
             out,
-            torch.from_numpy(np.ascontiguousarray(send)).to(dtype),
+            src,
             output_split_sizes=[int(x) for x in recv_sizes],
             input_split_sizes=[int(x) for x in send_sizes],
             group=self.group,
         )
+        # bytes that cross to other ranks (a rank's block to itself is a local copy)
+        itemsize = out.element_size()
+        sent = (int(send_sizes.sum()) - int(send_sizes[self.rank])) * itemsize
+        received = (int(recv_sizes.sum()) - int(recv_sizes[self.rank])) * itemsize
+        self._count_exchange(kind, t0, sent, received)
         return out.numpy()
+
+    def _count_exchange(self, kind: str, t0: float, sent: int, received: int) -> None:
+        c = self._comm.setdefault(kind, {"calls": 0, "seconds": 0.0, "bytes_sent": 0, "bytes_received": 0})
+        c["calls"] += 1
+        c["seconds"] += time.perf_counter() - t0
+        c["bytes_sent"] += sent
+        c["bytes_received"] += received
+
+    def comm_stats(self) -> dict[str, dict]:
+        """Return this rank's all-to-alls so far, per kind (``counts``, ``keys``, ``rows``,
+        ``grads``): calls, seconds inside the call (the transfer and any wait for the other
+        ranks to arrive) and bytes sent to / received from other ranks."""
+        return {k: dict(v) for k, v in self._comm.items()}
 
 
 
