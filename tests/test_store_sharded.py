@@ -320,7 +320,7 @@ def test_rows_gradient_and_pooled_gradient_are_pushed_together():
 @pytest.mark.parametrize("threaded", [False, True])
 def test_any_thread_count_gives_the_same_numbers(threaded):
     """``store.threads``: tables split over threads (keys, rows, pooling backward, optimizer)
-    and the batch split for pooling forward give bit-identical pooled outputs and rows,
+    give bit-identical pooled outputs and rows,
     with evictions (capacity below the ids seen) and a mean-pooled bag sharing a table."""
     from store_data import random_kjts, three_feature_schema, train_pooled
 
@@ -373,8 +373,5 @@ def test_lanes_split_every_item_once_and_balance():
         assert all(g == sorted(g) for g in groups)
         loads = sorted(sum(costs[i] for i in g) for g in groups)
         assert loads[-1] - loads[0] <= max(costs)
-        seen = []
-        lanes.ranges(1000, lambda a, b: seen.append((a, b)), min_size=100)
-        assert sorted(seen) == [(0, 333), (333, 666), (666, 1000)]
     finally:
         lanes.close()

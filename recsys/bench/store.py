@@ -38,8 +38,10 @@ Four comparisons, one run (settings and versions go to the JSON):
 Timed runs alternate (ours first in even rounds, the baseline first in odd ones) and each
 side keeps its best run (medians are in the JSON too); every round uses fresh batches of
 the same stream for both sides, so ours pays its steady-state insertions, as in training.
-Threads: comparison 1 runs both sides with ``torch.set_num_threads(2)`` (``threads``);
-numba and numpy code is single-threaded either way. Unless the caller set it, the run
+Threads: comparison 1 runs both sides with 2 threads (``threads``): ``torch.set_num_threads(2)``
+for both, and ``store.threads = 2`` for ours (its per-table work on the store's worker plus
+one helper; each numba kernel is single-threaded). In comparison 4 the 1-rank store gets 2
+store threads and each of the 2 ranks' stores 1. Unless the caller set it, the run
 sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (see ``recsys.bench.passive_omp``): on 2 shared
 cores, spinning OpenMP workers made 2-thread runs 5-20x slower and wildly noisy.
 No assertions on timings.
@@ -204,7 +206,7 @@ def _measure_step(s: Settings) -> dict:
     rounds = s.warmup_rounds + s.repeats
     keys = make_trace(s, rounds * s.steps)  # [N, T, B]
     T, B, D = s.tables, s.batch, s.dim
-    cfg = StoreConfig(lr=s.lr)
+    cfg = StoreConfig(lr=s.lr, threads=s.threads)  # both sides get s.threads threads
 
     # baseline: keys remapped to dense rows ahead of time, tables sized to the distinct ids
     rows_idx = np.empty_like(keys)

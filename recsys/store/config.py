@@ -52,12 +52,15 @@ class StoreConfig:
     cost ~16 % of the store's train step (4 of 24 ms at batch 4096, 8.8 k new rows a step),
     and their price varies from host to host. False: memory is committed as rows arrive
     (resident memory grows with the rows held; build time is shorter)."""
-    threads: int = 0
+    threads: int = 1
     """Threads of the store's per-table work (key lookups and inserts, row reads, the pooling
-    backward and the optimizer; pooling forward splits the batch): the store's worker and
-    ``threads - 1`` helpers. 0: torch's intra-op thread count when the store is built. The
-    numbers are the same for any count (tables share no arrays). Only tables without a
-    spill tier or device cache use helpers."""
+    backward and the optimizer): the store's worker and ``threads - 1`` helpers; 0: torch's
+    intra-op thread count when the store is built. The numbers are the same for any count
+    (tables share no arrays); only tables without a spill tier or device cache use helpers.
+    More threads pay when the store's work is what the caller waits for (the store bench's
+    train step, 2 threads: 1.48x fbgemm's TBE against ~1.2x with 1). In ``recsys train`` on
+    2 cores the dense model's threads need both cores while the store works: measured
+    3-4 % slower with 2, so 1 is the default."""
     keep_freed_memory: bool = True
     """Set glibc's malloc to keep freed memory for reuse (``recsys.store.malloc``), process-wide,
     when a store is built: a step's large arrays (rows, pooled embeddings, gradients) then

@@ -158,33 +158,9 @@ class _Lanes:
         if failed:
             raise min(failed, key=lambda x: x[0])[1]
 
-    def ranges(self, n: int, fn: Callable[[int, int], None], min_size: int = 256) -> None:
-        """Call ``fn(start, stop)`` over ``range(n)`` cut into contiguous pieces, one per thread."""
-        k = min(self.n, max(1, n // min_size))
-        if k <= 1:
-            fn(0, n)
-            return
-        cuts = [n * i // k for i in range(k + 1)]
-        futures = [self._pool.submit(fn, cuts[i], cuts[i + 1]) for i in range(1, k)]
-        err = None
-        try:
-            fn(cuts[0], cuts[1])
-        except BaseException as exc:  # noqa: BLE001 - after the helpers finished
-            err = exc
-        for f in futures:
-            try:
-                f.result()
-            except BaseException as exc:  # noqa: BLE001
-                err = err or exc
-        if err is not None:
-            raise err
-
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
-
-
-_SERIAL = _Lanes(1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -210,7 +186,6 @@ class Lookup:
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
     recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
-    lanes: _Lanes = _SERIAL  # the store's threads for pooling
 
     @property
     def rows(self) -> dict[str, torch.Tensor]:
@@ -242,10 +217,9 @@ class Lookup:
         w = self.multi_weights
         F = self.single_cols.shape[0] + self.multi_cols.shape[0]
         out = torch.empty((self.batch_size, F, self.rows_all.shape[1]), dtype=torch.float32)
-        args = (self.rows_all.detach().numpy(), self.single_idx.numpy(), self.single_cols.numpy(),
-                self.multi_values.numpy(), self.multi_offsets.numpy(), None if w is None else w.numpy(),
-                self.multi_cols.numpy(), out.numpy())
-        self.lanes.ranges(self.batch_size, lambda b0, b1: pool_forward(*args, samples=(b0, b1)))
+        pool_forward(self.rows_all.detach().numpy(), self.single_idx.numpy(), self.single_cols.numpy(),
+                     self.multi_values.numpy(), self.multi_offsets.numpy(), None if w is None else w.numpy(),
+                     self.multi_cols.numpy(), out.numpy())
         self.pooled_leaf = out.requires_grad_(self.rows_all.requires_grad)
 
     def pool_backward(self, grad_BFD: np.ndarray, out_RD: np.ndarray, columns: np.ndarray | None = None) -> None:
@@ -874,7 +848,7 @@ class ShardedEmbeddingStore:
         rows_all = torch.from_numpy(rows_np).to(self.device).requires_grad_(train)
         lookup = Lookup(
             step, prep.batch_size, parts, rows_all, prep.single_idx, self._single_cols_t, prep.multi_values,
-            prep.multi_offsets, prep.multi_weights, self._multi_cols_t, **prep.comm, lanes=self._lanes,
+            prep.multi_offsets, prep.multi_weights, self._multi_cols_t, **prep.comm,
         )
         return lookup
 
