@@ -5,8 +5,8 @@
 - ours: ``ParquetReader`` producing shuffled batches of hashed KJT + dense tensors, in the
   calling process (a background thread) and with 2 worker processes.
 
-Each round runs the three once (the limit first in even rounds, last in odd ones); the
-table gives the best run of each side and the median and min-max of the per-round ratios,
+After one untimed round, each round runs the three once (the limit first in even rounds,
+last in odd ones); the table gives the best run of each side and the median and min-max of the per-round ratios,
 so a noisy neighbour hurts both sides of a round alike. Full size: the ``small`` synthetic set (generated if
 missing); ``--quick``: a 300k-row set of the same shape.
 """
@@ -89,12 +89,13 @@ def measure(quick: bool, data: Path | None = None) -> dict:
     times: dict[str, list[float]] = {"raw": [], **{k: [] for k in variants}}
     rows = {}
     torch.set_num_threads(2)
-    for r in range(repeats):
+    for r in range(-1, repeats):  # round -1 warms up (numba's cached kernels load, the page cache fills)
         order = ["raw", *variants] if r % 2 == 0 else [*variants, "raw"]
         for name in order:
             t0 = time.perf_counter()
             rows[name] = _raw_decode(files, columns, batch_size) if name == "raw" else _ours(variants[name], schema)
-            times[name].append(time.perf_counter() - t0)
+            if r >= 0:
+                times[name].append(time.perf_counter() - t0)
     best = {k: min(v) for k, v in times.items()}
     if len(set(rows.values())) != 1:
         raise RuntimeError(f"row counts differ between runs: {rows}")

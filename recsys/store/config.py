@@ -58,9 +58,9 @@ class StoreConfig:
     intra-op thread count when the store is built. The numbers are the same for any count
     (tables share no arrays); only tables without a spill tier or device cache use helpers.
     More threads pay when the store's work is what the caller waits for (the store bench's
-    train step, 2 threads: 1.48x fbgemm's TBE against ~1.2x with 1). In ``recsys train`` on
-    2 cores the dense model's threads need both cores while the store works: measured
-    3-4 % slower with 2, so 1 is the default."""
+    train step runs 2; BENCHMARKS.md has both counts). In ``recsys train`` on 2 cores the
+    dense model's threads need both cores while the store works: measured 3-4 % slower
+    with 2, so 1 is the default."""
     keep_freed_memory: bool = True
     """Set glibc's malloc to keep freed memory for reuse (``recsys.store.malloc``), process-wide,
     when a store is built: a step's large arrays (rows, pooled embeddings, gradients) then
