@@ -79,6 +79,7 @@ class Settings:
     warmup_rounds: int = 2  # untimed rounds (fresh batches) before the timed ones
     repeats: int = 20  # timed rounds: paired ratios per round (median, min-max) and best-of
     threads: int = 2  # torch threads of both sides in comparison 1 (4 uses 2 vs 1 + 1)
+    store_threads: int | None = None  # ours' store.threads in comparison 1 (None: ``threads``)
     lr: float = 0.01
     capacity_headroom: float = 1.25  # ours: capacity = headroom x distinct keys (+64)
     mem_capacity: int = 1_000_000
@@ -206,7 +207,7 @@ def _measure_step(s: Settings) -> dict:
     rounds = s.warmup_rounds + s.repeats
     keys = make_trace(s, rounds * s.steps)  # [N, T, B]
     T, B, D = s.tables, s.batch, s.dim
-    cfg = StoreConfig(lr=s.lr, threads=s.threads)  # both sides get s.threads threads
+    cfg = StoreConfig(lr=s.lr, threads=s.threads if s.store_threads is None else s.store_threads)
 
     # baseline: keys remapped to dense rows ahead of time, tables sized to the distinct ids
     rows_idx = np.empty_like(keys)
