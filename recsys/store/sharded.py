@@ -967,11 +967,12 @@ class ShardedEmbeddingStore:
         out = torch.empty(W * T, dtype=torch.int64)
         t0 = time.perf_counter()
         dist.all_to_all_single(out, torch.from_numpy(send_counts.reshape(-1).astype(np.int64)), group=self.group)
-        self._count_exchange("counts", t0, out.numel() * 8, out.numel() * 8)
+        crossing = (W - 1) * T * 8  # every rank's [T] counts but this rank's own
+        self._count_exchange("counts", t0, crossing, crossing)
         return out.numpy().reshape(W, T)
 
     def _exchange(self, send: np.ndarray, send_sizes: np.ndarray, recv_sizes: np.ndarray, dtype,
-                  kind: str = "data") -> np.ndarray:
+                  kind: str) -> np.ndarray:
         if self.world_size == 1:
             return send
         out = torch.empty(int(recv_sizes.sum()), dtype=dtype)
