@@ -353,7 +353,7 @@ def _synthetic(quick: bool, data: Path | None) -> tuple[Path, Path, list[str], d
         files = sorted(str(p) for p in (root / "train").glob("*.parquet"))
         overrides = [f"data.train.paths={json.dumps(files[:-1])}", f"data.validation.paths={json.dumps(files[-1:])}",
                      f"data.eval.paths=['{root / 'eval'}']", "data.train.batch_size=256", f"train.epochs={QUICK_EPOCHS}",
-                     "train.warmup_steps=0"]
+                     "train.warmup_steps=0", "store.prefault=false"]
     else:
         root = data or ROOT / "data" / "synthetic_small"
         if not (root / "oracle.json").exists():
