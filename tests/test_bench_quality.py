@@ -21,6 +21,7 @@ def test_quality_quick_shape(tmp_path, monkeypatch):
     result = bench.run("quality", json_out=out, quick=True, data=tmp_path / "tiny")
     saved = json.loads(out.read_text())
     assert saved["target"] == "quality" and saved["quick"] is True and saved["seeds"] == [0]
+    assert saved["threads"] == quality.QUICK_THREADS == 1
     assert set(saved["sets"]) == {"synthetic", "fair"}
     assert saved["environment"]["cpu"]["model"]
     fair = saved["sets"]["fair"]
@@ -62,3 +63,10 @@ def test_real_sets_come_from_the_installed_package_and_split_by_profile(tmp_path
 
     tr, va, ev = (profiles(splits[k]) for k in ("train", "validation", "eval"))
     assert not (tr & va) and not (tr & ev) and not (va & ev)  # no person in two splits
+
+
+def test_bad_thread_count_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.setattr(quality, "RUNS", tmp_path / "runs")
+    with pytest.raises(ValueError, match=r"bench quality: threads must be >= 1 .* found 0"):
+        quality.measure(quick=True, data=tmp_path / "tiny", threads=0)
+    assert not (tmp_path / "tiny").exists() and not (tmp_path / "runs").exists()

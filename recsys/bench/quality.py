@@ -40,6 +40,11 @@ SEEDS = (0, 1, 2)
 QUICK_SEEDS = (0,)
 QUICK_EPOCHS = 2
 """``--quick``: one seed, two epochs, one hyper-parameter setting per baseline (figures not comparable)."""
+QUICK_THREADS = 1
+"""``--quick``: threads of our trainer and of the baselines' OpenMP pools. On a CPU quota below
+the core count (a shared 2-core VM, capped to about one core), OpenMP's spinning workers wait
+on each other: one quick gradient-boosting fit on ``fair`` took 253 s with the default 2
+threads and 0.6 s with 1."""
 SETS_RUN = ("synthetic", "randhie", "fair")
 _MAX_CATEGORIES = 254
 
@@ -269,9 +274,18 @@ LARGE_ROWS = 200_000
 fit there takes minutes on 2 cores."""
 
 
-def baselines(train: Features, validation: Features, evaluation: Features, seeds, quick: bool) -> dict:
+def baselines(train: Features, validation: Features, evaluation: Features, seeds, quick: bool,
+              threads: int | None = None) -> dict:
     """Return {"gbdt": ..., "logreg": ...}: the chosen hyper-parameters (by validation AUC)
-    and the eval split's figures per seed."""
+    and the eval split's figures per seed. ``threads``: cap of the native thread pools
+    (OpenMP, BLAS) while they fit; None: their defaults."""
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=threads):
+        return _baselines(train, validation, evaluation, seeds, quick)
+
+
+def _baselines(train: Features, validation: Features, evaluation: Features, seeds, quick: bool) -> dict:
     large = train.label.shape[0] >= LARGE_ROWS
     from sklearn.ensemble import HistGradientBoostingClassifier
     from sklearn.linear_model import LogisticRegression
@@ -339,7 +353,7 @@ def _synthetic(quick: bool, data: Path | None) -> tuple[Path, Path, list[str], d
         files = sorted(str(p) for p in (root / "train").glob("*.parquet"))
         overrides = [f"data.train.paths={json.dumps(files[:-1])}", f"data.validation.paths={json.dumps(files[-1:])}",
                      f"data.eval.paths=['{root / 'eval'}']", "data.train.batch_size=256", f"train.epochs={QUICK_EPOCHS}",
-                     "train.warmup_steps=0"]
+                     "train.warmup_steps=0", "store.prefault=false"]
     else:
         root = data or ROOT / "data" / "synthetic_small"
         if not (root / "oracle.json").exists():
@@ -352,11 +366,19 @@ def _synthetic(quick: bool, data: Path | None) -> tuple[Path, Path, list[str], d
     return ROOT / SYNTHETIC_JOB, root, overrides, oracle
 
 
-def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None = None) -> dict:
-    """Run every data set (or ``sets``); return the figures and the comparison rows."""
+def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None = None,
+            threads: int | None = None) -> dict:
+    """Run every data set (or ``sets``); return the figures and the comparison rows.
+
+    ``threads``: our trainer's threads (``train.threads``) and the cap of the baselines'
+    thread pools; None: ``QUICK_THREADS`` with ``quick``, else each library's default."""
     from recsys.config import load_job
 
     seeds = QUICK_SEEDS if quick else SEEDS
+    if threads is None and quick:
+        threads = QUICK_THREADS
+    if threads is not None and threads < 1:
+        raise ValueError(f"bench quality: threads must be >= 1 (or None: the libraries' defaults), found {threads}")
     out_root = RUNS / ("quality-quick" if quick else "quality") / time.strftime("%Y%m%d-%H%M%S")
     results, comparisons = {}, []
     for name in sets or SETS_RUN:
@@ -371,6 +393,8 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
                          f"data.eval.paths=['{root / 'eval'}']"]
             if quick:
                 overrides += [f"train.epochs={QUICK_EPOCHS}"]
+        if threads is not None:
+            overrides += [f"train.threads={threads}"]
         job = load_job(job_path, overrides)
         t0 = time.perf_counter()
         ours = [train_ours(job_path, seed, out_root / name / f"seed-{seed}", overrides) for seed in seeds]
@@ -379,7 +403,7 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
         feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
                  for cfg in (job.data.train, job.data.validation, job.data.eval)]
         t0 = time.perf_counter()
-        base = baselines(*feats, seeds=seeds, quick=quick)
+        base = baselines(*feats, seeds=seeds, quick=quick, threads=threads)
         entry = {"job": str(job_path.relative_to(ROOT)), "rows": {k: int(f.label.shape[0]) for k, f in
                                                                   zip(("train", "validation", "eval"), feats)},
                  "ours": {"summary": _summary(ours), "runs": ours, "seconds": ours_s},
@@ -399,7 +423,8 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
             comparisons.append({"name": f"{name}: eval AUC, ours vs the oracle", "ours": o, "baseline": oracle["auc"],
                                 "ratio": o / oracle["auc"], "unit": "AUC", "difference": o - oracle["auc"]})
         print(format_set(name, entry), flush=True)
-    return {"sets": results, "comparisons": comparisons, "seeds": list(seeds), "runs_dir": str(out_root)}
+    return {"sets": results, "comparisons": comparisons, "seeds": list(seeds), "threads": threads,
+            "runs_dir": str(out_root)}
 
 
 def format_set(name: str, entry: dict) -> str:

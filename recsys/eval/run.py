@@ -68,7 +68,8 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
 
     store = inference_store(job.schema, job.store)
     if job.model.wide:
-        store = wide.WideStore(store, inference_store(wide.wide_schema(job.schema), wide.wide_store_config(job.store)))
+        store = wide.WideStore(store, inference_store(wide.wide_schema(job.schema),
+                                                      wide.wide_store_config(job.store, job.model)))
     model = model_for(job)
     model.load_state_dict(ckpt.load_dense(path)["model"])
     model.to(device).eval()

@@ -23,6 +23,17 @@ class ModelConfig:
     summed into the logit (logistic regression's per-id weights). The weights are rows of
     dim-1 tables ``<table>.wide`` in the embedding store (``recsys.store.wide``): unbounded,
     sharded and checkpointed like the embeddings, starting at 0."""
+    wide_lr: float | None = None
+    """Learning rate of the wide arm's weights (unset: ``store.lr``). Its rows are scalars whose
+    gradients are far larger than an embedding row's (the logit's own), so with row-wise
+    Adagrad they may want other settings than the embeddings."""
+    wide_initial_accumulator: float | None = None
+    """Starting squared-gradient sum of a new wide weight (unset: ``store.initial_accumulator``).
+    With row-wise Adagrad a weight's first step is ``lr·g/sqrt(acc0 + g²)``: ``acc0 = 0`` moves
+    an id seen once by a full ``lr``, a larger ``acc0`` damps the steps of rare ids (whose few
+    labels are mostly noise) and hardly changes those of frequent ones."""
+    wide_weight_decay: float | None = None
+    """L2 penalty of the wide weights (unset: ``store.weight_decay``)."""
     dcn_layers: int = 3
     """Cross layers (``dcn`` only)."""
     dcn_low_rank: int = 64
@@ -35,3 +46,14 @@ class ModelConfig:
             raise ValueError(f"top_mlp needs >= 2 positive sizes ending in 1, found {self.top_mlp}")
         if self.dcn_layers < 1 or self.dcn_low_rank < 1:
             raise ValueError("dcn_layers and dcn_low_rank must be >= 1")
+        import math
+
+        if self.wide_lr is not None and not (math.isfinite(self.wide_lr) and self.wide_lr > 0):
+            raise ValueError(f"wide_lr must be a finite number > 0 (or unset: store.lr), found {self.wide_lr}")
+        for name in ("wide_initial_accumulator", "wide_weight_decay"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (or unset: the store's), found {value}")
+        if not self.wide and any(getattr(self, n) is not None
+                                 for n in ("wide_lr", "wide_initial_accumulator", "wide_weight_decay")):
+            raise ValueError("wide_lr / wide_initial_accumulator / wide_weight_decay need model.wide = true")

@@ -121,10 +121,17 @@ class WideStore:
         return {"admission": merged}
 
 
-def wide_store_config(cfg):
+def wide_store_config(cfg, model=None):
     """Return the wide store's settings: the embedding store's, with new weights at 0 (an
-    id never trained adds nothing to the logit)."""
-    return dataclasses.replace(cfg, init_scale=0.0)
+    id never trained adds nothing to the logit) and ``model``'s (a ``ModelConfig``)
+    ``wide_lr`` / ``wide_initial_accumulator`` / ``wide_weight_decay`` where set."""
+    changes = {"init_scale": 0.0}
+    if model is not None:
+        for ours, theirs in (("wide_lr", "lr"), ("wide_initial_accumulator", "initial_accumulator"),
+                             ("wide_weight_decay", "weight_decay")):
+            if getattr(model, ours) is not None:
+                changes[theirs] = getattr(model, ours)
+    return dataclasses.replace(cfg, **changes)
 
 
 def table_names(schema: Schema, wide: bool) -> list[str]:

@@ -197,8 +197,8 @@ class Trainer:
 
             group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
             self.store = wide.WideStore(self.store, ShardedEmbeddingStore(
-                wide.wide_schema(schema), wide.wide_store_config(job.store), group=group, device=env.device,
-                threaded=True, run_dir=self.run_dir, job_name=job.name))
+                wide.wide_schema(schema), wide.wide_store_config(job.store, job.model), group=group,
+                device=env.device, threaded=True, run_dir=self.run_dir, job_name=job.name))
         self.dense_stats = self._dense_stats(resume)
         self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size,
                                               dense_stats=self.dense_stats)
