@@ -373,7 +373,10 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
     poller.start()
     try:
         run_dir = tmp_path / "live"
-        result = _train(tiny_data, run_dir, "data.train.batch_size=128", "train.log_every=10",
+        # batch 64: ~94 steps, so the job outlasts many of the service's refreshes (0.1 s)
+        # even on a fast host (at batch 128, 47 steps, a fresh clone's make test on a quiet
+        # AVX-512 host once saw a single live version; 13-16 are typical at batch 64)
+        result = _train(tiny_data, run_dir, "data.train.batch_size=64", "train.log_every=10",
                         *_publish(redis_server.url, "publish.every_s=0.05"))
         during = list(seen)
         wait_until(lambda: seen and seen[-1][0] == f"{version}+live@{result['step']}", 30,
