@@ -89,12 +89,14 @@ def comparison(name: str, ours: float, baseline: float, unit: str, **extra) -> d
 
 
 def paired(ours_s: list[float], baseline_s: list[float]) -> dict:
-    """Return ``median_paired_ratio`` and ``spread`` [min, max] of per-round rate ratios (ours
-    over the baseline) from the seconds each side took in the same rounds: a noisy moment
-    slows both sides of a round alike, so paired ratios spread less than either side's rate."""
+    """Return the per-round rate ratios (ours over the baseline; ``paired_ratios``), their
+    ``median_paired_ratio`` and ``spread`` [min, max], from the seconds each side took in the
+    same rounds: a noisy moment slows both sides of a round alike, so paired ratios spread
+    less than either side's rate."""
     ratios = [b / a for a, b in zip(ours_s, baseline_s)]
     return {"median_paired_ratio": round(statistics.median(ratios), 4),
-            "spread": [round(min(ratios), 4), round(max(ratios), 4)], "paired_rounds": len(ratios)}
+            "spread": [round(min(ratios), 4), round(max(ratios), 4)], "paired_rounds": len(ratios),
+            "paired_ratios": [round(r, 4) for r in ratios]}
 
 
 def peak_rss_mb() -> dict:

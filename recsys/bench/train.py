@@ -31,8 +31,9 @@ passing the batch on. (a) is paused only inside its batch fetch, when its store 
 reader threads are idle (the lookup of that batch is not yet submitted). Samples/s =
 rows of the timed steps / their seconds, after ``warmup_chunks × chunk`` untimed steps;
 (a)'s steps are timed fetch to fetch (one step each), pauses excluded. The headline ratio
-is total rows / total seconds per side; the JSON adds, for a vs c, the ratio of each pair
-of segments run back to back (their median and spread show how noisy the machine was).
+is total rows / total seconds per side; for a vs b and a vs c the table adds the median
+and min-max of the ratios of each pair of segments run back to back (``paired_ratios``
+in the JSON), which show how noisy the machine was.
 
 2 processes vs 1: ``recsys train --nproc 2`` (torchrun, gloo, 1 torch thread each,
 per-rank batch B/2, so the same global batches and total samples) against (a) (1 process,
@@ -224,13 +225,6 @@ class PausingSource:
 
     def close(self) -> None:
         self.reader.close()
-
-
-def _segment_ratios(ours_s: list[float], other_s: list[float]) -> dict:
-    """Return the per-segment ratios ours / other (same steps each, run back to back) and
-    their median and spread: a noisy neighbour slows both sides of a pair alike."""
-    ratios = [o / u for u, o in zip(ours_s, other_s)]
-    return {"per_segment": ratios, "median": float(np.median(ratios)), "min": min(ratios), "max": max(ratios)}
 
 
 def _window_phases(metrics_path: Path, first_step: int, pauses_s: dict[int, float], chunk: int) -> dict:
@@ -688,9 +682,9 @@ def _measure_all(root: Path, s: Settings) -> dict:
     auc_ours, auc_peer = ours_result.get("auc", float("nan")), peer_eval.get("auc", float("nan"))
     comparisons = [
         comparison("ours vs torchrec DMP fused", rate["ours"], rate["torchrec"], "samples/s", target_ratio=1.2,
-                   segment_ratios=_segment_ratios(ours_segments, peer.timed_s), **paired(ours_segments, peer.timed_s)),
+                   **paired(ours_segments, peer.timed_s)),
         comparison("ours vs dense-only limit", rate["ours"], rate["dense_only"], "samples/s", target_ratio=0.8,
-                   segment_ratios=_segment_ratios(ours_segments, limit.timed_s), **paired(ours_segments, limit.timed_s)),
+                   **paired(ours_segments, limit.timed_s)),
     ]
     if two is not None:
         comparisons.append(comparison("2 processes vs 1 (ours)", two["samples_per_s"], rate["ours"], "samples/s",

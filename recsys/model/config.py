@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -46,8 +47,6 @@ class ModelConfig:
             raise ValueError(f"top_mlp needs >= 2 positive sizes ending in 1, found {self.top_mlp}")
         if self.dcn_layers < 1 or self.dcn_low_rank < 1:
             raise ValueError("dcn_layers and dcn_low_rank must be >= 1")
-        import math
-
         if self.wide_lr is not None and not (math.isfinite(self.wide_lr) and self.wide_lr > 0):
             raise ValueError(f"wide_lr must be a finite number > 0 (or unset: store.lr), found {self.wide_lr}")
         for name in ("wide_initial_accumulator", "wide_weight_decay"):
