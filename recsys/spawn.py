@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -23,8 +24,21 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
+    """One rank: run ``fn``, write its outcome, then leave without interpreter teardown.
+
+    Once the outcome is on disk the rank's work is done. Python's finalization could
+    still kill it: a native thread (gloo's, torch's) that wants the GIL after
+    finalization began is ended by ``pthread_exit``, which aborts a C++ thread
+    ("terminate called without an active exception", SIGABRT): seen once in CI, a
+    ``recsys eval --nproc 2`` rank died that way right after its error was found. So the
+    rank exits with ``os._exit`` instead. A fatal signal before that point prints every
+    thread's Python stack (faulthandler).
+    """
+    import faulthandler
+
     import torch.distributed as dist
 
+    faulthandler.enable()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     try:
@@ -37,6 +51,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> Non
         payload = ("error", traceback.format_exc())
     with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as fh:
         pickle.dump(payload, fh)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_gloo(fn, world_size: int, *args, timeout: float = 300, error=RuntimeError) -> list:
