@@ -23,3 +23,19 @@ def test_hashing_bench_quick_writes_json(tmp_path, capsys):
         assert abs(c["ratio"] - c["ours"] / c["baseline"]) < 1e-9
     assert saved["peak_rss_mb"]["self"] > 0
     assert "ratio" in capsys.readouterr().out
+
+
+def test_reader_bench_costs_count_the_work_of_finished_child_processes():
+    """``recsys bench reader`` charges a run the CPU and page faults of its worker processes
+    (reaped children): a child writing one byte in each 4 KiB page of 64 MiB (from malloc, which
+    does not ask for huge pages) shows at least those 16 k page faults."""
+    import subprocess
+    import sys
+
+    from recsys.bench.reader import _usage
+
+    before = _usage()
+    subprocess.run([sys.executable, "-c", "b = bytearray(64 << 20); b[::4096] = b'x' * (16 << 10)"], check=True)
+    after = _usage()
+    assert after["minor_faults"] - before["minor_faults"] >= (64 << 20) // 4096
+    assert after["user_s"] + after["sys_s"] > before["user_s"] + before["sys_s"]

@@ -175,6 +175,8 @@ def run(target: str, json_out: Path | None = None, quick: bool = False, data: Pa
     print(f"recsys bench {target}{' --quick' if quick else ''}  on {cpu['model']}, {cpu['cores']} cores, "
           f"SIMD {' '.join(cpu['simd']) or 'none'}, numba target {cpu.get('numba_target', '?')}")
     print(format_table(result))
+    for note in result.get("notes", []):
+        print(note)
     for sc in result.get("scenarios", []):
         print(f"{'PASS' if sc['passed'] else 'FAIL'}  {sc['name']}  {json.dumps(sc['figure'])}")
     print(f"peak RSS: {result['peak_rss_mb']['self']} MiB (children {result['peak_rss_mb']['children']} MiB)")

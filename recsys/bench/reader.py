@@ -9,6 +9,11 @@ After one untimed round, each round runs the three once (the limit first in even
 last in odd ones); the table gives the best run of each side and the median and min-max of the per-round ratios,
 so a noisy neighbour hurts both sides of a round alike. Full size: the ``small`` synthetic set (generated if
 missing); ``--quick``: a 300k-row set of the same shape.
+
+Each run also records what it cost (``cost_per_run``, medians printed under the table): user
+and system CPU seconds and minor page faults of this process and of its worker processes,
+which are joined when a reader closes. Worker processes are new every epoch, so every page
+they write is a fresh page fault; the system-CPU column shows what that costs on this host.
 """
 
 from __future__ import annotations
@@ -87,15 +92,18 @@ def measure(quick: bool, data: Path | None = None) -> dict:
     }
     repeats = 3 if quick else 6
     times: dict[str, list[float]] = {"raw": [], **{k: [] for k in variants}}
+    costs: dict[str, list[dict]] = {k: [] for k in times}
     rows = {}
     torch.set_num_threads(2)
     for r in range(-1, repeats):  # round -1 warms up (numba's cached kernels load, the page cache fills)
         order = ["raw", *variants] if r % 2 == 0 else [*variants, "raw"]
         for name in order:
+            before = _usage()
             t0 = time.perf_counter()
             rows[name] = _raw_decode(files, columns, batch_size) if name == "raw" else _ours(variants[name], schema)
             if r >= 0:
                 times[name].append(time.perf_counter() - t0)
+                costs[name].append({k: round(v - before[k], 3) for k, v in _usage().items()})
     best = {k: min(v) for k, v in times.items()}
     if len(set(rows.values())) != 1:
         raise RuntimeError(f"row counts differ between runs: {rows}")
@@ -120,4 +128,29 @@ def measure(quick: bool, data: Path | None = None) -> dict:
         },
         "seconds_best": best,
         "seconds_per_run": times,
+        "cost_per_run": costs,
+        "notes": [f"{name}: per run (median) {_median(costs[name], 'user_s'):.2f} s user + "
+                  f"{_median(costs[name], 'sys_s'):.2f} s system CPU, "
+                  f"{_median(costs[name], 'minor_faults') / 1000:.0f} k page faults (with worker processes)"
+                  for name in times],
     }
+
+
+def _usage() -> dict:
+    """Return CPU seconds and minor page faults of this process and its reaped children
+    (the DataLoader's workers are joined when a reader closes, so a run's workers count)."""
+    import resource
+
+    out = {"user_s": 0.0, "sys_s": 0.0, "minor_faults": 0}
+    for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN):
+        ru = resource.getrusage(who)
+        out["user_s"] += ru.ru_utime
+        out["sys_s"] += ru.ru_stime
+        out["minor_faults"] += ru.ru_minflt
+    return out
+
+
+def _median(runs: list[dict], key: str) -> float:
+    import statistics
+
+    return statistics.median(r[key] for r in runs)
