@@ -25,7 +25,9 @@ class ReaderConfig:
     seed: int = 0
     """Seed of every shuffle; epoch e uses (seed, e)."""
     num_workers: int = 0
-    """Worker processes per rank (0 = read in a background thread of the calling process)."""
+    """Worker processes per rank (0 = read in a background thread of the calling process).
+    Workers are forked anew each epoch and every page they write is a fresh page fault, so
+    they pay off only with cores to spare: on 2 cores the thread reads faster (BENCHMARKS.md)."""
     prefetch: int = 2
     """Batches read ahead per worker (bounds memory)."""
     drop_last: bool = False
