@@ -2,9 +2,9 @@
 
 Routes (OpenAPI at /docs and /openapi.json):
 
-    POST /v1/lookup        {"feature", "ids", "pooling"} -> {"embeddings", "found", "version"}
-    POST /v1/lookup/batch  {"lookups": [...]}            -> {"results": [...], "version"}
-    GET  /v1/tables        served tables, their dims, features and rows, and the version
+    POST /v1/lookup        {"feature", "ids", "pooling", "arm"} -> {"embeddings", "found", "version"}
+    POST /v1/lookup/batch  {"lookups": [...]}                    -> {"results": [...], "version"}
+    GET  /v1/tables        served tables, their dims, features, rows and arm, and the version
     GET  /healthz          the process is up
     GET  /readyz           the backend answers and a version is loaded (503 otherwise)
     GET  /metrics          Prometheus text format
@@ -12,12 +12,15 @@ Routes (OpenAPI at /docs and /openapi.json):
 ``Accept: application/octet-stream`` on the lookups returns float32 rows in the binary
 layout of ``embedding_server.wire``. Ids are raw ids, hashed exactly as training hashed
 them (``Catalog.keys``); an id never trained gets the vector ``recsys eval`` uses for an
-unseen key, with ``found: false``. Every response is read from one version (one snapshot
-per request); with ``--follow`` the live rows of a training job are overlaid on it and
-``version`` says so (``<version>+live@<step>``, ``embedding_server.overlay``). Errors: 4xx
-naming the request field (never 5xx for bad input), 401 without the bearer token when one
-is configured, 413 past the id or body limits, 503 when the backend cannot answer (the
-body says why; the service recovers by itself).
+unseen key, with ``found: false``. ``"arm": "wide"`` asks for the wide arm's weights of a
+``model.wide`` job instead of the embeddings: one dim-1 row per id (0 for an unseen id),
+pooled like the embeddings; a version without them answers 422 saying so. Every response
+is read from one version (one snapshot per request); with ``--follow`` the live rows of a
+training job are overlaid on it and ``version`` says so (``<version>+live@<step>``,
+``embedding_server.overlay``). Errors: 4xx naming the request field (never 5xx for bad
+input), 401 without the bearer token when one is configured, 413 past the id or body
+limits, 503 when the backend cannot answer (the body says why; the service recovers by
+itself).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 _F32_MAX = float(np.finfo(np.float32).max)
 
 Pooling = Literal["none", "sum", "mean"]
+Arm = Literal["embedding", "wide"]
 
 
 # --------------------------------------------------------------------------- request / response models
@@ -58,6 +62,8 @@ class LookupRequest(BaseModel):
     feature: StrictStr = Field(description="a served sparse feature (GET /v1/tables lists them)")
     ids: list[StrictInt | StrictStr] = Field(description="raw ids: ints for int64 features, strings for string ones")
     pooling: Pooling = Field("none", description="none: one vector per id; sum or mean: one vector for all ids")
+    arm: Arm = Field("embedding", description="embedding: the feature's embeddings; wide: the wide arm's scalar "
+                                              "weights of a model trained with model.wide = true (dim-1 rows)")
 
 
 class BatchRequest(BaseModel):
@@ -76,6 +82,8 @@ class LookupResponse(BaseModel):
 
 class BatchResult(BaseModel):
     feature: str
+    arm: Literal["wide"] | None = Field(None, description="'wide' on a lookup of the wide arm's weights; absent "
+                                                          "on embedding lookups")
     embeddings: list[list[float]]
     found: list[bool]
 
@@ -90,6 +98,8 @@ class TableInfoOut(BaseModel):
     dim: int
     features: list[str]
     rows: int
+    arm: Arm = Field(description="embedding, or wide: the wide arm's weights of the features (lookups with "
+                                 "arm 'wide')")
 
 
 class TablesResponse(BaseModel):
@@ -265,16 +275,20 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
             except KeyError as exc:
                 raise _field_error(422, [*loc, "feature"], exc.args[0], "unknown_feature") from None
             try:
-                keys = cat.keys(feat, lk.ids)
+                table = cat.table(feat, lk.arm)
+            except LookupError as exc:
+                raise _field_error(422, [*loc, "arm"], exc.args[0], "arm_not_served") from None
+            try:
+                keys = cat.keys(feat, lk.ids, lk.arm)
             except IdError as exc:
                 raise _field_error(422, [*loc, "ids", exc.index], str(exc), "id_type") from None
             uniq, inverse = np.unique(keys, return_inverse=True)
-            prepared.append((feat, uniq, inverse))
-        fetched, live_step = await backend.rows(snap, [(feat.table, uniq) for feat, uniq, _ in prepared])
+            prepared.append((table, uniq, inverse))
+        fetched, live_step = await backend.rows(snap, [(table.name, uniq) for table, uniq, _ in prepared])
         out = []
-        for lk, (feat, uniq, inverse), (vec, found) in zip(lookups, prepared, fetched):
+        for lk, (table, uniq, inverse), (vec, found) in zip(lookups, prepared, fetched):
             if not found.all():
-                vec[~found] = cat.tables[feat.table].defaults(uniq[~found])
+                vec[~found] = table.defaults(uniq[~found])
             vec, found = vec[inverse], found[inverse]
             if lk.pooling != "none":
                 pooled = vec.sum(axis=0, keepdims=True, dtype=np.float32)
@@ -290,7 +304,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
     @app.post("/v1/lookup", response_model=LookupResponse, dependencies=guarded,
               responses={200: _BINARY, **_ERRORS}, openapi_extra=_json_body(LookupRequest))
     async def lookup(request: Request) -> Response:
-        """Return the embeddings of raw ids of one feature."""
+        """Return the embeddings of raw ids of one feature (with arm 'wide': the wide arm's weights)."""
         body = await _parse(request, LookupRequest)
         snap = await snapshot()
         ((vec, found),), version = await answer(snap, [body], batched=False)
@@ -302,13 +316,14 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
     @app.post("/v1/lookup/batch", response_model=BatchResponse, dependencies=guarded,
               responses={200: _BINARY, **_ERRORS}, openapi_extra=_json_body(BatchRequest))
     async def lookup_batch(request: Request) -> Response:
-        """Return the embeddings of several lookups, all from one version."""
+        """Return the embeddings (or wide weights) of several lookups, all from one version."""
         body = await _parse(request, BatchRequest)
         snap = await snapshot()
         results, version = await answer(snap, body.lookups, batched=True)
         if wants_binary(request):
             return Response(wire.encode(version, results), media_type=wire.MEDIA_TYPE)
-        payload = {"results": [{"feature": lk.feature, "embeddings": vec, "found": found}
+        payload = {"results": [{"feature": lk.feature, "arm": lk.arm, "embeddings": vec, "found": found}
+                               if lk.arm != "embedding" else {"feature": lk.feature, "embeddings": vec, "found": found}
                                for lk, (vec, found) in zip(body.lookups, results)], "version": version}
         return Response(orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY), media_type="application/json")
 
@@ -350,12 +365,12 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
 
     @app.get("/v1/tables", response_model=TablesResponse, dependencies=guarded, responses=_ERRORS)
     async def tables() -> dict:
-        """Return the served tables (dim, features reading them, rows) and the version."""
+        """Return the served tables (dim, features reading them, rows, arm) and the version."""
         snap = await snapshot()
         cat = snap.catalog
         return {"version": snap.version, "tables": [
-            {"name": t.name, "dim": t.dim, "rows": t.rows,
-             "features": [f.name for f in cat.features.values() if f.table == t.name]}
+            {"name": t.name, "dim": t.dim, "rows": t.rows, "arm": t.arm,
+             "features": [f.name for f in cat.features.values() if f.table == t.hashed_as]}
             for t in cat.tables.values()]}
 
     @app.get("/healthz")

@@ -7,6 +7,14 @@ the same table salt, folding and kind checks as the reader did, and gives a key 
 never trained the vector ``recsys eval`` reads for it: the store's initial vector (a pure
 function of seed, table and key; ``recsys.store.init``) when ``store.min_count == 1``,
 zeros when admission was on (an unadmitted key reads zeros in training and evaluation).
+
+A job trained with ``model.wide = true`` also has the wide arm's weights: one scalar per id
+in a dim-1 table ``<table>.wide`` per embedding table (``recsys.store.wide``). Those tables
+are served like any other (``TableInfo.wide_of`` names the embedding table whose ids they
+weigh); a lookup asks for them with ``arm = "wide"`` and the same feature and raw ids as
+for the embeddings. Their keys are the embedding table's keys (the trainer looks both up
+with one batch of keys, hashed with that table's salt), and an id never trained weighs 0
+(new weights start at 0, ``init_scale = 0``).
 """
 
 from __future__ import annotations
@@ -21,9 +29,12 @@ import numpy as np
 
 from recsys import hashing
 from recsys.store.init import init_vectors
+from recsys.store.wide import wide_store_config, wide_table
 
 MANIFEST_FORMAT = 1
 ID_KINDS = ("int64", "string")
+ARMS = ("embedding", "wide")
+"""What a lookup reads for a feature: its embeddings, or the wide arm's weights (``model.wide``)."""
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
@@ -55,10 +66,24 @@ class TableInfo:
     """``recsys.hashing.table_salt(name)`` when published; checked on load."""
     checksum: str = ""
     """Order-independent checksum of (key, row bytes) over the published rows."""
+    wide_of: str = ""
+    """A wide table (``model.wide``): the embedding table whose ids it weighs. Its keys are
+    that table's keys: hashed with that table's salt (``salt`` is that table's) and folded
+    alike. Empty for an embedding table."""
+
+    @property
+    def arm(self) -> str:
+        """``"wide"`` for a wide table, ``"embedding"`` otherwise."""
+        return "wide" if self.wide_of else "embedding"
+
+    @property
+    def hashed_as(self) -> str:
+        """The table name whose salt hashes this table's keys."""
+        return self.wide_of or self.name
 
     def defaults(self, keys: np.ndarray) -> np.ndarray:
         """Return the float32 [N, dim] vectors ``recsys eval`` reads for unseen ``keys``."""
-        if self.min_count == 1:
+        if self.min_count == 1 and self.init_bound > 0:  # bound 0 (the wide arm's weights): zeros
             return init_vectors(keys, self.dim, self.name, self.seed, self.init_bound)
         return np.zeros((keys.shape[0], self.dim), dtype=np.float32)
 
@@ -84,6 +109,8 @@ class Catalog:
     source: str = ""
     dense: dict = dataclasses.field(default_factory=dict)
     """The dense columns and how the job transformed them (``dense_settings``); {} if none."""
+    wide: bool = False
+    """The job trained the wide arm (``model.wide``): its weights are in the checkpoint."""
 
     # ------------------------------------------------------------------ building
 
@@ -91,46 +118,63 @@ class Catalog:
     def from_checkpoint(cls, path: str | Path, meta: dict, rows: dict[str, int],
                         tables: list[str] | None = None) -> "Catalog":
         """Return the catalog of checkpoint ``path`` (its ``meta``), with ``rows`` per table;
-        ``tables`` limits it to those tables (and the features that read them)."""
+        ``tables`` limits it to those tables (and the features that read them). With
+        ``model.wide`` the wide tables ``<table>.wide`` are tables of the checkpoint too."""
         from recsys import config as config_mod
 
         job = config_mod.from_dict(config_mod.JobConfig, tomllib.loads(meta["config"]), f"{path}/meta.json:config")
-        names = list(job.schema.tables) if tables is None else list(tables)
-        unknown = sorted(set(names) - set(job.schema.tables))
+        wide_of = {wide_table(n): n for n in job.schema.tables} if job.model.wide else {}
+        known = [*job.schema.tables, *wide_of]
+        names = known if tables is None else list(tables)
+        unknown = sorted(set(names) - set(known))
         if unknown:
-            raise ValueError(f"tables {unknown} are not in the checkpoint {path}; its tables: {sorted(job.schema.tables)}")
+            raise ValueError(f"tables {unknown} are not in the checkpoint {path}; its tables: {sorted(known)}")
+        wide_cfg = wide_store_config(job.store, job.model) if wide_of else None
         infos = {}
         for name in names:
-            spec = job.schema.tables[name]
-            infos[name] = TableInfo(name=name, dim=spec.dim, rows=int(rows.get(name, 0)), seed=job.store.seed,
-                                    init_bound=float(job.store.init_bound(spec.dim)), min_count=job.store.min_count,
-                                    num_rows=spec.num_rows, salt=hashing.table_salt(name))
+            base = wide_of.get(name, "")
+            if base:  # the wide arm's weights: dim 1, new weights at 0, keyed like the base table
+                spec, cfg, dim = job.schema.tables[base], wide_cfg, 1
+            else:
+                spec, cfg = job.schema.tables[name], job.store
+                dim = spec.dim
+            infos[name] = TableInfo(name=name, dim=dim, rows=int(rows.get(name, 0)), seed=cfg.seed,
+                                    init_bound=float(cfg.init_bound(dim)), min_count=cfg.min_count,
+                                    num_rows=spec.num_rows, salt=hashing.table_salt(base or name), wide_of=base)
+        served = {t.hashed_as for t in infos.values()}
         feats = {f.name: FeatureInfo(name=f.name, table=f.table, kind=f.kind, multi_hot=f.multi_hot, pooling=f.pooling)
-                 for f in job.schema.sparse if f.table in infos}
+                 for f in job.schema.sparse if f.table in served}
         dense = dense_settings(job.schema, meta.get("dense_stats"))
         if dense:  # a checkpoint without the statistics its transforms need is refused here, not per request
             dense_transform_of(dense, f"{path}/meta.json")
         return cls(tables=infos, features=feats, step=int(meta.get("step", 0)), source=str(Path(path).resolve()),
-                   dense=dense)
+                   dense=dense, wide=bool(job.model.wide))
 
     def with_tables(self, **changes: TableInfo) -> "Catalog":
         """Return a copy with some tables replaced (e.g. their row counts and checksums)."""
         return dataclasses.replace(self, tables={**self.tables, **changes})
 
     def to_manifest(self, **extra: Any) -> dict:
-        """Return the JSON-ready manifest of this catalog plus ``extra`` fields."""
-        return {
+        """Return the JSON-ready manifest of this catalog plus ``extra`` fields.
+
+        A job without the wide arm gets the manifest it got before the wide arm was served
+        (no ``wide`` and no ``wide_of`` fields), which servers of that time read too."""
+        out = {
             "format": MANIFEST_FORMAT,
             "step": self.step,
             "source_checkpoint": self.source,
             "hashing": {"function": "recsys.hashing (fmix64, per-table salt)",
                         "salts": {n: f"{t.salt:016x}" for n, t in self.tables.items()}},
-            "tables": {n: {k: v for k, v in dataclasses.asdict(t).items() if k not in ("name", "salt")}
+            "tables": {n: {k: v for k, v in dataclasses.asdict(t).items()
+                           if k not in ("name", "salt") and not (k == "wide_of" and not v)}
                        for n, t in self.tables.items()},
             "features": [dataclasses.asdict(f) for f in self.features.values()],
             "dense": self.dense,
             **extra,
         }
+        if self.wide:
+            out["wide"] = True
+        return out
 
     @classmethod
     def from_manifest(cls, manifest: dict, where: str) -> "Catalog":
@@ -140,14 +184,15 @@ class Catalog:
         salts = manifest["hashing"]["salts"]
         tables = {}
         for name, t in manifest["tables"].items():
-            salt = hashing.table_salt(name)
+            salt = hashing.table_salt(t.get("wide_of") or name)
             if int(salts[name], 16) != salt:
                 raise ValueError(f"{where}: table {name!r} was hashed with salt {salts[name]}, this server's "
                                  f"recsys.hashing gives {salt:016x}: refusing to serve keys it cannot reproduce")
             tables[name] = TableInfo(name=name, salt=salt, **t)
         feats = {f["name"]: FeatureInfo(**f) for f in manifest["features"]}
         return cls(tables=tables, features=feats, step=int(manifest.get("step", 0)),
-                   source=manifest.get("source_checkpoint", ""), dense=manifest.get("dense") or {})
+                   source=manifest.get("source_checkpoint", ""), dense=manifest.get("dense") or {},
+                   wide=bool(manifest.get("wide", False)))
 
     # ------------------------------------------------------------------ serving
 
@@ -165,13 +210,33 @@ class Catalog:
         except KeyError:
             raise KeyError(f"unknown feature {name!r}; served features: {sorted(self.features)}") from None
 
-    def keys(self, feature: FeatureInfo, ids: list) -> np.ndarray:
-        """Return the int64 keys of raw ``ids`` of ``feature``, hashed as the reader hashes them.
+    def table(self, feature: FeatureInfo, arm: str = "embedding") -> TableInfo:
+        """Return the table ``feature`` reads for ``arm`` ("embedding": its embeddings; "wide":
+        the wide arm's weights, ``<table>.wide``). ``LookupError`` (the message names what
+        was asked and what the version serves) when the version does not hold it."""
+        if arm not in ARMS:
+            raise LookupError(f"unknown arm {arm!r}; expected one of {list(ARMS)}")
+        name = feature.table if arm == "embedding" else wide_table(feature.table)
+        table = self.tables.get(name)
+        if table is not None and table.hashed_as == feature.table:
+            return table
+        if arm == "wide" and not self.wide:
+            raise LookupError(f"arm 'wide' of feature {feature.name!r}: the served version's model has no wide "
+                              "arm (trained with model.wide = false), so it has no wide weights; it serves the "
+                              f"embeddings (arm 'embedding') of features {sorted(self.features)}")
+        what = "wide weights" if arm == "wide" else "embeddings"
+        raise LookupError(f"arm {arm!r} of feature {feature.name!r}: its {what} (table {name!r}) are not in the "
+                          f"served version; its tables: {sorted(self.tables)}")
+
+    def keys(self, feature: FeatureInfo, ids: list, arm: str = "embedding") -> np.ndarray:
+        """Return the int64 keys of raw ``ids`` of ``feature``, hashed as the reader hashes them
+        (the wide arm's weights have the embeddings' keys).
 
         ``IdError`` names the first id of the wrong type (ints for int64 features, strings
-        for string features; bools are not ints) or out of the int64 range.
+        for string features; bools are not ints) or out of the int64 range; ``LookupError``
+        a table the version does not hold (``table``).
         """
-        table = self.tables[feature.table]
+        table = self.table(feature, arm)
         if feature.kind == "int64":
             values = None
             if all(type(v) is int for v in ids):  # the common case: one pass, one conversion
@@ -185,7 +250,7 @@ class Catalog:
                         raise IdError(i, f"feature {feature.name!r} takes int64 ids, found {type(v).__name__} {v!r:.40}")
                     if not INT64_MIN <= v <= INT64_MAX:
                         raise IdError(i, f"feature {feature.name!r} takes int64 ids, {v} is out of range")
-            keys = hashing.hash_int64(values, table.name)
+            keys = hashing.hash_int64(values, table.hashed_as)
         else:
             encoded = []
             for i, v in enumerate(ids):
@@ -195,7 +260,7 @@ class Catalog:
                     encoded.append(v.encode("utf-8"))
                 except UnicodeEncodeError:
                     raise IdError(i, f"feature {feature.name!r}: id is not valid Unicode (a lone surrogate)") from None
-            keys = hashing.hash_string_list(encoded, table.name)
+            keys = hashing.hash_string_list(encoded, table.hashed_as)
         if table.num_rows is not None:
             keys = hashing.fold(keys, table.num_rows)
         return keys

@@ -80,6 +80,34 @@ def eval_pooled(checkpoint: Path, path: Path) -> tuple[list[str], np.ndarray, pa
     return job.schema.feature_names, np.concatenate(parts), pq.read_table(path)
 
 
+def eval_wide(checkpoint: Path, path: Path) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """Return, as ``recsys eval`` computes them for the rows of ``path`` (a ``model.wide`` job):
+    (feature names, the wide arm's pooled weights [B, F], their sum [B] as the model's forward
+    adds it, and the model's logit minus its logit with the wide weights set to 0 [B])."""
+    import torch
+
+    from recsys.eval.run import load_trained
+    from recsys.io.reader import ParquetReader
+
+    job, store, model, _path, _meta = load_trained(checkpoint)
+    assert job.model.wide, f"{checkpoint} was not trained with model.wide = true"
+    F = len(job.schema.sparse)
+    cfg = dataclasses.replace(job.data.eval, paths=[str(path)], shuffle=False, batch_size=4096, passthrough=[])
+    weights, sums, terms = [], [], []
+    try:
+        with ParquetReader(cfg, job.schema) as reader, torch.no_grad():
+            for batch in reader:
+                lookup = store.lookup(batch.sparse, None, train=False)
+                pooled, wide = lookup.pooled(F), lookup.wide_pooled(F)
+                weights.append(wide[:, :, 0].numpy())
+                sums.append(wide.sum(dim=(1, 2)).numpy())
+                terms.append((model(batch.dense, pooled, wide) - model(batch.dense, pooled, torch.zeros_like(wide)))
+                             .numpy())
+    finally:
+        store.close()
+    return job.schema.feature_names, np.concatenate(weights), np.concatenate(sums), np.concatenate(terms)
+
+
 class LiveServer:
     """A uvicorn server for ``app`` on a free loopback port, in a thread."""
 

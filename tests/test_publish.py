@@ -9,6 +9,8 @@
 - A Redis outage loses no step and no row: training goes on, the failed snapshots' keys are
   published once Redis is back. A paused Redis never makes a training step wait.
 - A namespace holding another run's rows is refused in one line, or taken over.
+- With ``model.wide`` the wide arm's weights are pushed too, at every step, and served for
+  ``"arm": "wide"`` by ``recsys serve --follow``.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from embedding_server import live
 from recsys.bench.faults import final_rows, records
 from test_train import build, overrides
 
-DIM = 16  # the tiny job's tables
+DIM = 16  # the tiny job's tables (their wide tables, <table>.wide: 1)
 
 
 def _publish(redis_url: str, *extra: str) -> list[str]:
@@ -42,7 +44,7 @@ def _live_rows(url: str, rows: dict[str, dict[int, bytes]], ns: str = "live") ->
     try:
         for table, kv in rows.items():
             keys = np.fromiter(kv.keys(), dtype=np.int64, count=len(kv))
-            found, steps, got = w.read(table, keys, DIM, "float32")
+            found, steps, got = w.read(table, keys, 1 if table.endswith(".wide") else DIM, "float32")
             want = np.stack([np.frombuffer(kv[k], dtype=np.float32) for k in kv])
             out[table] = (found, steps, got, want)
     finally:
@@ -96,6 +98,96 @@ def test_every_live_row_is_the_trainers_row_at_the_step_it_names(tiny_data, tmp_
     _assert_live_equals_final(redis_server.url, run_dir, 12)
     event = [r for r in records(run_dir) if r.get("event") == "publish"]
     assert event and event[0]["pushes"] == 12 and event[0]["errors"] == 0 and event[0]["ranks_unfinished"] == 0
+
+
+def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_data, tmp_path, redis_server,
+                                                                         monkeypatch):
+    """model.wide: each rank's second publisher pushes the wide weights (<table>.wide, dim 1)
+    after every step (every_s tiny); every pushed weight is the trainer's at the step it
+    names (a checkpoint per step), the weights move from push to push, the namespace ends
+    with the final checkpoint's weights, and `recsys serve --follow` serves them for
+    ``"arm": "wide"`` over a published version, named ``+live@<final step>``."""
+    import httpx
+    import pyarrow.parquet as pq
+
+    from embedding_server import publish
+    from embedding_server.app import create_app
+    from embedding_server.settings import ServeSettings
+    from recsys import hashing
+    from recsys.train import checkpoint as ckpt
+    from serving_data import LiveServer
+
+    written: list[tuple[int, list]] = []
+    real_write = live.LiveWriter.write
+
+    def recording(self, parts, step, dtype):
+        written.append((step, [(t, k.copy(), r.copy()) for t, k, r in parts]))
+        return real_write(self, parts, step, dtype)
+
+    monkeypatch.setattr(live.LiveWriter, "write", recording)
+    run_dir = tmp_path / "run"
+    result = _train(tiny_data, run_dir, "model.wide=true", "data.train.batch_size=512", "train.log_every=4",
+                    "train.checkpoint_every_steps=1", "train.keep_last=100",
+                    *_publish(redis_server.url, "publish.every_s=1e-9"))
+    assert result["step"] == 12
+    wide = [(s, parts) for s, parts in written if all(t.endswith(".wide") for t, _, _ in parts)]
+    deep = [(s, parts) for s, parts in written if not any(t.endswith(".wide") for t, _, _ in parts)]
+    assert len(wide) + len(deep) == len(written)  # a push is of one store: embeddings or wide weights
+    assert [s for s, _ in wide] == list(range(1, 13)) and sorted(s for s, _ in deep) == list(range(1, 13))
+    seen: dict[tuple[str, int], set] = {}
+    for step, parts in wide:
+        assert len(parts) == 28
+        path = ckpt.resolve(run_dir / "checkpoints" / f"step-{step:08d}")
+        for table, state in ckpt.load_sparse(path, [t for t, _, _ in parts]).items():
+            keys, rows = next((k, r) for t, k, r in parts if t == table)
+            assert rows.shape == (keys.shape[0], 1)
+            at = dict(zip(state.column("key").to_pylist(), state.column("embedding").to_numpy(zero_copy_only=False)))
+            want = np.stack([np.asarray(at[k], dtype=np.float32) for k in keys.tolist()])
+            np.testing.assert_array_equal(rows, want, err_msg=f"step {step} table {table}")
+            for k, v in zip(keys.tolist(), rows[:, 0].tolist()):
+                seen.setdefault((table, k), set()).add(v)
+    assert sum(len(v) >= 5 for v in seen.values()) > 20  # frequent ids' weights moved push after push
+    final = final_rows(run_dir)
+    assert len([t for t in final if t.endswith(".wide")]) == 28
+    _assert_live_equals_final(redis_server.url, run_dir, 12)  # every table, the wide ones too
+    w = live.LiveWriter(redis_server.url, "live")
+    try:
+        manifest = w.read_manifest()
+        assert manifest["tables"]["c3.wide"] == {"dim": 1} and manifest["tables"]["c3"] == {"dim": DIM}
+        assert manifest["salts"]["c3.wide"] == manifest["salts"]["c3"]  # keyed like the embeddings
+        assert {r: h["step"] for r, h in w.read_head().items()} == {"0": 12, "0.wide": 12}
+    finally:
+        w.close()
+    event = next(r for r in records(run_dir) if r.get("event") == "publish")
+    assert event["pushes"] == 24 and event["errors"] == 0 and event["ranks_unfinished"] == 0
+    # the interval records count both publishers' pushes, the step both have pushed through
+    logged = [r for r in records(run_dir) if "publish/last_step" in r]
+    assert logged and all(r["publish/pushes"] <= 2 * r["step"] and r["publish/last_step"] <= r["step"]
+                          for r in logged), logged
+    # the wide writer is one of the attempt's fence group: neither writer's steps send the
+    # other's rows down the guarded path. Only a writer joining the registry (once each)
+    # can abort the other's transaction in flight, sending that one push's rows guarded.
+    largest = sorted(sum(k.shape[0] for _, k, _ in parts) for _, parts in written)[-2:]
+    assert event["fence_conflicts"] <= 2 and event["rows_guarded"] <= sum(largest), event
+    assert event["rows_plain"] + event["rows_guarded"] == event["rows"] == sum(
+        k.shape[0] for _, parts in written for _, k, _ in parts)
+
+    # the service: a version published from step 1, the live weights of step 12 over it
+    version = publish.export(run_dir / "checkpoints" / "step-00000001", redis_server.url, progress=False)["version"]
+    raw = pq.read_table(sorted((tiny_data / "train").glob("*.parquet"))[0], columns=["c1"]).column("c1")
+    ids = list(dict.fromkeys(raw.to_pylist()))[:50]
+    keys = hashing.hash_int64(np.array(ids, dtype=np.int64), "c1").tolist()
+    want = np.array([np.frombuffer(final["c1.wide"][k], dtype=np.float32)[0] for k in keys], dtype=np.float32)
+    with LiveServer(create_app(ServeSettings(redis=redis_server.url, follow="live", live_ttl_s=0))) as server:
+        def served():
+            r = httpx.post(server.url + "/v1/lookup", json={"feature": "c1", "ids": ids, "arm": "wide"}, timeout=30)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        wait_until(lambda: "+live@" in served()["version"], 30, "the service to overlay the live namespace")
+        reply = served()
+    assert reply["version"] == f"{version}+live@12" and all(reply["found"])
+    np.testing.assert_array_equal(np.array(reply["embeddings"], dtype=np.float32)[:, 0], want)
 
 
 @pytest.mark.multiproc

@@ -18,6 +18,7 @@ eval`` drive both with the same calls (a lookup, a push, a checkpoint).
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from recsys.schema import FeatureSpec, Schema, TableSpec
 
@@ -68,10 +69,13 @@ class PairLookup:
 class WideStore:
     """The embedding store and the wide-weight store driven together (see module doc).
 
-    Everything else (publishing, peeks, counters' callers) goes to the embedding store."""
+    Everything else (peeks, counters' callers) goes to the embedding store. Live pushes
+    (``attach_publisher``) go from both: one publisher per store, on its own op sequence."""
 
     def __init__(self, deep, wide) -> None:
         self.deep, self.wide = deep, wide
+        self.publisher = None
+        """Both stores' live publishers as one (``attach_publisher``), or None."""
 
     def __getattr__(self, name):
         return getattr(self.deep, name)
@@ -99,6 +103,19 @@ class WideStore:
             self.deep.close()
         finally:
             self.wide.close()
+
+    def attach_publisher(self, make: Callable, make_wide: Callable, combine: Callable) -> None:
+        """Attach live publishers: ``make(read_rows)`` to the embedding store,
+        ``make_wide(read_rows)`` to the wide store (``ShardedEmbeddingStore.attach_publisher``);
+        ``publisher`` becomes ``combine([embeddings' publisher, wide's])``."""
+        self.deep.attach_publisher(make)
+        self.wide.attach_publisher(make_wide)
+        self.publisher = combine([self.deep.publisher, self.wide.publisher])
+
+    def finish_publisher(self, step: int) -> bool:
+        """Write both publishers' last snapshots (each on its store's op sequence)."""
+        deep = self.deep.finish_publisher(step)
+        return self.wide.finish_publisher(step) and deep
 
     def counters(self) -> dict[str, dict[str, int]]:
         return {**self.deep.counters(), **self.wide.counters()}

@@ -228,17 +228,24 @@ class Trainer:
 
     def _start_publishing(self) -> None:
         """Live pushes (``[publish]``; ``recsys.train.publish``): rank 0 claims the live
-        namespace, then every rank publishes the rows its shard owns."""
+        namespace, then every rank publishes the rows its shard owns (with ``model.wide``, of
+        both stores: the embeddings and the wide arm's weights)."""
         from recsys.store.config import run_namespace
-        from recsys.train.publish import LivePublisher, claim, live_manifest
+        from recsys.train.publish import LivePublisher, PublisherGroup, claim, live_manifest
 
         from recsys.train.distributed import attempt_token
 
         cfg = self.job.publish
+        wide = self.job.model.wide
         if self.env.is_main:
-            claim(cfg, live_manifest(cfg, run_namespace(self.run_dir, self.job.name), self.job.schema))
+            claim(cfg, live_manifest(cfg, run_namespace(self.run_dir, self.job.name), self.job.schema, wide))
         rank, group = self.env.rank, attempt_token(self.env.world_size)
-        self.store.attach_publisher(lambda read_rows: LivePublisher(cfg, rank, read_rows, group=group))
+        make = lambda read_rows: LivePublisher(cfg, rank, read_rows, group=group)  # noqa: E731
+        if wide:  # the wide arm's weights from its own store: a second writer of this attempt's group
+            self.store.attach_publisher(make, lambda read_rows: LivePublisher(
+                cfg, rank, read_rows, group=group, member=f"{rank}.wide"), PublisherGroup)
+        else:
+            self.store.attach_publisher(make)
 
     def _finish_publishing(self) -> None:
         """Write the last live rows (every rank), then log what the pushes did over all ranks."""

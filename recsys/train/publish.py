@@ -23,6 +23,10 @@ hold (model-parallel by owner: no row is published twice, none is missed):
   never waits for any of this.
 - **The end**: the last snapshot (every key touched since the previous one) is written
   before training returns, within ``final_timeout_s``.
+- **The wide arm** (``model.wide``): its weights live in a store of their own, with its own
+  op sequence, so each rank has a second publisher for the ``<table>.wide`` tables, a
+  writer ``<rank>.wide`` of the same fence group (its keys are disjoint from the
+  embeddings': other tables). ``PublisherGroup`` shows the two as one to the trainer.
 
 A training step never waits on Redis: the only work on the training path is the touched-set
 bookkeeping per push and one gather of the touched rows per ``every_s``.
@@ -125,12 +129,16 @@ class LivePublisher:
     """
 
     def __init__(self, cfg: PublishConfig, rank: int, read_rows: Callable, writer=None,
-                 clock: Callable[[], float] = time.monotonic, group: str | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, group: str | None = None,
+                 member: str | None = None) -> None:
+        """``member``: the writer's name in its fence group and its field of the head hash
+        (default: the rank; ``<rank>.wide`` for the wide arm's publisher)."""
         from embedding_server.live import LiveWriter
 
         self.cfg, self.rank, self.read_rows, self.clock = cfg, rank, read_rows, clock
+        self.member = member if member is not None else str(rank)
         self.writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s,
-                                           group=group, member=str(rank))
+                                           group=group, member=self.member)
         self._touched: dict[str, list[np.ndarray]] = {}
         self._returned: list[tuple[str, np.ndarray]] = []  # keys of failed snapshots (push thread -> store)
         self._returned_lock = threading.Lock()
@@ -142,7 +150,7 @@ class LivePublisher:
         self.last_pushed_step = -1
         self._failing = 0  # snapshots failed in a row (the push thread's)
         self._closing = False
-        self._thread = threading.Thread(target=self._run, name=f"live-push-{rank}", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"live-push-{self.member}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ store side
@@ -267,7 +275,7 @@ class LivePublisher:
                 return
             try:
                 replaced = self.writer.write(snap.parts, snap.step, self.cfg.dtype)
-                self.writer.write_head(self.rank, snap.step, snap.rows)
+                self.writer.write_head(self.member, snap.step, snap.rows)
             except Exception as exc:  # noqa: BLE001 - Redis errors of any kind: retried, then counted
                 self.writer.reset()
                 if self._closing:
@@ -307,13 +315,51 @@ class LivePublisher:
         return out
 
 
-def live_manifest(cfg: PublishConfig, run: str, schema) -> dict:
-    """Return the live namespace's manifest for a job of ``schema`` in the run ``run``."""
+class PublisherGroup:
+    """One rank's publishers of several stores (the embeddings' and the wide arm's), seen as
+    one by the trainer: summed counters, and the step through which every one has pushed."""
+
+    def __init__(self, publishers: list[LivePublisher]) -> None:
+        self.publishers = list(publishers)
+
+    @property
+    def last_pushed_step(self) -> int:
+        return min(p.last_pushed_step for p in self.publishers)
+
+    def totals(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self.publishers:
+            for k, v in p.totals().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for p in self.publishers:
+            for k, v in p.metrics().items():
+                out[k] = out.get(k, 0) + v
+        out["publish/last_step"] = self.last_pushed_step
+        return out
+
+    def close(self) -> None:
+        for p in self.publishers:
+            p.close()
+
+
+def live_manifest(cfg: PublishConfig, run: str, schema, wide: bool = False) -> dict:
+    """Return the live namespace's manifest for a job of ``schema`` in the run ``run``; with
+    ``wide`` (``model.wide``) the wide arm's dim-1 tables too, whose keys are hashed with
+    their embedding table's salt (the trainer looks both up with the same keys)."""
     from embedding_server import live
     from recsys import hashing
+    from recsys.store.wide import wide_table
 
-    return live.manifest(run, cfg.dtype, cfg.buckets, {n: t.dim for n, t in schema.tables.items()},
-                         {n: f"{hashing.table_salt(n):016x}" for n in schema.tables})
+    dims = {n: t.dim for n, t in schema.tables.items()}
+    salts = {n: f"{hashing.table_salt(n):016x}" for n in schema.tables}
+    if wide:
+        dims.update({wide_table(n): 1 for n in schema.tables})
+        salts.update({wide_table(n): salts[n] for n in schema.tables})
+    return live.manifest(run, cfg.dtype, cfg.buckets, dims, salts)
 
 
 def claim(cfg: PublishConfig, manifest: dict, writer=None) -> bool:
