@@ -179,3 +179,35 @@ def test_wide_first_order_of_embedded_dense_columns_by_hand():
     pooled, wide = torch.randn(3, 1, 3), torch.randn(3, 1, 1)
     logit, first = model._deep(values, pooled)
     torch.testing.assert_close(model(values, pooled, wide), logit + first + wide.sum(dim=(1, 2)))
+
+
+def test_wide_term_of_an_id_score_list_is_the_scores_times_the_weights():
+    """A weighted feature's wide term is Σ score × weight (as its embedding is Σ score × row),
+    and its weights' gradient is scaled by the scores: one SGD step, then a lookup."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recsys.schema import FeatureSpec, Schema, TableSpec
+    from recsys.store.config import StoreConfig
+    from recsys.store.sharded import ShardedEmbeddingStore
+    from recsys.store.wide import wide_schema, wide_store_config
+
+    schema = Schema(tables={"tag": TableSpec(dim=4)},
+                    sparse=[FeatureSpec(name="tags", table="tag", multi_hot=True, weighted=True)])
+    store = ShardedEmbeddingStore(wide_schema(schema), wide_store_config(StoreConfig(optimizer="sgd", lr=0.5)))
+    scores = [0.5, 2.0, 3.0, 1.5]
+    kjt = KeyedJaggedTensor(keys=["tags"], values=torch.tensor([1, 2, 3, 1], dtype=torch.int64),
+                            lengths=torch.tensor([2, 2], dtype=torch.int32),
+                            weights=torch.tensor(scores, dtype=torch.float32))
+    try:
+        lookup = store.lookup(kjt, 0)
+        pooled = lookup.pooled(1)
+        assert torch.equal(pooled.detach(), torch.zeros(2, 1, 1))  # new weights start at 0
+        pooled.sum().backward()  # d(sum)/d(weight of id k) = Σ of k's scores over the rows
+        store.push(lookup)
+        store.flush()
+        w = {k: store.peek_rows("tag.wide", np.array([k], dtype=np.int64))[0, 0] for k in (1, 2, 3)}
+        np.testing.assert_allclose([w[1], w[2], w[3]], [-0.5 * (0.5 + 1.5), -0.5 * 2.0, -0.5 * 3.0], rtol=1e-6)
+        again = store.lookup(kjt, 1).pooled(1).detach()[:, 0, 0].numpy()
+        np.testing.assert_allclose(again, [0.5 * w[1] + 2.0 * w[2], 3.0 * w[3] + 1.5 * w[1]], rtol=1e-6)
+    finally:
+        store.close()

@@ -31,11 +31,14 @@ def wide_table(table: str) -> str:
 
 
 def wide_schema(schema: Schema) -> Schema:
-    """Return the schema of the wide tables: every sparse feature reading a dim-1 table."""
+    """Return the schema of the wide tables: every sparse feature reading a dim-1 table. An
+    id-score list (``weighted``) stays one: its wide term is Σ score × weight, as its
+    embedding is Σ score × row (logistic regression's term for a valued feature)."""
     tables = {wide_table(name): TableSpec(dim=1, capacity=spec.capacity, num_rows=spec.num_rows)
               for name, spec in schema.tables.items()}
     sparse = [FeatureSpec(name=f.name, column=f.column, kind=f.kind, multi_hot=f.multi_hot,
-                          table=wide_table(f.table), pooling=f.pooling) for f in schema.sparse]
+                          table=wide_table(f.table), pooling=f.pooling, weighted=f.weighted,
+                          weight_column=f.weight_column) for f in schema.sparse]
     return Schema(label=schema.label, sparse=sparse, tables=tables)
 
 
