@@ -26,13 +26,13 @@ def free_port() -> int:
 def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str) -> None:
     """One rank: run ``fn``, write its outcome, then leave without interpreter teardown.
 
-    Once the outcome is on disk the rank's work is done. Python's finalization could
-    still kill it: a native thread (gloo's, torch's) that wants the GIL after
-    finalization began is ended by ``pthread_exit``, which aborts a C++ thread
-    ("terminate called without an active exception", SIGABRT): seen once in CI, a
-    ``recsys eval --nproc 2`` rank died that way right after its error was found. So the
-    rank exits with ``os._exit`` instead. A fatal signal before that point prints every
-    thread's Python stack (faulthandler).
+    Once the outcome is on disk the rank's work is done, and Python's finalization must not
+    undo it: a native thread (gloo's, torch's) that wants the GIL after finalization began
+    is ended by ``pthread_exit``, which aborts a C++ thread ("terminate called without an
+    active exception", SIGABRT). A ``recsys eval --nproc 2`` rank died with that message
+    once in CI, most likely that way (38 runs here did not repeat it). So the rank exits
+    with ``os._exit``. A fatal signal before that point prints every thread's Python stack
+    (faulthandler), so a crash while working names where it happened.
     """
     import faulthandler
 
