@@ -279,7 +279,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
             except LookupError as exc:
                 raise _field_error(422, [*loc, "arm"], exc.args[0], "arm_not_served") from None
             try:
-                keys = cat.keys(feat, lk.ids, lk.arm)
+                keys = cat.keys(feat, lk.ids, table)
             except IdError as exc:
                 raise _field_error(422, [*loc, "ids", exc.index], str(exc), "id_type") from None
             uniq, inverse = np.unique(keys, return_inverse=True)

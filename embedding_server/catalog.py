@@ -228,15 +228,17 @@ class Catalog:
         raise LookupError(f"arm {arm!r} of feature {feature.name!r}: its {what} (table {name!r}) are not in the "
                           f"served version; its tables: {sorted(self.tables)}")
 
-    def keys(self, feature: FeatureInfo, ids: list, arm: str = "embedding") -> np.ndarray:
-        """Return the int64 keys of raw ``ids`` of ``feature``, hashed as the reader hashes them
-        (the wide arm's weights have the embeddings' keys).
+    def keys(self, feature: FeatureInfo, ids: list, table: TableInfo | None = None) -> np.ndarray:
+        """Return the int64 keys of raw ``ids`` of ``feature`` in ``table`` (default: its
+        embedding table; the wide arm's table, ``table(feature, "wide")``, has the same keys),
+        hashed as the reader hashes them.
 
         ``IdError`` names the first id of the wrong type (ints for int64 features, strings
         for string features; bools are not ints) or out of the int64 range; ``LookupError``
         a table the version does not hold (``table``).
         """
-        table = self.table(feature, arm)
+        if table is None:
+            table = self.table(feature)
         if feature.kind == "int64":
             values = None
             if all(type(v) is int for v in ids):  # the common case: one pass, one conversion

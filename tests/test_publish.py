@@ -67,13 +67,8 @@ def _train(data: Path, run_dir: Path, *extra: str) -> dict:
         trainer.close()
 
 
-# --------------------------------------------------------------------------- whole runs
-
-
-def test_every_live_row_is_the_trainers_row_at_the_step_it_names(tiny_data, tmp_path, redis_server, monkeypatch):
-    """A checkpoint at every step; every snapshot's rows equal that step's checkpoint rows."""
-    from recsys.train import checkpoint as ckpt
-
+def _record_writes(monkeypatch) -> list[tuple[int, list]]:
+    """Return the list every live write appends to: (step, [(table, keys, rows)]), copied."""
     written: list[tuple[int, list]] = []
     real_write = live.LiveWriter.write
 
@@ -82,6 +77,27 @@ def test_every_live_row_is_the_trainers_row_at_the_step_it_names(tiny_data, tmp_
         return real_write(self, parts, step, dtype)
 
     monkeypatch.setattr(live.LiveWriter, "write", recording)
+    return written
+
+
+def _assert_push_is_the_checkpoint(run_dir: Path, step: int, parts: list) -> None:
+    """Every pushed row of ``parts`` equals its key's row in the checkpoint of ``step``."""
+    from recsys.train import checkpoint as ckpt
+
+    path = ckpt.resolve(run_dir / "checkpoints" / f"step-{step:08d}")
+    for table, state in ckpt.load_sparse(path, [t for t, _, _ in parts]).items():
+        keys, rows = next((k, r) for t, k, r in parts if t == table)
+        at = dict(zip(state.column("key").to_pylist(), state.column("embedding").to_numpy(zero_copy_only=False)))
+        want = np.stack([np.asarray(at[k], dtype=np.float32) for k in keys.tolist()])
+        np.testing.assert_array_equal(rows, want, err_msg=f"step {step} table {table}")
+
+
+# --------------------------------------------------------------------------- whole runs
+
+
+def test_every_live_row_is_the_trainers_row_at_the_step_it_names(tiny_data, tmp_path, redis_server, monkeypatch):
+    """A checkpoint at every step; every snapshot's rows equal that step's checkpoint rows."""
+    written = _record_writes(monkeypatch)
     run_dir = tmp_path / "run"
     result = _train(tiny_data, run_dir, "data.train.batch_size=512", "train.checkpoint_every_steps=1",
                     "train.keep_last=100", *_publish(redis_server.url, "publish.every_s=1e-9"))
@@ -89,12 +105,7 @@ def test_every_live_row_is_the_trainers_row_at_the_step_it_names(tiny_data, tmp_
     # every_s tiny: one snapshot per push, each of exactly the keys that push updated
     assert [s for s, _ in written] == list(range(1, 13)), [s for s, _ in written]
     for step, parts in written:
-        path = ckpt.resolve(run_dir / "checkpoints" / f"step-{step:08d}")
-        for table, state in ckpt.load_sparse(path, [t for t, _, _ in parts]).items():
-            keys, rows = next((k, r) for t, k, r in parts if t == table)
-            at = dict(zip(state.column("key").to_pylist(), state.column("embedding").to_numpy(zero_copy_only=False)))
-            want = np.stack([np.asarray(at[k], dtype=np.float32) for k in keys.tolist()])
-            np.testing.assert_array_equal(rows, want, err_msg=f"step {step} table {table}")
+        _assert_push_is_the_checkpoint(run_dir, step, parts)
     _assert_live_equals_final(redis_server.url, run_dir, 12)
     event = [r for r in records(run_dir) if r.get("event") == "publish"]
     assert event and event[0]["pushes"] == 12 and event[0]["errors"] == 0 and event[0]["ranks_unfinished"] == 0
@@ -114,17 +125,9 @@ def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_d
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
     from recsys import hashing
-    from recsys.train import checkpoint as ckpt
     from serving_data import LiveServer
 
-    written: list[tuple[int, list]] = []
-    real_write = live.LiveWriter.write
-
-    def recording(self, parts, step, dtype):
-        written.append((step, [(t, k.copy(), r.copy()) for t, k, r in parts]))
-        return real_write(self, parts, step, dtype)
-
-    monkeypatch.setattr(live.LiveWriter, "write", recording)
+    written = _record_writes(monkeypatch)
     run_dir = tmp_path / "run"
     result = _train(tiny_data, run_dir, "model.wide=true", "data.train.batch_size=512", "train.log_every=4",
                     "train.checkpoint_every_steps=1", "train.keep_last=100",
@@ -137,13 +140,9 @@ def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_d
     seen: dict[tuple[str, int], set] = {}
     for step, parts in wide:
         assert len(parts) == 28
-        path = ckpt.resolve(run_dir / "checkpoints" / f"step-{step:08d}")
-        for table, state in ckpt.load_sparse(path, [t for t, _, _ in parts]).items():
-            keys, rows = next((k, r) for t, k, r in parts if t == table)
+        _assert_push_is_the_checkpoint(run_dir, step, parts)
+        for table, keys, rows in parts:
             assert rows.shape == (keys.shape[0], 1)
-            at = dict(zip(state.column("key").to_pylist(), state.column("embedding").to_numpy(zero_copy_only=False)))
-            want = np.stack([np.asarray(at[k], dtype=np.float32) for k in keys.tolist()])
-            np.testing.assert_array_equal(rows, want, err_msg=f"step {step} table {table}")
             for k, v in zip(keys.tolist(), rows[:, 0].tolist()):
                 seen.setdefault((table, k), set()).add(v)
     assert sum(len(v) >= 5 for v in seen.values()) > 20  # frequent ids' weights moved push after push

@@ -327,23 +327,22 @@ class PublisherGroup:
         return min(p.last_pushed_step for p in self.publishers)
 
     def totals(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for p in self.publishers:
-            for k, v in p.totals().items():
-                out[k] = out.get(k, 0) + v
-        return out
+        return _summed(p.totals() for p in self.publishers)
 
     def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for p in self.publishers:
-            for k, v in p.metrics().items():
-                out[k] = out.get(k, 0) + v
-        out["publish/last_step"] = self.last_pushed_step
-        return out
+        return {**_summed(p.metrics() for p in self.publishers), "publish/last_step": self.last_pushed_step}
 
     def close(self) -> None:
         for p in self.publishers:
             p.close()
+
+
+def _summed(dicts) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for d in dicts:
+        for k, v in d.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 def live_manifest(cfg: PublishConfig, run: str, schema, wide: bool = False) -> dict:
