@@ -299,6 +299,41 @@ def test_dense_optimizer_implementations(tiny_data, tmp_path):
         assert fused[step] == pytest.approx(default[step], rel=1e-4)
 
 
+def test_optimizer_threads_change_no_number(tiny_data, tmp_path):
+    """``train.optimizer_threads`` runs the dense optimizer's step on that many torch threads
+    and restores the count after; the step is elementwise, so the numbers are the same as with
+    the trainer's own count (here checked on tensors large enough for torch to split)."""
+    from recsys.train.config import TrainConfig
+    from recsys.train.loop import torch_threads
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(3)
+        start = [torch.randn(600, 500, generator=g), torch.randn(70_000, generator=g)]
+        grads = [[torch.randn(p.shape, generator=g) for p in start] for _ in range(5)]
+        out = {}
+        for n in (1, 2):
+            params = [torch.nn.Parameter(p.clone()) for p in start]
+            opt = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-4, foreach=True)
+            for step in grads:
+                for p, gr in zip(params, step):
+                    p.grad = gr.clone()
+                with torch_threads(n):
+                    assert torch.get_num_threads() == n
+                    opt.step()
+                assert torch.get_num_threads() == 2
+            out[n] = torch.cat([p.detach().flatten() for p in params])
+        assert torch.equal(out[1], out[2])
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="optimizer_threads"):
+        TrainConfig(optimizer_threads=-1)
+    run(tiny_data, tmp_path / "one", "train.max_steps=6", "train.threads=2")
+    run(tiny_data, tmp_path / "same", "train.max_steps=6", "train.threads=2", "train.optimizer_threads=0")
+    assert losses(tmp_path / "one") == losses(tmp_path / "same")
+
+
 def test_cli_train_two_processes_then_eval(tiny_data, tmp_path):
     run_dir = tmp_path / "cli"
     recsys = [sys.executable, "-m", "recsys.cli"]

@@ -19,7 +19,8 @@ size ``B``, 2 torch threads in one process:
     (same seed: the same batches in the same order as (a)), the hashed keys folded to
     their table's rows with one ``torch.remainder`` per batch, inside the timed loop:
     reading and hashing cost both sides alike, folding is the peer's own input step.
-    Same dense optimizer (Adam, the job's lr, the same warm-up schedule).
+    Same dense optimizer (Adam, the job's lr, the same warm-up schedule; torch's ``foreach``
+    implementation on every side, as the trainer runs it).
 (c) **the limit**: the same ``RankingModel``'s forward, backward and Adam step on a few
     pre-made in-memory batches: random dense ``[B, N]`` and pooled ``[B, F, D]`` given as
     inputs (no gradient wanted for them). No reading, no embedding work at all.
@@ -370,7 +371,7 @@ class Peer:
         order = self._pooled_order(model)
         if order != schema.feature_names:
             model.perm = torch.tensor([order.index(f) for f in schema.feature_names])
-        self.opt = torch.optim.Adam(dense_model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        self.opt = torch.optim.Adam(dense_model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, foreach=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, steps))
         self.pipeline = TrainPipelineSparseDist(self.dmp, self.opt, torch.device("cpu"))
         self.reader = ParquetReader(job.data.train, schema)
@@ -465,7 +466,9 @@ class Limit:
         (D,) = {t.dim for t in schema.tables.values()}
         torch.manual_seed(tc.seed)
         self.model = RankingModel(job.model, N, F, D)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay)
+        # the trainer's dense optimizer, as it runs it (foreach, ``train.optimizer_threads``)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, foreach=True)
+        self.optimizer_threads = tc.optimizer_threads
         g = torch.Generator().manual_seed(tc.seed)
         a = job.store.init_bound(D)
         self.batches = [
@@ -483,6 +486,8 @@ class Limit:
         """Train ``n`` more steps."""
         import torch
 
+        from recsys.train.loop import torch_threads
+
         t0 = time.perf_counter()
         for _ in range(n):
             dense, pooled, labels = self.batches[self.steps % len(self.batches)]
@@ -490,7 +495,8 @@ class Limit:
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
             self.opt.zero_grad(set_to_none=False)
             loss.backward()
-            self.opt.step()
+            with torch_threads(self.optimizer_threads):
+                self.opt.step()
             loss.item()
             self.steps += 1
         dt = time.perf_counter() - t0

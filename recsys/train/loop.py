@@ -23,6 +23,7 @@ one at every staleness (tests/test_train.py, tests/test_admission_resume.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -94,6 +95,20 @@ def _all_max(values: list[int], env: Env) -> list[int]:
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block with ``n`` torch intra-op threads (0: unchanged), then restore the count."""
+    before = torch.get_num_threads()
+    if not n or n == before:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _loss(logits: torch.Tensor, batch) -> torch.Tensor:
@@ -424,7 +439,8 @@ class Trainer:
                     if tc.clip_grad_norm:
                         torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_grad_norm)
                     lr = self.opt.param_groups[0]["lr"]  # the LR this step trains with
-                    self.opt.step()
+                    with torch_threads(tc.optimizer_threads):
+                        self.opt.step()
                     self.sched.step()
                     self.step += 1
                     if self.rows is not None:
