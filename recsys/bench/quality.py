@@ -366,6 +366,85 @@ def _synthetic(quick: bool, data: Path | None) -> tuple[Path, Path, list[str], d
     return ROOT / SYNTHETIC_JOB, root, overrides, oracle
 
 
+def specified_logistic(root: Path | None = None, Cs: tuple[float, ...] = (0.003, 0.01, 0.03)) -> dict:
+    """Logistic regression given the synthetic set's hidden model's own terms, an estimate of
+    what its training rows allow (not a competitor: no real model knows these terms).
+
+    Features: every id one-hot (null: its own column), a bag as the mean of its ids'
+    one-hots (empty: a flag), a one-hot per id pair of the generator's interacting pairs,
+    the dense columns as ``sign(x)·log1p(|x|)`` with null flags, and cos / sin of the
+    nonlinear column's; all standardized by the training split. Split as the synthetic
+    job's (13 training files, the 14th for validation, the eval split). L-BFGS, L2 ``C``
+    chosen by validation AUC; returns the validation AUC of each C and the chosen one's
+    eval AUC and log loss."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+    import scipy.sparse as sp
+    from sklearn.linear_model import LogisticRegression
+
+    from recsys import synth
+    from recsys.eval.metrics import evaluate_predictions
+
+    root = root or ROOT / "data" / "synthetic_small"
+    train = sorted((root / "train").glob("*.parquet"))
+    files = {"train": train[:-1], "validation": train[-1:], "eval": sorted((root / "eval").glob("*.parquet"))}
+    cats, bags, dense = synth.CATEGORICAL_COLUMNS, synth.MULTI_HOT_COLUMNS, synth.DENSE_COLUMNS
+    nonlinear = dense[synth._NONLINEAR_DENSE]
+    table = pa.concat_tables([pq.read_table(f, columns=["label", *dense, *cats, *bags])
+                              for split in ("train", "validation", "eval") for f in files[split]])
+    rows = {k: sum(pq.ParquetFile(f).metadata.num_rows for f in v) for k, v in files.items()}
+    n = table.num_rows
+    parts, width = [], 0  # (row, column, value) blocks
+
+    def block(r, c, v, columns):
+        nonlocal width
+        parts.append((r, width + c, np.asarray(v, dtype=np.float64)))
+        width += columns
+
+    def codes(values) -> np.ndarray:
+        return pc.dictionary_encode(pc.fill_null(pc.cast(values, pa.string()), "\0null")).indices.to_numpy(
+            zero_copy_only=False).astype(np.int64)
+
+    every = np.arange(n)
+    code = {c: codes(table.column(c).combine_chunks()) for c in cats}
+    for c in cats:
+        block(every, code[c], np.ones(n), int(code[c].max()) + 1)
+    for f, g, _ in synth._PAIRS:
+        _, pair = np.unique(code[f] * (code[g].max() + 1) + code[g], return_inverse=True)
+        block(every, pair, np.ones(n), int(pair.max()) + 1)
+    for b in bags:
+        lists = table.column(b).combine_chunks()
+        lengths = pc.fill_null(pc.list_value_length(lists), 0).to_numpy(zero_copy_only=False).astype(np.int64)
+        ids = codes(pc.list_flatten(lists))
+        block(np.repeat(every, lengths), ids, np.repeat(1.0 / np.maximum(lengths, 1), lengths), int(ids.max()) + 1)
+        block(every, np.zeros(n, np.int64), lengths == 0, 1)
+    columns = []
+    for d in dense:
+        x = table.column(d).to_numpy(zero_copy_only=False).astype(np.float64)
+        null = np.isnan(x)
+        z = np.where(null, 0.0, synth.signed_log1p(np.nan_to_num(x)))
+        columns += [z, null.astype(np.float64)]
+        if d == nonlinear:
+            columns += [np.cos(1.2 * z), np.sin(1.2 * z)]
+    z = np.stack(columns, axis=1)
+    head = z[: rows["train"]]
+    z = (z - head.mean(0)) / (head.std(0) + 1e-12)
+    block(np.repeat(every, z.shape[1]), np.tile(np.arange(z.shape[1]), n), z.reshape(-1), z.shape[1])
+    X = sp.csr_matrix((np.concatenate([p[2] for p in parts]),
+                       (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))), shape=(n, width))
+    y = table.column("label").to_numpy().astype(np.float64)
+    a, b = rows["train"], rows["train"] + rows["validation"]
+    fits = {}
+    for C in Cs:
+        model = LogisticRegression(C=C, max_iter=1000, tol=1e-6).fit(X[:a], y[:a])
+        fits[C] = (evaluate_predictions(y[a:b], model.predict_proba(X[a:b])[:, 1])["auc"], model)
+    best = max(fits, key=lambda C: fits[C][0])
+    scored = evaluate_predictions(y[b:], fits[best][1].predict_proba(X[b:])[:, 1])
+    return {"columns": width, "rows": rows, "validation_auc": {C: v[0] for C, v in fits.items()}, "C": best,
+            "eval_auc": scored["auc"], "eval_log_loss": scored["log_loss"]}
+
+
 def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None = None,
             threads: int | None = None) -> dict:
     """Run every data set (or ``sets``); return the figures and the comparison rows.
