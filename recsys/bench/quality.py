@@ -391,9 +391,10 @@ def specified_logistic(root: Path | None = None, Cs: tuple[float, ...] = (0.003,
     files = {"train": train[:-1], "validation": train[-1:], "eval": sorted((root / "eval").glob("*.parquet"))}
     cats, bags, dense = synth.CATEGORICAL_COLUMNS, synth.MULTI_HOT_COLUMNS, synth.DENSE_COLUMNS
     nonlinear = dense[synth._NONLINEAR_DENSE]
-    table = pa.concat_tables([pq.read_table(f, columns=["label", *dense, *cats, *bags])
-                              for split in ("train", "validation", "eval") for f in files[split]])
-    rows = {k: sum(pq.ParquetFile(f).metadata.num_rows for f in v) for k, v in files.items()}
+    split_tables = {k: pa.concat_tables([pq.read_table(f, columns=["label", *dense, *cats, *bags]) for f in v])
+                    for k, v in files.items()}
+    rows = {k: t.num_rows for k, t in split_tables.items()}
+    table = pa.concat_tables(split_tables.values())
     n = table.num_rows
     parts, width = [], 0  # (row, column, value) blocks
 
