@@ -298,6 +298,14 @@ class LiveWriter:
             self._client = connect(self.url, self.timeout_s)
         return self._client
 
+    def register(self) -> None:
+        """Enter this writer in the namespace's registry now, before its first write. Every
+        fenced transaction WATCHes the registry, so a writer of the same group entering it
+        for the first time meanwhile would abort that transaction and send its rows down the
+        guarded path; writers that register before any of their group writes never do (a
+        repeated SADD changes nothing and touches no WATCH)."""
+        self.client.sadd(writers_key(self.ns), self.name)
+
     def close(self) -> None:
         if self._client is not None:
             self._client.close()

@@ -433,6 +433,40 @@ def test_a_write_between_the_fence_check_and_exec_goes_the_guarded_way(guard_red
     final_check(guard_redis.url, ns, [(0, [0, 1], 5), (1, [0, 2], 20), (0, [0, 1, 2, 3], 10)])
 
 
+@pytest.mark.parametrize("registered", [True, False])
+def test_a_group_member_joining_aborts_no_transaction_once_registered(guard_redis, monkeypatch, registered):
+    """Two ranks of one attempt (one group, disjoint keys): the second's first write lands
+    between the first's fence read and its EXEC. Registered beforehand (``register``, as every
+    publisher does before the trainer's barrier), it changes nothing the transaction watches
+    and every row goes plain; unregistered, its entering the registry aborts the transaction."""
+    ns = f"guard{next(_namespaces)}"
+    w, mate = (live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt", member=m) for m in ("0", "1"))
+    if registered:
+        w.register()
+        mate.register()
+    exchange = live.LiveWriter._exchange
+    hits = []
+
+    def exchange_then_write(conn, packed):
+        replies = exchange(conn, packed)
+        if packed[0].startswith(b"*") and b"WATCH" in packed[0][:20] and not hits:
+            hits.append(1)
+            push(mate, [2, 3], 10)  # its own keys, on its own connection
+        return replies
+
+    monkeypatch.setattr(live.LiveWriter, "_exchange", staticmethod(exchange_then_write))
+    push(w, [0, 1], 10)
+    monkeypatch.undo()
+    assert hits and mate.counters["rows_plain"] == 2
+    if registered:
+        assert w.counters == {"rows_plain": 2, "rows_guarded": 0, "fence_conflicts": 0}
+    else:
+        assert w.counters == {"rows_plain": 0, "rows_guarded": 2, "fence_conflicts": 1}
+    for writer in (w, mate):
+        writer.close()
+    final_check(guard_redis.url, ns, [(0, [0, 1], 10), (1, [2, 3], 10)])
+
+
 def test_a_resumed_attempt_writes_guarded_until_it_passes_the_earlier_attempts_steps(guard_redis):
     """An attempt that pushed up to step 100 dies; the next resumes from step 50's checkpoint
     (a new group). Its pushes at steps 60 and 100 cannot replace the dead attempt's rows (the

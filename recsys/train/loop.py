@@ -261,6 +261,8 @@ class Trainer:
                 cfg, rank, read_rows, group=group, member=f"{rank}.wide"), PublisherGroup)
         else:
             self.store.attach_publisher(make)
+        if self.env.world_size > 1:  # every rank's writers are registered before any rank writes
+            dist.barrier()
 
     def _finish_publishing(self) -> None:
         """Write the last live rows (every rank), then log what the pushes did over all ranks."""

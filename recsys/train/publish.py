@@ -139,6 +139,8 @@ class LivePublisher:
         self.member = member if member is not None else str(rank)
         self.writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s,
                                            group=group, member=self.member)
+        if writer is None:
+            self.writer.register()  # the trainer then waits for every rank's (see LiveWriter.register)
         self._touched: dict[str, list[np.ndarray]] = {}
         self._returned: list[tuple[str, np.ndarray]] = []  # keys of failed snapshots (push thread -> store)
         self._returned_lock = threading.Lock()
