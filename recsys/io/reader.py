@@ -38,7 +38,6 @@ from typing import Iterator
 import numpy as np
 import pyarrow as pa
 import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.io.batch import Batch
@@ -127,6 +126,8 @@ class ParquetReader:
         self._later: list[Progress] = []
         """Progress other ranks already made in the epochs after this one (from a merged state)."""
         self._active: weakref.ref | None = None
+        self._pool: _WorkerPool | None = None
+        """This rank's worker processes (``num_workers > 0``), kept from epoch to epoch."""
 
     # ------------------------------------------------------------------ epochs
 
@@ -205,7 +206,9 @@ class ParquetReader:
         try:
             if plans:
                 if self.cfg.num_workers > 0:
-                    source = _WorkerSource(self._ctx, plans, self.rank, self.cfg)
+                    if self._pool is None:
+                        self._pool = _WorkerPool(self._ctx, self.rank, self.cfg)
+                    source = self._pool.run(plans)
                 else:
                     (plan,) = plans.values()
                     source = _ThreadSource(self._ctx, plan, self.cfg.prefetch)
@@ -221,6 +224,9 @@ class ParquetReader:
         finally:
             if source is not None:
                 source.close()
+            if self._pool is not None and self._pool.broken:  # a worker died: the next epoch starts anew
+                self._pool.close()
+                self._pool = None
 
     def _apply(self, p: Progress, item: dict) -> Batch | None:
         """Apply an item's progress (it is being handed to the caller); return its batch."""
@@ -269,6 +275,9 @@ class ParquetReader:
     def close(self) -> None:
         """Stop any background reading (threads, worker processes); the state stays."""
         self._close_active()
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
 
     def __enter__(self) -> "ParquetReader":
         return self
@@ -376,7 +385,7 @@ def _to_torch(item: dict) -> dict:
 
 
 def _shared_alloc(nbytes: int):
-    """Allocate a batch buffer in shared memory, so the DataLoader sends it without a copy."""
+    """Allocate a batch buffer in shared memory, so a worker sends it without a copy."""
     t = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(max(nbytes, 1)))
     return t, t.numpy()
 
@@ -445,10 +454,6 @@ class _ThreadSource:
             self._thread.join(timeout=0.05)
 
 
-def _identity(x):
-    return x
-
-
 class _RingSlot:
     """Owner tag of a batch written into a ring slot."""
 
@@ -459,49 +464,297 @@ class _RingSlot:
 
 
 class _Stopped(Exception):
-    """The consumer closed the source while a worker waited for a free ring slot."""
+    """The consumer ended the run while the worker waited for a free ring slot."""
 
 
 class _Ring:
-    """One worker's batch slots in shared memory, inherited through fork.
+    """One worker's batch slots: credits always, shared memory when the worker is forked.
 
-    torch's own transport sends each tensor's memory as a fresh shared-memory segment whose
-    descriptor crosses an authenticated socket per storage: ~1 ms of the consumer's time
-    per batch. Here the worker assembles a batch straight into a free slot and sends only
-    its number; the consumer copies it out on receipt (the caller may keep batches as long
-    as it likes) and frees the slot at once. Batches larger than a slot go torch's way.
+    Every batch a worker sends holds one credit (``slots`` of them), taken before its buffer
+    is allocated and given back when the consumer receives it, so a worker runs at most
+    ``slots`` batches ahead. With fork, the credits are also slots of one anonymous shared
+    mapping: the worker assembles a batch straight into its slot and sends only the slot's
+    number; the consumer copies it out (the caller may keep batches as long as it likes).
+    Without it, or for a batch larger than a slot, the buffer is a torch shared-memory
+    segment sent with the item (torch's own transport: ~1 ms of the consumer's time per
+    batch, for one descriptor per storage over a socket). Slots are given back in the order
+    they were taken, so the next slot in turn is free whenever a credit is.
     """
 
     def __init__(self, mp_context, slots: int, slot_bytes: int) -> None:
         self.slots = slots
         self.slot_bytes = slot_bytes
-        self.mem = mmap.mmap(-1, slots * slot_bytes)  # shared and anonymous: fork keeps it
+        self.mem = mmap.mmap(-1, slots * slot_bytes) if slot_bytes else None  # shared; fork keeps it
         self.free = mp_context.Semaphore(slots)
         self.stop = mp_context.Event()
-        self._next = 0  # the worker's own copy after fork; slots free in the order they fill
+        """Set by the consumer to end the worker's current run."""
+        self._next = 0  # worker side from here on: its own copies after the start
+        self._held = 0
+        self._parent = os.getpid()
 
     def alloc(self, nbytes: int):
-        """Worker side: return (owner, uint8 array) for one batch buffer."""
-        if nbytes > self.slot_bytes:
-            return _shared_alloc(nbytes)
-        self.free.acquire()
-        if self.stop.is_set():
-            raise _Stopped
+        """Worker side: take a credit (waiting for one), return (owner, uint8 array)."""
+        while not self.free.acquire(timeout=0.2):
+            if self.stop.is_set():
+                raise _Stopped
+            if os.getppid() != self._parent:  # the reader's process is gone
+                os._exit(0)
+        self._held += 1
         i, self._next = self._next, (self._next + 1) % self.slots
+        if self.mem is None or nbytes > self.slot_bytes:
+            return _shared_alloc(nbytes)
         return _RingSlot(i), np.frombuffer(self.mem, np.uint8, count=nbytes, offset=i * self.slot_bytes)
 
-    def take(self, index: int, nbytes: int) -> torch.Tensor:
-        """Consumer side: return a copy of slot ``index`` and free the slot."""
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        out.numpy()[:] = np.frombuffer(self.mem, np.uint8, count=nbytes, offset=index * self.slot_bytes)
+    def sent(self) -> None:
+        """Worker side: a batch went to the consumer with its credit."""
+        self._held -= 1
+
+    def give_back(self) -> None:
+        """Worker side, after a run: return credits of batches assembled but never sent."""
+        for _ in range(self._held):
+            self.free.release()
+        self._held = 0
+
+    def receive(self, b: dict) -> None:
+        """Consumer side: own the batch ``b`` of a received item and give its credit back."""
+        if "ring_slot" in b:
+            out = torch.empty(b["nbytes"], dtype=torch.uint8)
+            out.numpy()[:] = np.frombuffer(self.mem, np.uint8, count=b["nbytes"],
+                                           offset=b["ring_slot"] * self.slot_bytes)
+            b["buffer"] = out
         self.free.release()
-        return out
 
     def close(self) -> None:
-        """Wake a worker waiting for a slot; it sees the stop flag and ends."""
-        self.stop.set()
-        for _ in range(self.slots):
-            self.free.release()
+        if self.mem is not None:
+            try:
+                self.mem.close()
+            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
+                pass
+
+
+def _worker_main(ctx: ReadContext, conn, ring: _Ring, slot: int, num_workers: int) -> None:
+    """A worker process: runs each plan it is sent (one per epoch) until told to end.
+
+    Items go back over ``conn`` in order, then ``{"run_done": True}`` ends each run (also a
+    run cut short by ``ring.stop``, or by an error, which is sent as an item first)."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the reader's to handle; it ends us
+    torch.set_num_threads(1)
+    background_priority(ctx.nice)  # threads started from here on inherit it
+    share = len(os.sched_getaffinity(0)) // num_workers
+    if share > 1:  # the workers share the cores: one full Arrow pool each would oversubscribe
+        pa.set_cpu_count(share)
+    else:  # decode in the loader thread itself (this is the worker's own copy)
+        ctx.arrow_threads = False
+    try:
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != ring._parent:
+                    return
+                continue
+            plan = conn.recv()
+            if plan is None:
+                return
+            _run_plan(ctx, plan, conn, ring)
+            conn.send({"slot": slot, "run_done": True})
+    except (BrokenPipeError, ConnectionResetError, EOFError):
+        return  # the reader's end of the pipe closed
+
+
+def _run_plan(ctx: ReadContext, plan: SlotPlan, conn, ring: _Ring) -> None:
+    items = iter(SlotRunner(ctx, plan, ring.stop, alloc=ring.alloc))
+    try:
+        for item in items:
+            has_batch = item.get("batch") is not None
+            conn.send(_to_torch(item))
+            if has_batch:
+                ring.sent()
+    except _Stopped:
+        pass
+    except ReadError as err:  # re-raised in the caller with the same message
+        conn.send({"slot": plan.slot, "error": err.fields()})
+    except Exception as exc:
+        conn.send({"slot": plan.slot, "exception": _portable(exc, plan.slot)})
+    finally:
+        items.close()
+        ring.give_back()
+
+
+def _portable(exc: Exception, slot: int) -> Exception:
+    """Return ``exc`` with the worker's traceback as a note, or a RuntimeError carrying both
+    when ``exc`` does not survive pickling."""
+    import pickle
+    import traceback
+
+    text = "".join(traceback.format_exception(exc))
+    try:
+        exc.add_note(f"in the reader worker of slot {slot}:\n{text}")
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:
+        return RuntimeError(f"reader worker of slot {slot} failed:\n{text}")
+
+
+class _Worker:
+    __slots__ = ("slot", "proc", "conn", "ring", "running")
+
+    def __init__(self, slot, proc, conn, ring) -> None:
+        self.slot, self.proc, self.conn, self.ring = slot, proc, conn, ring
+        self.running = False
+
+
+class _WorkerPool:
+    """A rank's worker processes, started by the first epoch that needs them and kept until
+    the reader closes; worker w runs slot rank × W + w in every epoch.
+
+    Kept, not started per epoch: a fresh process faults in every page it writes (its
+    allocators start empty, and every inherited page it touches is copied), which on a
+    2-core VM cost more system time per epoch than the decode saves (BENCHMARKS.md). An
+    epoch sends each worker its slot's plan; ending an epoch early stops the runs and drains
+    what they sent, so the workers are idle and every credit is back before the next one.
+    A worker that dies breaks the pool: the reader raises, and its next epoch starts anew.
+    """
+
+    def __init__(self, ctx: ReadContext, rank: int, cfg: ReaderConfig) -> None:
+        mp_context = multiprocessing.get_context(cfg.start_method)
+        fork = cfg.start_method == "fork"
+        size = _slot_bytes(ctx) if fork else 0
+        self.broken = False
+        self._workers: dict[int, _Worker] = {}
+        if fork:
+            # Every object of this process is frozen (gc.freeze) across the forks, so a
+            # worker's garbage collector never frees an object it inherited: uncollected
+            # garbage of this process may own native resources whose destructors are only
+            # valid here. A torch ProcessGroupGloo is one: its destructor joins threads that a
+            # forked child does not have, and the worker dies of a segmentation fault (seen
+            # with a torchrec model's optimizer garbage).
+            gc.freeze()
+        try:
+            for w in range(cfg.num_workers):
+                slot = rank * cfg.num_workers + w
+                ring = _Ring(mp_context, cfg.prefetch + 2, size)
+                ours, theirs = mp_context.Pipe(duplex=True)
+                proc = mp_context.Process(target=_worker_main, args=(ctx, theirs, ring, slot, cfg.num_workers),
+                                          name=f"recsys-reader-slot{slot}", daemon=True)
+                proc.start()
+                theirs.close()
+                self._workers[slot] = _Worker(slot, proc, ours, ring)
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            if fork:
+                gc.unfreeze()
+        self._finalizer = weakref.finalize(self, _stop_workers, list(self._workers.values()))
+
+    def run(self, plans: dict[int, SlotPlan]) -> "_PoolRun":
+        """Start one epoch's runs (the slots in ``plans``; the other workers stay idle)."""
+        for j, plan in plans.items():
+            w = self._workers[j]
+            w.ring.stop.clear()
+            self._send(w, plan)
+            w.running = True
+        return _PoolRun(self)
+
+    def next(self, slot: int) -> dict:
+        w = self._workers[slot]
+        item = self._recv(w)
+        if item.get("run_done"):
+            w.running = False
+            raise RuntimeError(f"reader worker of slot {slot} ended its run without finishing its units")
+        b = item.get("batch")
+        if b is not None:
+            w.ring.receive(b)
+        return item
+
+    def end_runs(self) -> None:
+        """Stop what still runs and drain it, so every worker is idle with all its credits."""
+        running = [w for w in self._workers.values() if w.running]
+        for w in running:
+            w.ring.stop.set()
+        try:
+            for w in running:
+                while w.running:
+                    item = self._recv(w)
+                    if item.get("run_done"):
+                        w.running = False
+                    elif item.get("batch") is not None:
+                        w.ring.free.release()  # dropped unread: only its credit comes back
+        except RuntimeError:
+            self.broken = True
+
+    def _send(self, w: _Worker, msg) -> None:
+        try:
+            w.conn.send(msg)
+        except OSError:
+            self.broken = True
+            raise RuntimeError(f"reader worker of slot {w.slot} is gone: {_exit_text(w.proc)}") from None
+
+    def _recv(self, w: _Worker) -> dict:
+        try:
+            while not w.conn.poll(1.0):
+                if not w.proc.is_alive():
+                    raise EOFError
+            return w.conn.recv()
+        except (EOFError, OSError):
+            self.broken = True
+            w.proc.join(timeout=1.0)
+            raise RuntimeError(
+                f"reader worker of slot {w.slot} (pid {w.proc.pid}) {_exit_text(w.proc)} during the epoch; "
+                "the rows it had not delivered are not counted as read"
+            ) from None
+
+    def close(self) -> None:
+        """End the worker processes (they finish nothing; the reader's state stays)."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer.detach()
+        _stop_workers(list(self._workers.values()))
+        self._workers.clear()
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    for w in workers:
+        w.ring.stop.set()  # a run in progress ends at its next batch
+        try:
+            w.conn.send(None)
+        except OSError:
+            pass
+    for w in workers:
+        w.proc.join(timeout=5.0)
+        if w.proc.is_alive():
+            w.proc.kill()
+            w.proc.join()
+        w.conn.close()
+        w.ring.close()
+
+
+def _exit_text(proc) -> str:
+    code = proc.exitcode
+    if code is None:
+        return "stopped answering"
+    if code < 0:
+        import signal
+
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class _PoolRun:
+    """One epoch's reading by a worker pool (what ``_ThreadSource`` is for the thread)."""
+
+    def __init__(self, pool: _WorkerPool) -> None:
+        self._pool = pool
+
+    def next(self, slot: int) -> dict:
+        return self._pool.next(slot)
+
+    def close(self) -> None:
+        self._pool.end_runs()
 
 
 def _slot_bytes(ctx: ReadContext) -> int:
@@ -513,115 +766,7 @@ def _slot_bytes(ctx: ReadContext) -> int:
     return -(-nbytes // (1 << 20)) * (1 << 20)
 
 
-class _SlotDataset(IterableDataset):
-    """Worker w of rank r runs slot r × W + w."""
-
-    def __init__(self, ctx: ReadContext, plans: dict[int, SlotPlan], rank: int, per_rank: int,
-                 rings: list[_Ring] | None) -> None:
-        self.ctx = ctx
-        self.plans = plans
-        self.rank = rank
-        self.per_rank = per_rank
-        self.rings = rings
-
-    def __iter__(self):
-        info = get_worker_info()
-        worker = info.id if info is not None else 0
-        slot = self.rank * self.per_rank + worker
-        plan = self.plans.get(slot)
-        if plan is None:
-            return
-        if info is not None:
-            background_priority(self.ctx.nice)  # threads started from here on inherit it
-        if info is not None:  # the workers share the cores: one full Arrow pool each would oversubscribe
-            share = len(os.sched_getaffinity(0)) // info.num_workers
-            if share > 1:
-                pa.set_cpu_count(share)
-            else:  # decode in the loader thread itself (this is the worker's own copy)
-                self.ctx.arrow_threads = False
-        alloc = self.rings[worker].alloc if self.rings is not None else _shared_alloc
-        items = iter(SlotRunner(self.ctx, plan, alloc=alloc))
-        try:
-            for item in items:
-                yield _to_torch(item)
-        except ReadError as err:  # re-raised in the caller with the same message
-            yield {"slot": slot, "error": err.fields()}
-        except _Stopped:
-            return
-        finally:
-            items.close()
-
-
-class _WorkerSource:
-    """Runs a rank's slots in DataLoader worker processes; reorders items into turn order."""
-
-    def __init__(self, ctx: ReadContext, plans: dict[int, SlotPlan], rank: int, cfg: ReaderConfig) -> None:
-        self._base = rank * cfg.num_workers
-        self._rings = None
-        if cfg.start_method == "fork":
-            mp_context = multiprocessing.get_context("fork")
-            size = _slot_bytes(ctx)
-            self._rings = [_Ring(mp_context, cfg.prefetch + 2, size) for _ in range(cfg.num_workers)]
-        ds = _SlotDataset(ctx, plans, rank, cfg.num_workers, self._rings)
-        loader = DataLoader(
-            ds,
-            batch_size=None,
-            num_workers=cfg.num_workers,
-            collate_fn=_identity,
-            prefetch_factor=cfg.prefetch,
-            persistent_workers=False,
-            multiprocessing_context=cfg.start_method,
-            in_order=True,
-        )
-        self._it = _start_workers(loader, frozen=cfg.start_method == "fork")
-        self._buffer: dict[int, deque] = {j: deque() for j in plans}
-
-    def next(self, slot: int) -> dict:
-        buf = self._buffer[slot]
-        while not buf:
-            try:
-                item = next(self._it)
-            except StopIteration:
-                raise RuntimeError(f"reader worker of slot {slot} ended without finishing its units") from None
-            b = item.get("batch")
-            if b is not None and "ring_slot" in b:  # copy out now: the worker may reuse the slot
-                b["buffer"] = self._rings[item["slot"] - self._base].take(b["ring_slot"], b["nbytes"])
-            self._buffer[item["slot"]].append(item)
-        return buf.popleft()
-
-    def close(self) -> None:
-        it, self._it = self._it, None
-        self._buffer.clear()
-        for ring in self._rings or ():
-            ring.close()
-        if it is not None:
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
-        for ring in self._rings or ():
-            try:
-                ring.mem.close()
-            except BufferError:  # a view is still alive somewhere: the GC unmaps it later
-                pass
-
-
 # --------------------------------------------------------------------------- helpers
-
-
-def _start_workers(loader: DataLoader, frozen: bool):
-    """Return ``iter(loader)``: its worker processes start here. With fork, every object of
-    this process is frozen (``gc.freeze``) across the forks, so a worker's garbage collector
-    never frees an object it inherited: uncollected garbage of this process may own native
-    resources whose destructors are only valid here. A torch ProcessGroupGloo is one: its
-    destructor joins threads that a forked child does not have, and the worker dies of a
-    segmentation fault (seen with a torchrec model's optimizer garbage)."""
-    if not frozen:
-        return iter(loader)
-    gc.freeze()
-    try:
-        return iter(loader)
-    finally:
-        gc.unfreeze()
 
 
 def _row0(table) -> np.ndarray:
