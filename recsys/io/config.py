@@ -26,10 +26,10 @@ class ReaderConfig:
     """Seed of every shuffle; epoch e uses (seed, e)."""
     num_workers: int = 0
     """Worker processes per rank (0 = read in a background thread of the calling process).
-    Workers are forked anew each epoch and every page they write is a fresh page fault, so
-    they pay off only with cores to spare: on 2 cores the thread reads faster (BENCHMARKS.md)."""
+    They start with the reader's first epoch and stay until it closes (a new process faults
+    in every page it writes, which on a 2-core VM costs a third of an epoch's time)."""
     prefetch: int = 2
-    """Batches read ahead per worker (bounds memory)."""
+    """Batches read ahead (the thread: queued; each worker: ``prefetch + 2`` in flight)."""
     drop_last: bool = False
     """Drop each worker's final short batch (its rows are then counted as not yet read)."""
     passthrough: list[str] = field(default_factory=list)
