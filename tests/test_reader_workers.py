@@ -149,3 +149,100 @@ def _alive(pid: int) -> bool:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_forkserver_workers_wait_for_a_slow_consumer_and_between_epochs(data):
+    """A forkserver worker's parent is the server, not the reader's process: a worker must
+    not take that for its reader being gone, while it waits for a credit or for a plan."""
+    with ParquetReader(data.config(num_workers=2, batch_size=4, prefetch=1, start_method="forkserver"),
+                       make_schema()) as r:
+        it = iter(r)
+        seen = ids_of([next(it)])
+        time.sleep(1.5)  # both workers wait for a credit meanwhile
+        seen += ids_of(list(it))
+        pids = worker_pids()
+        time.sleep(1.5)  # idle between epochs
+        assert sorted(seen) == data.row_ids
+        assert sorted(ids_of(list(r))) == data.row_ids
+        assert worker_pids() == pids
+
+
+def test_an_interrupted_drain_leaves_no_stale_batches(data, monkeypatch):
+    """Ctrl-C while an early end drains the workers: the pool is not reused half-drained (its
+    old items would pass for the next epoch's), and the state stays exactly once."""
+    calls = {"armed": False}
+    recv = reader_module._WorkerPool._recv
+
+    def interrupted(self, w):
+        if calls["armed"]:
+            calls["armed"] = False
+            raise KeyboardInterrupt
+        return recv(self, w)
+
+    monkeypatch.setattr(reader_module._WorkerPool, "_recv", interrupted)
+    with ParquetReader(data.config(num_workers=2, batch_size=4, prefetch=1), make_schema()) as r:
+        it = iter(r)
+        seen = ids_of([next(it), next(it)])
+        time.sleep(0.3)  # the workers fill their credits
+        calls["armed"] = True
+        with pytest.raises(KeyboardInterrupt):
+            it.close()
+        seen += ids_of(list(r))
+        assert sorted(seen) == data.row_ids
+        assert sorted(ids_of(list(r))) == data.row_ids
+
+
+@pytest.mark.timeout(180)  # a lost credit hangs the reader: fail sooner than the suite's 600 s
+def test_credits_lost_to_interruptions_are_back_at_the_next_epoch(data, monkeypatch):
+    """An interruption between an item's receipt and its credit's release, once per credit
+    (prefetch 1: three), then whole epochs: each epoch starts with every credit."""
+    calls = {"armed": False}
+    receive = reader_module._Ring.receive
+
+    def interrupted(self, b):
+        if calls["armed"]:
+            calls["armed"] = False
+            raise KeyboardInterrupt
+        return receive(self, b)
+
+    monkeypatch.setattr(reader_module._Ring, "receive", interrupted)
+    with ParquetReader(data.config(num_workers=1, batch_size=4, prefetch=1), make_schema()) as r:
+        for _ in range(3):
+            it = iter(r)
+            next(it)
+            calls["armed"] = True
+            with pytest.raises(KeyboardInterrupt):
+                next(it)
+            it.close()
+        list(r)  # the rest of epoch 0
+        assert sorted(ids_of(list(r))) == data.row_ids
+
+
+def test_a_worker_that_died_between_epochs_is_replaced_before_the_next(data):
+    with ParquetReader(data.config(num_workers=2, batch_size=4), make_schema()) as r:
+        list(r)
+        victim = min(worker_pids())
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while _alive(victim) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(ids_of(list(r))) == data.row_ids  # nothing was read yet: no error
+        assert victim not in worker_pids() and len(worker_pids()) == 2
+
+
+def test_workers_end_on_sigterm_though_the_parent_handles_it(data):
+    """The trainer handles SIGTERM (a graceful stop); a forked worker must not inherit that."""
+    previous = signal.signal(signal.SIGTERM, lambda *args: None)
+    try:
+        with ParquetReader(data.config(num_workers=2, batch_size=4), make_schema()) as r:
+            it = iter(r)
+            next(it)
+            procs = [p for p in multiprocessing.active_children() if p.name.startswith("recsys-reader-slot")]
+            for p in procs:
+                os.kill(p.pid, signal.SIGTERM)
+            for p in procs:
+                p.join(60)
+            assert [p.exitcode for p in procs] == [-signal.SIGTERM] * 2
+            it.close()  # quietly: the epoch's end finds them gone
+    finally:
+        signal.signal(signal.SIGTERM, previous)

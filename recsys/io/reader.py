@@ -30,7 +30,9 @@ import mmap
 import multiprocessing
 import os
 import queue
+import signal
 import threading
+import time
 import weakref
 from collections import deque
 from typing import Iterator
@@ -206,6 +208,9 @@ class ParquetReader:
         try:
             if plans:
                 if self.cfg.num_workers > 0:
+                    if self._pool is not None and not self._pool.healthy():  # nothing of this epoch read yet
+                        self._pool.close()
+                        self._pool = None
                     if self._pool is None:
                         self._pool = _WorkerPool(self._ctx, self.rank, self.cfg)
                     source = self._pool.run(plans)
@@ -222,11 +227,13 @@ class ParquetReader:
                     yield batch
             self._rollover()
         finally:
-            if source is not None:
-                source.close()
-            if self._pool is not None and self._pool.broken:  # a worker died: the next epoch starts anew
-                self._pool.close()
-                self._pool = None
+            try:
+                if source is not None:
+                    source.close()
+            finally:
+                if self._pool is not None and self._pool.broken:  # the next epoch starts anew
+                    self._pool.close()
+                    self._pool = None
 
     def _apply(self, p: Progress, item: dict) -> Batch | None:
         """Apply an item's progress (it is being handed to the caller); return its batch."""
@@ -467,6 +474,24 @@ class _Stopped(Exception):
     """The consumer ended the run while the worker waited for a free ring slot."""
 
 
+class _Flag:
+    """A stop flag shared with a worker process, without a lock: ``multiprocessing.Event``
+    takes a cross-process lock even to read, and a worker killed while holding it (the OOM
+    killer, ``kill -9``) would leave the consumer's next ``set()`` waiting forever."""
+
+    def __init__(self, mp_context) -> None:
+        self._value = mp_context.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._value.value = 1
+
+    def clear(self) -> None:
+        self._value.value = 0
+
+    def is_set(self) -> bool:
+        return bool(self._value.value)
+
+
 class _Ring:
     """One worker's batch slots: credits always, shared memory when the worker is forked.
 
@@ -486,24 +511,29 @@ class _Ring:
         self.slot_bytes = slot_bytes
         self.mem = mmap.mmap(-1, slots * slot_bytes) if slot_bytes else None  # shared; fork keeps it
         self.free = mp_context.Semaphore(slots)
-        self.stop = mp_context.Event()
+        self.stop = _Flag(mp_context)
         """Set by the consumer to end the worker's current run."""
         self._next = 0  # worker side from here on: its own copies after the start
         self._held = 0
-        self._parent = os.getpid()
+        self._parent = 0
+        """The worker's parent when it started (the reader's process; with forkserver, the
+        server, which exits with the reader's process): another parent means it is gone."""
 
     def alloc(self, nbytes: int):
         """Worker side: take a credit (waiting for one), return (owner, uint8 array)."""
         while not self.free.acquire(timeout=0.2):
             if self.stop.is_set():
                 raise _Stopped
-            if os.getppid() != self._parent:  # the reader's process is gone
+            if self.orphaned():  # the reader's process is gone
                 os._exit(0)
         self._held += 1
         i, self._next = self._next, (self._next + 1) % self.slots
         if self.mem is None or nbytes > self.slot_bytes:
             return _shared_alloc(nbytes)
         return _RingSlot(i), np.frombuffer(self.mem, np.uint8, count=nbytes, offset=i * self.slot_bytes)
+
+    def orphaned(self) -> bool:
+        return os.getppid() != self._parent
 
     def sent(self) -> None:
         """Worker side: a batch went to the consumer with its credit."""
@@ -517,12 +547,22 @@ class _Ring:
 
     def receive(self, b: dict) -> None:
         """Consumer side: own the batch ``b`` of a received item and give its credit back."""
-        if "ring_slot" in b:
-            out = torch.empty(b["nbytes"], dtype=torch.uint8)
-            out.numpy()[:] = np.frombuffer(self.mem, np.uint8, count=b["nbytes"],
-                                           offset=b["ring_slot"] * self.slot_bytes)
-            b["buffer"] = out
-        self.free.release()
+        try:
+            if "ring_slot" in b:
+                out = torch.empty(b["nbytes"], dtype=torch.uint8)
+                out.numpy()[:] = np.frombuffer(self.mem, np.uint8, count=b["nbytes"],
+                                               offset=b["ring_slot"] * self.slot_bytes)
+                b["buffer"] = out
+        finally:
+            self.free.release()
+
+    def reset(self) -> None:
+        """Consumer side, the worker idle: exactly ``slots`` credits again (one lost to an
+        interruption between an item's receipt and its release is back)."""
+        while self.free.acquire(False):
+            pass
+        for _ in range(self.slots):
+            self.free.release()
 
     def close(self) -> None:
         if self.mem is not None:
@@ -537,9 +577,9 @@ def _worker_main(ctx: ReadContext, conn, ring: _Ring, slot: int, num_workers: in
 
     Items go back over ``conn`` in order, then ``{"run_done": True}`` ends each run (also a
     run cut short by ``ring.stop``, or by an error, which is sent as an item first)."""
-    import signal
-
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the reader's to handle; it ends us
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the trainer's handler (a fork inherits it)
+    ring._parent = os.getppid()
     torch.set_num_threads(1)
     background_priority(ctx.nice)  # threads started from here on inherit it
     share = len(os.sched_getaffinity(0)) // num_workers
@@ -550,7 +590,7 @@ def _worker_main(ctx: ReadContext, conn, ring: _Ring, slot: int, num_workers: in
     try:
         while True:
             if not conn.poll(1.0):
-                if os.getppid() != ring._parent:
+                if ring.orphaned():
                     return
                 continue
             plan = conn.recv()
@@ -637,8 +677,14 @@ class _WorkerPool:
                 ours, theirs = mp_context.Pipe(duplex=True)
                 proc = mp_context.Process(target=_worker_main, args=(ctx, theirs, ring, slot, cfg.num_workers),
                                           name=f"recsys-reader-slot{slot}", daemon=True)
-                proc.start()
-                theirs.close()
+                try:
+                    proc.start()
+                except BaseException:
+                    ours.close()
+                    ring.close()
+                    raise
+                finally:
+                    theirs.close()
                 self._workers[slot] = _Worker(slot, proc, ours, ring)
         except BaseException:
             self.close()
@@ -650,12 +696,19 @@ class _WorkerPool:
 
     def run(self, plans: dict[int, SlotPlan]) -> "_PoolRun":
         """Start one epoch's runs (the slots in ``plans``; the other workers stay idle)."""
+        if any(w.running for w in self._workers.values()):  # a bug: end_runs sets broken if it cannot drain
+            raise RuntimeError("reader workers still run the previous epoch")
         for j, plan in plans.items():
             w = self._workers[j]
+            w.ring.reset()
             w.ring.stop.clear()
             self._send(w, plan)
             w.running = True
         return _PoolRun(self)
+
+    def healthy(self) -> bool:
+        """Whether the pool can run an epoch: not broken, every worker alive."""
+        return not self.broken and all(w.proc.is_alive() for w in self._workers.values())
 
     def next(self, slot: int) -> dict:
         w = self._workers[slot]
@@ -681,8 +734,11 @@ class _WorkerPool:
                         w.running = False
                     elif item.get("batch") is not None:
                         w.ring.free.release()  # dropped unread: only its credit comes back
-        except RuntimeError:
+        except RuntimeError:  # a worker died (raised to the caller by next(), or now ending anyway)
             self.broken = True
+        except BaseException:  # an interruption: what the workers sent is not drained
+            self.broken = True
+            raise
 
     def _send(self, w: _Worker, msg) -> None:
         try:
@@ -721,8 +777,10 @@ def _stop_workers(workers: list[_Worker]) -> None:
             w.conn.send(None)
         except OSError:
             pass
+    deadline = time.monotonic() + 5.0
     for w in workers:
-        w.proc.join(timeout=5.0)
+        w.proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for w in workers:
         if w.proc.is_alive():
             w.proc.kill()
             w.proc.join()
@@ -735,8 +793,6 @@ def _exit_text(proc) -> str:
     if code is None:
         return "stopped answering"
     if code < 0:
-        import signal
-
         try:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:
