@@ -92,7 +92,7 @@ SYNTHETIC_JOB = "jobs/quality_synthetic_small.toml"
 
 
 def read_set(s: RealSet) -> dict[str, np.ndarray]:
-    """Return the set's columns (label 0/1 int8, ids int64, dense float64) from its package."""
+    """Return the set's columns (label 0/1 int8, ids int64 or strings, dense float64) from its package."""
     import pyarrow as pa
     import pyarrow.csv as pcsv
 

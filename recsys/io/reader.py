@@ -34,7 +34,6 @@ import signal
 import threading
 import time
 import weakref
-from collections import deque
 from typing import Iterator
 
 import numpy as np
