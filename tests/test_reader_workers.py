@@ -31,6 +31,22 @@ def worker_pids() -> set[int]:
     return {p.pid for p in multiprocessing.active_children() if p.name.startswith("recsys-reader-slot")}
 
 
+def interrupt_once(monkeypatch, owner, name: str) -> dict:
+    """Patch ``owner.name`` to raise KeyboardInterrupt on its next call once ``calls["armed"]``
+    is set (then disarm); return ``calls``."""
+    calls = {"armed": False}
+    method = getattr(owner, name)
+
+    def interrupted(self, *args):
+        if calls["armed"]:
+            calls["armed"] = False
+            raise KeyboardInterrupt
+        return method(self, *args)
+
+    monkeypatch.setattr(owner, name, interrupted)
+    return calls
+
+
 @pytest.mark.parametrize("start_method", ["fork", "forkserver"])
 def test_workers_are_kept_across_epochs_and_read_each_exactly_once(data, start_method):
     with ParquetReader(data.config(num_workers=2, batch_size=4, start_method=start_method), make_schema()) as r:
@@ -170,16 +186,7 @@ def test_forkserver_workers_wait_for_a_slow_consumer_and_between_epochs(data):
 def test_an_interrupted_drain_leaves_no_stale_batches(data, monkeypatch):
     """Ctrl-C while an early end drains the workers: the pool is not reused half-drained (its
     old items would pass for the next epoch's), and the state stays exactly once."""
-    calls = {"armed": False}
-    recv = reader_module._WorkerPool._recv
-
-    def interrupted(self, w):
-        if calls["armed"]:
-            calls["armed"] = False
-            raise KeyboardInterrupt
-        return recv(self, w)
-
-    monkeypatch.setattr(reader_module._WorkerPool, "_recv", interrupted)
+    calls = interrupt_once(monkeypatch, reader_module._WorkerPool, "_recv")
     with ParquetReader(data.config(num_workers=2, batch_size=4, prefetch=1), make_schema()) as r:
         it = iter(r)
         seen = ids_of([next(it), next(it)])
@@ -196,16 +203,7 @@ def test_an_interrupted_drain_leaves_no_stale_batches(data, monkeypatch):
 def test_credits_lost_to_interruptions_are_back_at_the_next_epoch(data, monkeypatch):
     """An interruption between an item's receipt and its credit's release, once per credit
     (prefetch 1: three), then whole epochs: each epoch starts with every credit."""
-    calls = {"armed": False}
-    receive = reader_module._Ring.receive
-
-    def interrupted(self, b):
-        if calls["armed"]:
-            calls["armed"] = False
-            raise KeyboardInterrupt
-        return receive(self, b)
-
-    monkeypatch.setattr(reader_module._Ring, "receive", interrupted)
+    calls = interrupt_once(monkeypatch, reader_module._Ring, "receive")
     with ParquetReader(data.config(num_workers=1, batch_size=4, prefetch=1), make_schema()) as r:
         for _ in range(3):
             it = iter(r)

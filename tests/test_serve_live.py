@@ -407,12 +407,9 @@ def test_an_attempts_ranks_and_a_zombie_writer_never_take_a_row_back(guard_redis
     final_check(guard_redis.url, ns, writes)
 
 
-def test_a_write_between_the_fence_check_and_exec_goes_the_guarded_way(guard_redis, monkeypatch):
-    """Another writer's later rows land after a writer read the fence and before its EXEC: the
-    transaction is aborted (WATCH), its rows go through the guard, and Redis keeps the later rows."""
-    ns, (w, other) = new_namespace(guard_redis.url, 2)
-    push(w, [0, 1], 5)  # plain: an empty fence
-    assert w.counters == {"rows_plain": 2, "rows_guarded": 0, "fence_conflicts": 0}
+def push_after_first_watch(monkeypatch, writer, slots, version) -> list:
+    """Patch LiveWriter's exchange so that right after the first WATCH (a fence read) any
+    writer sends, ``writer`` pushes ``slots`` at ``version``; return the list that records it."""
     exchange = live.LiveWriter._exchange
     hits = []
 
@@ -420,10 +417,20 @@ def test_a_write_between_the_fence_check_and_exec_goes_the_guarded_way(guard_red
         replies = exchange(conn, packed)
         if packed[0].startswith(b"*") and b"WATCH" in packed[0][:20] and not hits:
             hits.append(1)
-            push(other, [0, 2], 20)  # on the other writer's own connection
+            push(writer, slots, version)
         return replies
 
     monkeypatch.setattr(live.LiveWriter, "_exchange", staticmethod(exchange_then_write))
+    return hits
+
+
+def test_a_write_between_the_fence_check_and_exec_goes_the_guarded_way(guard_redis, monkeypatch):
+    """Another writer's later rows land after a writer read the fence and before its EXEC: the
+    transaction is aborted (WATCH), its rows go through the guard, and Redis keeps the later rows."""
+    ns, (w, other) = new_namespace(guard_redis.url, 2)
+    push(w, [0, 1], 5)  # plain: an empty fence
+    assert w.counters == {"rows_plain": 2, "rows_guarded": 0, "fence_conflicts": 0}
+    hits = push_after_first_watch(monkeypatch, other, [0, 2], 20)  # on the other writer's own connection
     push(w, [0, 1, 2, 3], 10)
     monkeypatch.undo()
     assert hits and w.counters == {"rows_plain": 2, "rows_guarded": 4, "fence_conflicts": 1}
@@ -444,17 +451,7 @@ def test_a_group_member_joining_aborts_no_transaction_once_registered(guard_redi
     if registered:
         w.register()
         mate.register()
-    exchange = live.LiveWriter._exchange
-    hits = []
-
-    def exchange_then_write(conn, packed):
-        replies = exchange(conn, packed)
-        if packed[0].startswith(b"*") and b"WATCH" in packed[0][:20] and not hits:
-            hits.append(1)
-            push(mate, [2, 3], 10)  # its own keys, on its own connection
-        return replies
-
-    monkeypatch.setattr(live.LiveWriter, "_exchange", staticmethod(exchange_then_write))
+    hits = push_after_first_watch(monkeypatch, mate, [2, 3], 10)  # its own keys, on its own connection
     push(w, [0, 1], 10)
     monkeypatch.undo()
     assert hits and mate.counters["rows_plain"] == 2

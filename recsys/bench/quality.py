@@ -133,9 +133,8 @@ def _flights(table, col: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     Cancelled and diverted flights (no arrival delay) are left out."""
     keep = ~np.isnan(col["arr_delay"])
     c = {k: v[keep] for k, v in col.items()}
-    date = np.array([f"2013-{m:02d}-{d:02d}" for m, d in zip(c["month"].astype(int), c["day"].astype(int))],
-                    dtype="datetime64[D]")
-    day = (date - np.datetime64("2013-01-01")).astype(np.int64)
+    month_start = np.datetime64("2013-01") + (c["month"].astype(np.int64) - 1).astype("timedelta64[M]")
+    day = (month_start.astype("datetime64[D]") - np.datetime64("2013-01-01")).astype(np.int64) + c["day"].astype(np.int64) - 1
     text = {n: np.asarray(table.column(n).to_numpy(zero_copy_only=False), dtype=object)[keep]
             for n in ("carrier", "origin", "dest", "tailnum")}
     arr = c["sched_arr_time"]

@@ -545,15 +545,14 @@ class _Ring:
         self._held = 0
 
     def receive(self, b: dict) -> None:
-        """Consumer side: own the batch ``b`` of a received item and give its credit back."""
-        try:
-            if "ring_slot" in b:
-                out = torch.empty(b["nbytes"], dtype=torch.uint8)
-                out.numpy()[:] = np.frombuffer(self.mem, np.uint8, count=b["nbytes"],
-                                               offset=b["ring_slot"] * self.slot_bytes)
-                b["buffer"] = out
-        finally:
-            self.free.release()
+        """Consumer side: own the batch ``b`` of a received item and give its credit back (one
+        lost to an interruption before this point is restored by ``reset`` at the next run)."""
+        if "ring_slot" in b:
+            out = torch.empty(b["nbytes"], dtype=torch.uint8)
+            out.numpy()[:] = np.frombuffer(self.mem, np.uint8, count=b["nbytes"],
+                                           offset=b["ring_slot"] * self.slot_bytes)
+            b["buffer"] = out
+        self.free.release()
 
     def reset(self) -> None:
         """Consumer side, the worker idle: exactly ``slots`` credits again (one lost to an
