@@ -41,6 +41,7 @@ import pyarrow as pa
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from recsys import priority
 from recsys.io.batch import Batch
 from recsys.io.config import ReaderConfig
 from recsys.io.convert import BatchArrays, UnitConverter
@@ -441,12 +442,23 @@ class _ThreadSource:
             items.close()
 
     def next(self, slot: int) -> dict:
-        while True:
-            try:
-                return self._q.get(timeout=1.0)
-            except queue.Empty:
-                if not self._thread.is_alive() and self._q.empty():
-                    raise RuntimeError("reader thread ended without finishing its units") from None
+        try:
+            return self._q.get_nowait()
+        except queue.Empty:
+            pass
+        # the consumer waits: the reader's threads get the normal policy while it does
+        low = priority.READER.low
+        priority.READER.raise_()
+        try:
+            while True:
+                try:
+                    return self._q.get(timeout=1.0)
+                except queue.Empty:
+                    if not self._thread.is_alive() and self._q.empty():
+                        raise RuntimeError("reader thread ended without finishing its units") from None
+        finally:
+            if low:
+                priority.READER.lower()
 
     def close(self) -> None:
         self._stop.set()

@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys import hashing
+from recsys import hashing, priority
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch, unique_inverse
@@ -471,6 +471,7 @@ class ShardedEmbeddingStore:
         device caches write back, spill tiers flush (the first failure is raised after all
         tables were closed)."""
         if self._worker is not None and self._worker.is_alive():
+            priority.STORE.raise_()
             self._ops.put(None)
             self._worker.join()
         if self._failure is not None:
@@ -647,6 +648,8 @@ class ShardedEmbeddingStore:
         if self._threaded:
             if self._failure is not None:
                 raise self._failed_earlier()
+            # whatever is submitted, someone waits for it (the push: the next lookup)
+            priority.STORE.raise_()
             self._ops.put((op, fut))
         else:
             self._run(op, fut)

@@ -47,6 +47,11 @@ class TrainConfig:
     threads then waits for that core: measured on 2 cores (DLRM of 66 k parameters, batch
     4096), the Adam step took 2.9 ms in training with 2 threads against 0.2 ms alone, and
     ~1 ms with 1. Raise it for a dense model whose step is large enough to pay for it."""
+    idle_background: bool = True
+    """On CPU, run the store's worker and the reader's threads under Linux's ``SCHED_IDLE``
+    policy while the dense forward and backward run, so they take only the cores the
+    step's torch threads leave idle; they get the normal policy back whenever the step
+    waits for them (``recsys.priority``). Off: they run at their nice values throughout."""
     log_every: int = 50
     """Write a metrics line every this many steps."""
     eval_every: int = 0

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recsys import config as config_mod
+from recsys import priority
 from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
 from recsys.model.arch import model_for, model_inputs
@@ -400,6 +401,7 @@ class Trainer:
         tc, env = self.job.train, self.env
         F = len(self.job.schema.sparse)
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+        priority.enable(tc.idle_background and env.device.type == "cpu")
         last_ckpt = time.monotonic()
         progress = Progress(tc.progress, enabled=env.is_main, total=self.total_steps, every=tc.log_every)
         try:
@@ -429,6 +431,7 @@ class Trainer:
                         nxt = self._fetch(it)
                         future = self._submit(nxt, self.step + 1)
                     t2 = time.perf_counter()
+                    priority.dense_phase()  # nothing waits for the store or the reader until the push
                     logits = self.ddp(cur.dense, *model_inputs(lookup, F))
                     if cur.size:
                         loss = _loss(logits, cur)
@@ -489,6 +492,7 @@ class Trainer:
                 out["stopped"] = "early stopping"
             return out
         finally:
+            priority.enable(False)
             progress.close()
             signal.signal(signal.SIGTERM, previous_handler)
 
@@ -557,6 +561,9 @@ class Trainer:
         cfg = self.validation_cfg if split == "validation" else self.job.data.eval
         if not cfg.paths:
             return {}
+        # an evaluation waits for the store and its reader throughout (recsys.priority)
+        priority.STORE.raise_()
+        priority.READER.raise_()
         reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size, dense_stats=self.dense_stats)
         self.model.eval()
         labels, preds, weights = [], [], []
