@@ -206,7 +206,7 @@ def train_steps_pipelined(store, batches):
         lookup = future.result()
         if step + 1 < len(batches):
             future = store.submit_lookup(batches[step + 1], step + 1)
-        loss = lookup.pooled(3).pow(2).sum()
+        loss = lookup.pooled(len(store.schema.sparse)).pow(2).sum()
         loss.backward()
         store.push(lookup)
         losses.append(loss.item())
@@ -342,9 +342,10 @@ def test_any_thread_count_gives_the_same_numbers(threaded):
     assert runs[1][1]["item"].num_rows == 1600  # full: evictions happened
 
 
-def test_a_failing_table_raises_as_in_table_order_with_threads():
+@pytest.mark.parametrize("threaded", [False, True])
+def test_a_failing_table_raises_as_in_table_order_with_threads(threaded):
     """Two tables fail in one call: the first in schema order is the error raised, whichever
-    thread ran which table."""
+    thread ran which table (threaded: tables handed out to the worker and the waiting caller)."""
     schema = Schema(tables={n: TableSpec(dim=4, capacity=4) for n in ("a", "b", "c")},
                     sparse=[FeatureSpec(name=n) for n in ("a", "b", "c")])
     # 8 rows: table a holds 1 distinct id, b 6 (> capacity 4), c 5 (> capacity 4)
@@ -353,7 +354,8 @@ def test_a_failing_table_raises_as_in_table_order_with_threads():
                             lengths=torch.ones(24, dtype=torch.int32))
     messages = {}
     for threads in (1, 2, 3):
-        store = ShardedEmbeddingStore(schema, StoreConfig(threads=threads))
+        store = ShardedEmbeddingStore(schema, StoreConfig(threads=threads), threaded=threaded)
+        assert (store._board is not None) == threaded
         with pytest.raises(ValueError) as err:
             store.lookup(kjt, 0)
         messages[threads] = str(err.value)
@@ -375,3 +377,75 @@ def test_lanes_split_every_item_once_and_balance():
         assert loads[-1] - loads[0] <= max(costs)
     finally:
         lanes.close()
+
+
+def test_a_waiting_caller_takes_tables_of_the_workers_call():
+    """The board hands items to the worker and to a thread waiting on a future, one at a
+    time, each exactly once; the lowest failing item's error is the one raised."""
+    import threading
+    from concurrent.futures import Future
+
+    from recsys.store.sharded import _Board, _HelpedFuture, _Lanes
+
+    board = _Board()
+    lanes = _Lanes(1, board)
+    done: _HelpedFuture = _HelpedFuture(board)
+    helper_started = threading.Event()
+    ran: dict[int, str] = {}
+    lock = threading.Lock()
+
+    def fn(i: int) -> None:
+        name = threading.current_thread().name
+        if name == "waiter":
+            helper_started.set()
+        elif i == 0:
+            assert helper_started.wait(10), "the waiting thread never took an item"
+        with lock:
+            assert i not in ran
+            ran[i] = name
+
+    def worker() -> None:
+        try:
+            lanes.each(list(range(8)), [1.0] * 8, fn)
+            done.set_result("ok")
+        except BaseException as exc:  # noqa: BLE001
+            done.set_exception(exc)
+
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(done.result()), name="waiter")
+    waiter.start()
+    threading.Thread(target=worker, name="worker").start()
+    waiter.join(30)
+    assert got == ["ok"]
+    assert sorted(ran) == list(range(8))
+    assert {"worker", "waiter"} <= set(ran.values())
+
+    def failing(i: int) -> None:
+        if i in (5, 2):
+            raise ValueError(f"item {i}")
+
+    with pytest.raises(ValueError, match="item 2"):
+        lanes.each(list(range(8)), [float(8 - i) for i in range(8)], failing)
+    plain = Future()
+    plain.set_result(1)
+    assert plain.result() == 1
+
+
+def test_waiter_help_changes_no_number():
+    """Threaded stores with and without the waiting caller's help, pipelined steps with
+    evictions: the same losses and rows, bit for bit."""
+    from store_data import random_kjts, three_feature_schema
+
+    schema = three_feature_schema(8, capacity=1600)
+    kjts = random_kjts(8, vocab=4000, seed=5, B=600)
+    runs = []
+    for helps in (False, True):
+        store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.1, waiter_helps=helps), threaded=True)
+        assert (store._board is not None) == helps
+        losses = train_steps_pipelined(store, kjts)
+        runs.append((losses, {t: v.sort_by("key") for t, v in store.state_dict().items()}))
+        store.close()
+    assert runs[0][0] == runs[1][0]
+    for t in runs[0][1]:
+        assert runs[0][1][t].equals(runs[1][1][t]), t
+

@@ -61,6 +61,12 @@ class StoreConfig:
     train step runs 2; BENCHMARKS.md has both counts). In ``recsys train`` on 2 cores the
     dense model's threads need both cores while the store works: measured 3-4 % slower
     with 2, so 1 is the default."""
+    waiter_helps: bool = True
+    """A thread waiting for the store's worker (the trainer, after its dense optimizer step,
+    for the next lookup) takes tables of the worker's current call (the push's optimizer,
+    the row reads) instead of idling, one table at a time, largest first. The numbers are
+    the same whoever runs a table. Threaded CPU stores whose tables have no spill tier or
+    device cache only."""
     keep_freed_memory: bool = True
     """Set glibc's malloc to keep freed memory for reuse (``recsys.store.malloc``), process-wide,
     when a store is built: a step's large arrays (rows, pooled embeddings, gradients) then

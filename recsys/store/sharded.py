@@ -105,14 +105,115 @@ class _Failed:
     exc: Exception
 
 
+class _Job:
+    """One call's items, each taken by whichever thread asks next (largest first)."""
+
+    def __init__(self, items: list, fn: Callable) -> None:
+        self.items, self.fn = items, fn
+        self.failed: list[tuple[int, BaseException]] = []
+        self._cond = threading.Condition()
+        self._next = 0
+        self._running = 0
+
+    def work(self) -> None:
+        """Run items until none is left (or one failed); a helper's interruption is recorded
+        as its item's failure and raised in the helper too."""
+        while True:
+            with self._cond:
+                i = self._next
+                if i >= len(self.items) or self.failed:
+                    return
+                self._next = i + 1
+                self._running += 1
+            try:
+                self.fn(self.items[i])
+            except BaseException as exc:  # noqa: BLE001 - raised by the store's worker, in item order
+                with self._cond:
+                    self.failed.append((i, exc))
+                if not isinstance(exc, Exception):
+                    raise
+            finally:
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """Wait until no thread runs an item (call after ``work`` returned: none is handed out)."""
+        with self._cond:
+            while self._running:
+                self._cond.wait()
+
+
+class _Board:
+    """Where a store's worker posts its per-table work while another thread waits for the
+    worker: the waiting thread takes tables too instead of idling (the trainer, between
+    its dense optimizer step and the next lookup, on the core the step leaves free)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._job: _Job | None = None
+
+    def run(self, items: list, fn: Callable, pool: ThreadPoolExecutor | None = None, helpers: int = 0) -> list:
+        """Run ``fn`` on every item (also on ``helpers`` threads of ``pool``); return the failures."""
+        job = _Job(items, fn)
+        with self._cond:
+            self._job = job
+            self._cond.notify_all()
+        lanes = [pool.submit(job.work) for _ in range(helpers)] if pool is not None else []
+        try:
+            job.work()
+        finally:
+            with self._cond:
+                self._job = None
+            for f in lanes:
+                f.result()
+            job.wait_idle()
+        return job.failed
+
+    def help_until(self, fut: Future) -> None:
+        """Take posted work until ``fut`` is done."""
+        fut.add_done_callback(self._poke)
+        helped = None
+        while True:
+            with self._cond:
+                while (self._job is None or self._job is helped) and not fut.done():
+                    self._cond.wait()
+                if fut.done():
+                    return
+                helped = self._job
+            helped.work()
+
+    def _poke(self, _fut: Future) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class _HelpedFuture(Future):
+    """A future whose waiter takes the store worker's posted work while it waits."""
+
+    def __init__(self, board: _Board) -> None:
+        super().__init__()
+        self._board = board
+
+    def result(self, timeout=None):
+        if timeout is None and not self.done():
+            self._board.help_until(self)
+        return super().result(timeout)
+
+
 class _Lanes:
     """Runs one call's per-table work on up to ``n`` threads: the calling thread and ``n - 1``
     helpers (numba kernels release the GIL). Tables share no arrays, so which thread does a
     table changes no number; a group that fails reports its first failing item, and of
-    those the lowest item's error is raised, as a loop in item order would raise it."""
+    those the lowest item's error is raised, as a loop in item order would raise it.
 
-    def __init__(self, n: int) -> None:
+    With a ``board``, tables are not split into fixed groups: they are handed out one at a
+    time, largest first, to the calling thread, the helpers and any thread waiting for the
+    store (``_HelpedFuture``); the lowest failing item's error is raised likewise."""
+
+    def __init__(self, n: int, board: _Board | None = None) -> None:
         self.n = max(1, int(n))
+        self.board = board
         self._pool = ThreadPoolExecutor(self.n - 1, thread_name_prefix="store-lane") if self.n > 1 else None
 
     def split(self, costs: list[float]) -> list[list[int]]:
@@ -130,7 +231,16 @@ class _Lanes:
         return [sorted(g) for g in groups if g]
 
     def each(self, items: list, costs: list[float], fn: Callable, before: Callable | None = None) -> None:
-        """Call ``fn(item)`` for every item (``before(group's items)`` first in each group)."""
+        """Call ``fn(item)`` for every item (``before(group's items)`` first in each group;
+        with a board, ``before(items)`` once)."""
+        if self.board is not None and len(items) > 1:
+            if before is not None:
+                before(items)
+            order = sorted(range(len(items)), key=lambda i: -costs[i])
+            failed = self.board.run([items[i] for i in order], fn, self._pool, self.n - 1)
+            if failed:
+                raise min(((order[i], exc) for i, exc in failed), key=lambda x: x[0])[1]
+            return
         groups = self.split(costs)
         if len(groups) == 1:
             if before is not None:
@@ -307,7 +417,9 @@ class ShardedEmbeddingStore:
         # per-table work on several threads: plain host tables only (a spill tier's Redis
         # client and a device cache stay on the worker thread)
         plain = table_factory is None and not cfg.spill_url and cfg.device_cache_rows == 0
-        self._lanes = _Lanes((cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1)
+        lanes = (cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
+        self._board = _Board() if threaded and cfg.waiter_helps and plain and self.device.type == "cpu" else None
+        self._lanes = _Lanes(lanes, self._board)
         self._single_cols_t = torch.tensor(self._single_features, dtype=torch.int64, device=self.device)
         self._multi_cols_t = torch.tensor(self._multi_features, dtype=torch.int64, device=self.device)
         # the schedule
@@ -644,7 +756,7 @@ class ShardedEmbeddingStore:
         return self._submit(("call", fn)).result()
 
     def _submit(self, op) -> Future:
-        fut: Future = Future()
+        fut: Future = Future() if self._board is None else _HelpedFuture(self._board)
         if self._threaded:
             if self._failure is not None:
                 raise self._failed_earlier()
