@@ -424,6 +424,20 @@ def test_a_waiting_caller_takes_tables_of_the_workers_call():
         if i in (5, 2):
             raise ValueError(f"item {i}")
 
+    # largest first hands out 5, then 7, 6, 4, 3, 2, 1, 0: once 5 failed, 7 and 6 (later in
+    # schema order) are skipped; the earlier items still run, and item 2's error is raised,
+    # as a loop in schema order would raise it
+    ran.clear()
+
+    def record(i: int) -> None:
+        ran[i] = threading.current_thread().name
+        failing(i)
+
+    costs = [float(i) for i in range(8)]
+    costs[5] = 100.0
+    with pytest.raises(ValueError, match="item 2"):
+        lanes.each(list(range(8)), costs, record)
+    assert sorted(ran) == [0, 1, 2, 3, 4, 5]
     with pytest.raises(ValueError, match="item 2"):
         lanes.each(list(range(8)), [float(8 - i) for i in range(8)], failing)
     plain = Future()

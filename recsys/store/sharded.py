@@ -106,30 +106,37 @@ class _Failed:
 
 
 class _Job:
-    """One call's items, each taken by whichever thread asks next (largest first)."""
+    """One call's items, each taken by whichever thread asks next, in the order given;
+    ``index[k]`` is item k's place in the call's own (schema) order. After a failure, only
+    items placed before the earliest failure so far are still run, so the earliest failing
+    item is found, as a loop in schema order would find it."""
 
-    def __init__(self, items: list, fn: Callable) -> None:
-        self.items, self.fn = items, fn
-        self.failed: list[tuple[int, BaseException]] = []
+    def __init__(self, items: list, fn: Callable, index: list[int]) -> None:
+        self.items, self.fn, self.index = items, fn, index
+        self.failed: list[tuple[int, BaseException]] = []  # (schema-order index, error)
         self._cond = threading.Condition()
         self._next = 0
         self._running = 0
+        self._first_failure = len(items)
 
     def work(self) -> None:
-        """Run items until none is left (or one failed); a helper's interruption is recorded
-        as its item's failure and raised in the helper too."""
+        """Run items until none is left; a helper's interruption is recorded as its item's
+        failure and raised in the helper too."""
         while True:
             with self._cond:
-                i = self._next
-                if i >= len(self.items) or self.failed:
+                while self._next < len(self.items) and self.index[self._next] > self._first_failure:
+                    self._next += 1
+                k = self._next
+                if k >= len(self.items):
                     return
-                self._next = i + 1
+                self._next = k + 1
                 self._running += 1
             try:
-                self.fn(self.items[i])
-            except BaseException as exc:  # noqa: BLE001 - raised by the store's worker, in item order
+                self.fn(self.items[k])
+            except BaseException as exc:  # noqa: BLE001 - raised by the store's worker, in schema order
                 with self._cond:
-                    self.failed.append((i, exc))
+                    self.failed.append((self.index[k], exc))
+                    self._first_failure = min(self._first_failure, self.index[k])
                 if not isinstance(exc, Exception):
                     raise
             finally:
@@ -153,9 +160,11 @@ class _Board:
         self._cond = threading.Condition()
         self._job: _Job | None = None
 
-    def run(self, items: list, fn: Callable, pool: ThreadPoolExecutor | None = None, helpers: int = 0) -> list:
-        """Run ``fn`` on every item (also on ``helpers`` threads of ``pool``); return the failures."""
-        job = _Job(items, fn)
+    def run(self, items: list, fn: Callable, index: list[int], pool: ThreadPoolExecutor | None = None,
+            helpers: int = 0) -> list:
+        """Run ``fn`` on the items (``_Job``; also on ``helpers`` threads of ``pool``); return
+        the failures as (schema-order index, error)."""
+        job = _Job(items, fn, index)
         with self._cond:
             self._job = job
             self._cond.notify_all()
@@ -237,9 +246,9 @@ class _Lanes:
             if before is not None:
                 before(items)
             order = sorted(range(len(items)), key=lambda i: -costs[i])
-            failed = self.board.run([items[i] for i in order], fn, self._pool, self.n - 1)
+            failed = self.board.run([items[i] for i in order], fn, order, self._pool, self.n - 1)
             if failed:
-                raise min(((order[i], exc) for i, exc in failed), key=lambda x: x[0])[1]
+                raise min(failed, key=lambda x: x[0])[1]
             return
         groups = self.split(costs)
         if len(groups) == 1:
