@@ -51,7 +51,8 @@ class TrainConfig:
     """On CPU, run the store's worker and the reader's threads under Linux's ``SCHED_IDLE``
     policy while the dense forward and backward run, so they take only the cores the
     step's torch threads leave idle; they get the normal policy back whenever the step
-    waits for them (``recsys.priority``). Off: they run at their nice values throughout."""
+    waits for them, and keep it while other processes use more than half a core of the
+    host (``recsys.priority``). Off: they run at their nice values throughout."""
     log_every: int = 50
     """Write a metrics line every this many steps."""
     eval_every: int = 0
