@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 
 STORE_PREFIXES = ("store-worker", "store-lane")
 READER_PREFIXES = ("recsys-reader-",)
@@ -50,8 +51,7 @@ _SUPPORTED = sys.platform == "linux" and hasattr(os, "SCHED_IDLE")
 class IdleGroup:
     """The threads of this process whose names start with one of ``prefixes``."""
 
-    def __init__(self, name: str, prefixes: tuple[str, ...]) -> None:
-        self.name = name
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
         self.prefixes = prefixes
         self.enabled = False
         """Whether ``lower`` does anything (the trainer turns it on, ``train.idle_background``)."""
@@ -100,8 +100,6 @@ class LoadWatch:
 
     def __init__(self, interval_s: float = 1.0, busy_above: float = 0.5, quiet_below: float = 0.25,
                  host_cpu_s=None, own_cpu_s=None, clock=None) -> None:
-        import time
-
         self.interval_s, self.busy_above, self.quiet_below = interval_s, busy_above, quiet_below
         self._host = host_cpu_s or _host_cpu_s
         self._own = own_cpu_s or _own_cpu_s
@@ -146,8 +144,8 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-STORE = IdleGroup("store", STORE_PREFIXES)
-READER = IdleGroup("reader", READER_PREFIXES)
+STORE = IdleGroup(STORE_PREFIXES)
+READER = IdleGroup(READER_PREFIXES)
 WATCH = LoadWatch()
 
 
@@ -172,10 +170,3 @@ def enable(on: bool) -> None:
         if not on:
             g.raise_()
 
-
-def policy_of(thread: threading.Thread) -> int | None:
-    """Return ``thread``'s scheduling policy (``os.SCHED_*``), or None if unknown."""
-    try:
-        return os.sched_getscheduler(thread.native_id)
-    except (OSError, AttributeError, TypeError):
-        return None

@@ -14,6 +14,14 @@ from recsys import priority
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")
 
 
+def policy_of(thread: threading.Thread) -> int | None:
+    """Return ``thread``'s scheduling policy (``os.SCHED_*``), or None if it ended."""
+    try:
+        return os.sched_getscheduler(thread.native_id)
+    except OSError:
+        return None
+
+
 def _nice(native_id: int) -> int:
     with open(f"/proc/self/task/{native_id}/stat") as fh:
         stat = fh.read()
@@ -55,7 +63,7 @@ def test_lower_and_raise_switch_the_policy_and_keep_the_nice_value(member):
     priority.STORE.lower()
     assert priority.STORE.low
     assert os.sched_getscheduler(member.native_id) == os.SCHED_IDLE
-    assert priority.policy_of(bystander) == os.SCHED_OTHER  # only the group's threads
+    assert policy_of(bystander) == os.SCHED_OTHER  # only the group's threads
     priority.STORE.raise_()
     assert not priority.STORE.low
     assert os.sched_getscheduler(member.native_id) == os.SCHED_OTHER
@@ -96,7 +104,7 @@ def test_the_reader_raises_its_threads_while_its_consumer_waits(data, monkeypatc
 
     def get(self, *args, **kwargs):
         if kwargs.get("timeout") is not None:  # the blocking wait of the consumer
-            seen.append({t.name: priority.policy_of(t) for t in priority.READER.members()})
+            seen.append({t.name: policy_of(t) for t in priority.READER.members()})
         return real_get(self, *args, **kwargs)
 
     r = ParquetReader(data.config(prefetch=1, batch_size=4), make_schema())
@@ -111,7 +119,7 @@ def test_the_reader_raises_its_threads_while_its_consumer_waits(data, monkeypatc
         monkeypatch.undo()
         assert seen and all(policies and set(policies.values()) == {os.SCHED_OTHER} for policies in seen)
         assert priority.READER.low
-        assert {priority.policy_of(t) for t in priority.READER.members()} == {os.SCHED_IDLE}
+        assert {policy_of(t) for t in priority.READER.members()} == {os.SCHED_IDLE}
     finally:
         priority.enable(False)
         r.close()
@@ -129,13 +137,13 @@ def _train_watching(data, run_dir, *extra) -> tuple[list[dict[str, int]], list[i
     in_forward, in_push = [], []
 
     def watched_forward(*args, **kwargs):
-        in_forward.append({t.name: priority.policy_of(t) for t in priority.STORE.members() + priority.READER.members()})
+        in_forward.append({t.name: policy_of(t) for t in priority.STORE.members() + priority.READER.members()})
         return forward(*args, **kwargs)
 
     real_push = ShardedEmbeddingStore._do_push
 
     def watched_push(self, *args, **kwargs):
-        in_push.append(priority.policy_of(threading.current_thread()))
+        in_push.append(policy_of(threading.current_thread()))
         return real_push(self, *args, **kwargs)
 
     trainer.ddp.forward = watched_forward
