@@ -59,6 +59,7 @@ from numba import njit
 
 # The numba-callable murmur3 finalizer of THE hashing module (one definition of the mixer).
 from recsys.hashing import _fmix
+from recsys.store.prefetch import KEYS_AHEAD, prefetch
 
 __all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "merge_sketch_states"]
 
@@ -138,7 +139,12 @@ def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
     n_pend = 0
     n_hit = 0
     n_hit_pos = 0
-    for i in range(keys.shape[0]):
+    n = keys.shape[0]
+    for i in range(min(KEYS_AHEAD, n)):
+        prefetch(buckets, _home(keys[i], mask_u))
+    for i in range(n):
+        if i + KEYS_AHEAD < n:
+            prefetch(buckets, _home(keys[i + KEYS_AHEAD], mask_u))
         key = keys[i]
         h = _home(key, mask_u)
         n_probe = 0

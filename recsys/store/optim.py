@@ -43,6 +43,7 @@ import numpy as np
 from numba import njit
 
 from recsys.store.config import StoreConfig
+from recsys.store.prefetch import ROWS_AHEAD, prefetch
 
 __all__ = ["StateColumn", "state_columns", "initial_state_value", "apply_update"]
 
@@ -109,7 +110,14 @@ def _row_sum_sq(g, i, w, r, wd32):
 def _rowwise_adagrad_kernel(w, w_idx, state, s_idx, g, lr, eps, wd):
     D = g.shape[1]
     lr32, eps32, wd32, inv_d = np.float32(lr), np.float32(eps), np.float32(wd), np.float32(1.0 / D)
-    for i in range(g.shape[0]):
+    n = g.shape[0]
+    for i in range(n):
+        j = i + ROWS_AHEAD
+        if j < n:
+            rj, sj = w_idx[j], s_idx[j]
+            if rj >= 0 and sj >= 0:
+                prefetch(w, rj)
+                prefetch(state, sj)
         r = w_idx[i]
         s = s_idx[i]
         if r < 0 or s < 0:
@@ -125,7 +133,14 @@ def _rowwise_adagrad_kernel(w, w_idx, state, s_idx, g, lr, eps, wd):
 def _adagrad_kernel(w, w_idx, state, s_idx, g, lr, eps, wd):
     D = g.shape[1]
     lr32, eps32, wd32 = np.float32(lr), np.float32(eps), np.float32(wd)
-    for i in range(g.shape[0]):
+    n = g.shape[0]
+    for i in range(n):
+        j = i + ROWS_AHEAD
+        if j < n:
+            rj, sj = w_idx[j], s_idx[j]
+            if rj >= 0 and sj >= 0:
+                prefetch(w, rj)
+                prefetch(state, sj)
         r = w_idx[i]
         s = s_idx[i]
         if r < 0 or s < 0:
@@ -142,7 +157,16 @@ def _adam_kernel(w, w_idx, m, v, t, s_idx, g, lr, beta1, beta2, eps, wd):
     D = g.shape[1]
     b1, b2, eps32, wd32 = np.float32(beta1), np.float32(beta2), np.float32(eps), np.float32(wd)
     one_b1, one_b2 = np.float32(1.0 - beta1), np.float32(1.0 - beta2)
-    for i in range(g.shape[0]):
+    n = g.shape[0]
+    for i in range(n):
+        j = i + ROWS_AHEAD
+        if j < n:
+            rj, sj = w_idx[j], s_idx[j]
+            if rj >= 0 and sj >= 0:
+                prefetch(w, rj)
+                prefetch(m, sj)
+                prefetch(v, sj)
+                prefetch(t, sj)
         r = w_idx[i]
         s = s_idx[i]
         if r < 0 or s < 0:
@@ -164,7 +188,11 @@ def _adam_kernel(w, w_idx, m, v, t, s_idx, g, lr, beta1, beta2, eps, wd):
 def _sgd_kernel(w, w_idx, g, lr, wd):
     D = g.shape[1]
     lr32, wd32 = np.float32(lr), np.float32(wd)
-    for i in range(g.shape[0]):
+    n = g.shape[0]
+    for i in range(n):
+        j = i + ROWS_AHEAD
+        if j < n and w_idx[j] >= 0:
+            prefetch(w, w_idx[j])
         r = w_idx[i]
         if r < 0:
             continue
