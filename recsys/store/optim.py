@@ -112,6 +112,7 @@ def _rowwise_adagrad_kernel(w, w_idx, state, s_idx, g, lr, eps, wd):
     lr32, eps32, wd32, inv_d = np.float32(lr), np.float32(eps), np.float32(wd), np.float32(1.0 / D)
     n = g.shape[0]
     for i in range(n):
+        # the hint is written out in each kernel on purpose (recsys.store.prefetch)
         j = i + ROWS_AHEAD
         if j < n:
             rj, sj = w_idx[j], s_idx[j]
