@@ -37,7 +37,7 @@ def _check_common(result: dict, saved: dict, s: train.Settings) -> dict:
     timed_rows = s.timed_steps * s.batch_size
     assert d["ours"]["timed_rows"] == timed_rows
     assert d["ours"]["samples_per_s"] == pytest.approx(timed_rows / d["ours"]["timed_seconds"])
-    for side in ("torchrec", "dense_only", "dense_only_input_grad"):
+    for side in ("torchrec", "dense_only"):
         assert d[side]["timed_rows"] == timed_rows
         assert len(d[side]["seconds_per_segment"]) == s.timed_chunks
         assert d[side]["samples_per_s"] == pytest.approx(timed_rows / sum(d[side]["seconds_per_segment"]))
@@ -45,7 +45,6 @@ def _check_common(result: dict, saved: dict, s: train.Settings) -> dict:
     assert vs_peer["ours"] == d["ours"]["samples_per_s"] == vs_limit["ours"]
     assert vs_peer["baseline"] == d["torchrec"]["samples_per_s"]
     assert vs_limit["baseline"] == d["dense_only"]["samples_per_s"]
-    assert by_name["ours vs dense-only limit + input grad"]["baseline"] == d["dense_only_input_grad"]["samples_per_s"]
     # one pause per segment: the warm-up one, then one per timed segment
     assert len(d["pauses_s"]) == s.timed_chunks + 1
 
@@ -74,8 +73,7 @@ def _check_common(result: dict, saved: dict, s: train.Settings) -> dict:
 def test_train_bench_quick_writes_json(tmp_path, monkeypatch, capsys, tiny_data):
     result, saved = _run(tmp_path, monkeypatch, tiny_data, TINY)
     by_name = _check_common(result, saved, TINY)
-    assert set(by_name) == {"ours vs torchrec DMP fused", "ours vs dense-only limit",
-                            "ours vs dense-only limit + input grad", "AUC ours vs torchrec"}
+    assert set(by_name) == {"ours vs torchrec DMP fused", "ours vs dense-only limit", "AUC ours vs torchrec"}
     assert saved["details"]["two_processes"] is None
     assert "ratio" in capsys.readouterr().out
 
@@ -92,18 +90,3 @@ def test_train_bench_two_processes(tmp_path, monkeypatch, tiny_data):
     assert scaling["ours"] == two["samples_per_s"]
     assert scaling["baseline"] == saved["details"]["ours"]["samples_per_s"]
     assert math.isfinite(scaling["ratio"])
-
-
-def test_limit_with_input_grad_forms_the_pooled_gradient(tmp_path):
-    job = train.load_bench_job(tmp_path, TINY)
-    plain = train.Limit(job, 64, 2)
-    assert not any(pooled.requires_grad for _, pooled, _ in plain.batches)
-    grad = train.Limit(job, 64, 2, input_grad=True)
-    seen = []
-    for _, pooled, _ in grad.batches:
-        pooled.register_hook(lambda g: seen.append(tuple(g.shape)))
-    grad.run(3, timed=True)
-    F, D = len(job.schema.sparse), next(iter(job.schema.tables.values())).dim
-    assert seen == [(64, F, D)] * 3  # one gradient of the pooled input per step
-    assert all(pooled.grad is None for _, pooled, _ in grad.batches)  # not kept from step to step
-    assert grad.timed_rows == 3 * 64 and len(grad.timed_s) == 1

@@ -24,19 +24,15 @@ size ``B``, 2 torch threads in one process:
 (c) **the limit**: the same ``RankingModel``'s forward, backward and Adam step on a few
     pre-made in-memory batches: random dense ``[B, N]`` and pooled ``[B, F, D]`` given as
     inputs (no gradient wanted for them). No reading, no embedding work at all.
-(c') **the limit with the input gradient**: (c), whose backward also forms the gradient
-    of the pooled input, as the dense model's backward must in any trainer of embeddings
-    (here the interaction's and the concatenation's backward toward the embeddings; the
-    same work in (a) and (b)). Reported beside (c), whose ratio stays the target's.
 
 Timing alternates, so a noisy neighbour hurts every side alike: (a) runs its real
 ``train()``, its batches handed over by a wrapper of our reader which, every ``chunk``
-steps, runs one segment of (b), (c) and (c') (their order rotated each time) before
+steps, runs one segment of (b) and one of (c) (their order swapped each time) before
 passing the batch on. (a) is paused only inside its batch fetch, when its store and
 reader threads are idle (the lookup of that batch is not yet submitted). Samples/s =
 rows of the timed steps / their seconds, after ``warmup_chunks × chunk`` untimed steps;
 (a)'s steps are timed fetch to fetch (one step each), pauses excluded. The headline ratio
-is total rows / total seconds per side; for a vs b, c and c' the table adds the median
+is total rows / total seconds per side; for a vs b and a vs c the table adds the median
 and min-max of the ratios of each pair of segments run back to back (``paired_ratios``
 in the JSON), which show how noisy the machine was.
 
@@ -460,7 +456,7 @@ class Peer:
 class Limit:
     """(c): the dense model alone on pre-made in-memory batches."""
 
-    def __init__(self, job, batch_size: int, n_batches: int, input_grad: bool = False) -> None:
+    def __init__(self, job, batch_size: int, n_batches: int) -> None:
         import torch
 
         from recsys.model.arch import RankingModel
@@ -481,9 +477,6 @@ class Limit:
              (torch.rand(batch_size, generator=g) < 0.17).float())
             for _ in range(n_batches)
         ]
-        if input_grad:  # (c'): the backward also forms d(loss)/d(pooled), a new tensor each step
-            for _, pooled, _ in self.batches:
-                pooled.requires_grad_(True)
         self.batch_size = batch_size
         self.steps = 0
         self.timed_rows = 0
@@ -502,7 +495,6 @@ class Limit:
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
             self.opt.zero_grad(set_to_none=False)
             loss.backward()
-            pooled.grad = None
             with torch_threads(self.optimizer_threads):
                 self.opt.step()
             loss.item()
@@ -514,11 +506,11 @@ class Limit:
 
 
 class Alternation:
-    """What (a)'s pauses run: segment 0 warms (b), (c) and (c') up, each later one times a
-    chunk of each, their order rotated by one from segment to segment."""
+    """What (a)'s pauses run: segment 0 warms (b) and (c) up, each later one times a chunk
+    of both, (b) first in odd segments and (c) first in even ones."""
 
-    def __init__(self, peer: Peer, limits: list[Limit], s: Settings) -> None:
-        self.peer, self.limits, self.s = peer, limits, s
+    def __init__(self, peer: Peer, limit: Limit, s: Settings) -> None:
+        self.peer, self.limit, self.s = peer, limit, s
         self.segments = 0
         self.pauses_s: dict[int, float] = {}  # 1-based trainer step -> seconds paused
 
@@ -527,12 +519,10 @@ class Alternation:
         if self.segments == 0:
             with _silent():  # the pipeline's first step traces the model: one-time notices
                 self.peer.run(self.s.warmup_steps + 1, timed=False)
-            for limit in self.limits:
-                limit.run(self.s.chunk, timed=False)
+            self.limit.run(self.s.chunk, timed=False)
         else:
-            sides = [self.peer, *self.limits]
-            k = self.segments % len(sides)
-            for side in sides[k:] + sides[:k]:
+            order = (self.peer, self.limit) if self.segments % 2 else (self.limit, self.peer)
+            for side in order:
                 side.run(self.s.chunk, timed=True)
         self.segments += 1
         # batch i is fetched during 0-based step i - 1, i.e. the trainer's step count i
@@ -662,8 +652,7 @@ def _measure_all(root: Path, s: Settings) -> dict:
         trainer = Trainer(job, Path(tmp) / "ours", setup_env("cpu"), source=source)
         peer = Peer(job, s.steps)
         limit = Limit(job, s.batch_size, s.dense_batches)
-        limit_grad = Limit(job, s.batch_size, s.dense_batches, input_grad=True)
-        alternate = Alternation(peer, [limit, limit_grad], s)
+        alternate = Alternation(peer, limit, s)
         source.on_pause = alternate
         seconds["build"] = time.perf_counter() - t0
         t0 = time.perf_counter()
@@ -688,7 +677,6 @@ def _measure_all(root: Path, s: Settings) -> dict:
             "ours": ours_rows / ours_s,
             "torchrec": peer.timed_rows / sum(peer.timed_s),
             "dense_only": limit.timed_rows / sum(limit.timed_s),
-            "dense_only_input_grad": limit_grad.timed_rows / sum(limit_grad.timed_s),
         }
         phases = _window_phases(Path(tmp) / "ours" / "metrics.jsonl", s.warmup_steps, alternate.pauses_s, s.chunk)
         two = None
@@ -703,8 +691,6 @@ def _measure_all(root: Path, s: Settings) -> dict:
                    **paired(ours_segments, peer.timed_s)),
         comparison("ours vs dense-only limit", rate["ours"], rate["dense_only"], "samples/s", target_ratio=0.8,
                    **paired(ours_segments, limit.timed_s)),
-        comparison("ours vs dense-only limit + input grad", rate["ours"], rate["dense_only_input_grad"],
-                   "samples/s", target_ratio=None, **paired(ours_segments, limit_grad.timed_s)),
     ]
     if two is not None:
         comparisons.append(comparison("2 processes vs 1 (ours)", two["samples_per_s"], rate["ours"], "samples/s",
@@ -740,11 +726,6 @@ def _measure_all(root: Path, s: Settings) -> dict:
                 "samples_per_s": rate["dense_only"],
                 "timed_rows": limit.timed_rows,
                 "seconds_per_segment": limit.timed_s,
-            },
-            "dense_only_input_grad": {
-                "samples_per_s": rate["dense_only_input_grad"],
-                "timed_rows": limit_grad.timed_rows,
-                "seconds_per_segment": limit_grad.timed_s,
             },
             "two_processes": two,
             "pauses_s": alternate.pauses_s,
