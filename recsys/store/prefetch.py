@@ -1,11 +1,10 @@
 """A software prefetch hint for numba kernels that walk rows in a data-dependent order.
 
-The store's random-access kernels (the key map's probe, the optimizers' row updates) spend
-most of their time waiting for one cache line at a time: row ``i + 1``'s address is known
-long before row ``i`` is done, but the loop body's branches keep the CPU from running far
-enough ahead to overlap the misses. ``prefetch(arr, i)`` asks for row ``i``'s first cache
-line a few iterations early. It changes no value, only timing; on a target without a
-prefetch instruction LLVM drops it.
+The store's random-access kernels (the key map's probe, the optimizers' row updates) visit
+rows in the batch's order, not memory's: over tables of a million rows nearly every visit
+misses the caches, and the address of a visit a few iterations on is known long before.
+``prefetch(arr, i)`` asks for row ``i``'s first cache line that early. It changes no value,
+only timing; on a target without a prefetch instruction LLVM drops it.
 
 Measured inside a training run (``recsys bench train``'s job, 2026-11-26, docs/ARCHITECTURE.md):
 the probe went from 71 to 51 ns a key and the row-wise Adagrad update from 59 to 39 ns a row.
