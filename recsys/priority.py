@@ -156,17 +156,21 @@ def dense_phase() -> None:
     if not STORE.enabled or not _SUPPORTED:
         return
     if WATCH.others_busy():
-        STORE.raise_()
-        READER.raise_()
+        raise_all()
     else:
         STORE.lower()
         READER.lower()
 
 
+def raise_all() -> None:
+    """Put both groups under the normal policy (whoever is about to wait for both)."""
+    STORE.raise_()
+    READER.raise_()
+
+
 def enable(on: bool) -> None:
     """Turn lowering on or off for both groups (off raises them)."""
-    for g in (STORE, READER):
-        g.enabled = on
-        if not on:
-            g.raise_()
+    STORE.enabled = READER.enabled = on
+    if not on:
+        raise_all()
 

@@ -246,9 +246,7 @@ class _Lanes:
             if before is not None:
                 before(items)
             order = sorted(range(len(items)), key=lambda i: -costs[i])
-            failed = self.board.run([items[i] for i in order], fn, order, self._pool, self.n - 1)
-            if failed:
-                raise min(failed, key=lambda x: x[0])[1]
+            _raise_first(self.board.run([items[i] for i in order], fn, order, self._pool, self.n - 1))
             return
         groups = self.split(costs)
         if len(groups) == 1:
@@ -273,13 +271,17 @@ class _Lanes:
 
         futures = [self._pool.submit(run, g) for g in groups[1:]]
         failed = [run(groups[0])] + [f.result() for f in futures]
-        failed = [x for x in failed if x is not None]
-        if failed:
-            raise min(failed, key=lambda x: x[0])[1]
+        _raise_first([x for x in failed if x is not None])
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+
+
+def _raise_first(failed: list[tuple[int, BaseException]]) -> None:
+    """Raise the error of the lowest item index among ``failed`` (item order), if any."""
+    if failed:
+        raise min(failed, key=lambda x: x[0])[1]
 
 
 @dataclasses.dataclass(slots=True)

@@ -562,8 +562,7 @@ class Trainer:
         if not cfg.paths:
             return {}
         # an evaluation waits for the store and its reader throughout (recsys.priority)
-        priority.STORE.raise_()
-        priority.READER.raise_()
+        priority.raise_all()
         reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size, dense_stats=self.dense_stats)
         self.model.eval()
         labels, preds, weights = [], [], []
