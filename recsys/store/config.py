@@ -52,6 +52,11 @@ class StoreConfig:
     cost ~16 % of the store's train step (4 of 24 ms at batch 4096, 8.8 k new rows a step),
     and their price varies from host to host. False: memory is committed as rows arrive
     (resident memory grows with the rows held; build time is shorter)."""
+    huge_pages: bool = True
+    """Keep every table's large arrays (rows, optimizer state, key map) on the kernel's 2 MiB
+    pages where Linux allows it (``recsys.store.pages``): the store's kernels read and write
+    rows at random, and on 4 KiB pages nearly every such access also misses the TLB. The
+    numbers are the same either way. False: ordinary pages."""
     threads: int = 1
     """Threads of the store's per-table work (key lookups and inserts, row reads, the pooling
     backward and the optimizer): the store's worker and ``threads - 1`` helpers; 0: torch's

@@ -59,6 +59,7 @@ from numba import njit
 
 # The numba-callable murmur3 finalizer of THE hashing module (one definition of the mixer).
 from recsys.hashing import _fmix
+from recsys.store import pages
 from recsys.store.prefetch import KEYS_AHEAD, prefetch
 
 __all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "merge_sketch_states"]
@@ -315,19 +316,20 @@ def _next_pow2(n: int) -> int:
 class KeyMap:
     """Return slots for 64-bit keys, inserting absent keys and evicting LRU keys (see module doc)."""
 
-    def __init__(self, capacity: int, *, pool_fraction: float = 0.125) -> None:
+    def __init__(self, capacity: int, *, pool_fraction: float = 0.125, huge_pages: bool = False) -> None:
+        """``huge_pages``: the buckets and per-slot arrays on 2 MiB pages (``recsys.store.pages``)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, found {capacity}")
         self.capacity = int(capacity)
         # > 2·C: during a call, C held keys plus up to C pending ones still leave an empty
         # bucket, which every probe and backward shift needs to stop
         nb = _next_pow2(2 * self.capacity + 1)
-        self._buckets = np.empty((nb, 2), dtype=np.int64)
+        self._buckets = pages.zeros((nb, 2), np.int64, huge_pages)
         self._buckets[:, 1] = _EMPTY
-        self.slot_key = np.zeros(self.capacity, dtype=np.int64)
-        self.slot_step = np.zeros(self.capacity, dtype=np.int64)
-        self._slot_used = np.zeros(self.capacity, dtype=np.bool_)
-        self._slot_call = np.zeros(self.capacity, dtype=np.int64)
+        self.slot_key = pages.zeros(self.capacity, np.int64, huge_pages)
+        self.slot_step = pages.zeros(self.capacity, np.int64, huge_pages)
+        self._slot_used = pages.zeros(self.capacity, np.bool_, huge_pages)
+        self._slot_call = pages.zeros(self.capacity, np.int64, huge_pages)
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # pops slot 0 first
         self._n_free = self.capacity
         self._call_id = 0

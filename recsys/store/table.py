@@ -67,7 +67,7 @@ import pyarrow as pa
 from numba import njit
 
 from recsys.schema import TableSpec
-from recsys.store import optim
+from recsys.store import optim, pages
 from recsys.store.config import StoreConfig
 from recsys.store.init import init_kernel as _init_kernel
 from recsys.store.init import init_salt, init_vectors
@@ -281,13 +281,13 @@ class EmbeddingTable:
         # a fixed-size table's keys are already folded into [0, num_rows) (recsys.hashing.fold)
         self.capacity = spec.capacity if spec.num_rows is None else min(spec.capacity, spec.num_rows)
         self.on_evict = on_evict
-        self._map = KeyMap(self.capacity)
+        self._map = KeyMap(self.capacity, huge_pages=cfg.huge_pages)
         self._np_dtype = np.dtype(cfg.dtype)
-        self.weights_CD = np.zeros((self.capacity, self.dim), dtype=self._np_dtype)
+        self.weights_CD = pages.zeros((self.capacity, self.dim), self._np_dtype, cfg.huge_pages)
         self._w16 = self.weights_CD.view(np.uint16) if self._np_dtype == np.float16 else None
         self._columns = optim.state_columns(cfg.optimizer)
         self._state = {
-            c.name: np.zeros((self.capacity, self.dim) if c.per_dim else self.capacity, dtype=c.dtype)
+            c.name: pages.zeros((self.capacity, self.dim) if c.per_dim else self.capacity, c.dtype, cfg.huge_pages)
             for c in self._columns
         }
         self._state_init = {c.name: optim.initial_state_value(cfg, c) for c in self._columns}

@@ -1,0 +1,90 @@
+"""The store's large arrays on 2 MiB pages (Linux transparent huge pages, THP).
+
+Every hot kernel of the store reads or writes rows at random positions of arrays of tens
+of megabytes: the key map's buckets and per-slot arrays, a table's rows and its optimizer
+state. With 4 KiB pages nearly every such access also misses the TLB (a 64 MiB table spans
+16 k pages, far more than the TLB holds), and the page walk costs about as much as the
+cache miss itself. On 2 MiB pages the same array is 32 pages.
+
+``zeros`` maps such arrays privately and anonymously, aligned to 2 MiB, and asks the
+kernel for huge pages with ``madvise(MADV_HUGEPAGE)``, the setting Linux distributions
+ship (``/sys/kernel/mm/transparent_hugepage/enabled`` = ``madvise``). Where the kernel has
+THP off (``never``), cannot give a huge page (fragmented memory) or is not Linux, the
+array is the same zeroed array on small pages. The numbers are the same either way; only
+the speed of random access changes.
+
+The cost: each array keeps its last huge page whole once touched (at most 2 MiB more
+resident memory per array), and arrays below 2 MiB stay on small pages (nothing to gain).
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import numpy as np
+
+HUGE_PAGE = 2 << 20
+THP_SETTING = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+_mode: str | None = None
+
+
+def thp_mode() -> str:
+    """Return the kernel's THP setting: ``always``, ``madvise`` or ``never`` ("" if unknown)."""
+    global _mode
+    if _mode is None:
+        _mode = ""
+        if sys.platform == "linux" and hasattr(mmap, "MADV_HUGEPAGE"):
+            try:
+                with open(THP_SETTING) as fh:
+                    text = fh.read()
+            except OSError:
+                text = ""
+            if "[" in text:
+                _mode = text.split("[", 1)[1].split("]", 1)[0]
+    return _mode
+
+
+def zeros(shape, dtype, huge: bool = True) -> np.ndarray:
+    """Return a zeroed C-contiguous array, on huge pages when ``huge`` and the array spans
+    at least one 2 MiB page (and the kernel allows it), else ``np.zeros``."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in np.atleast_1d(shape))
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if not huge or nbytes < HUGE_PAGE or thp_mode() not in ("always", "madvise"):
+        return np.zeros(shape, dtype)
+    # one huge page more than needed, so the array can start on a 2 MiB boundary (the
+    # slack before it is never touched, so never backed by memory)
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE + HUGE_PAGE
+    try:
+        region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except (OSError, ValueError):
+        return np.zeros(shape, dtype)
+    raw = np.frombuffer(region, dtype=np.uint8)  # fresh anonymous memory reads as zeros
+    start = (-raw.ctypes.data) % HUGE_PAGE
+    # the array keeps ``region`` alive (through its base); the mapping goes with the array
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def on_huge_pages(arr: np.ndarray) -> int:
+    """Return how many bytes of ``arr``'s mapping the kernel backs with huge pages now
+    (Linux; from ``/proc/self/smaps``; 0 elsewhere). For tests and diagnostics."""
+    if sys.platform != "linux":
+        return 0
+    addr = arr.ctypes.data
+    try:
+        with open("/proc/self/smaps") as fh:
+            text = fh.read()
+    except OSError:
+        return 0
+    inside = False
+    for line in text.splitlines():
+        head = line.split(None, 1)[0] if line else ""
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024
+    return 0

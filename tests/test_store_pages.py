@@ -1,0 +1,109 @@
+"""Huge pages for the store's large arrays: zeroed, aligned, really on 2 MiB pages where the
+kernel allows it, released with the array, and no value of a table changes."""
+
+import gc
+
+import numpy as np
+import pytest
+
+from recsys import hashing
+from recsys.schema import TableSpec
+from recsys.store import pages
+from recsys.store.config import StoreConfig
+from recsys.store.keymap import KeyMap
+from recsys.store.table import EmbeddingTable
+
+THP = pages.thp_mode() in ("always", "madvise")
+
+
+def _vmstat(name: str) -> int:
+    with open("/proc/vmstat") as fh:
+        for line in fh:
+            k, v = line.split()
+            if k == name:
+                return int(v)
+    return 0
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as fh:
+        for line in fh:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("shape,dtype", [((300_000, 16), np.float32), ((700_000,), np.int64), ((3 << 20,), np.bool_)])
+def test_zeros_is_a_zeroed_writable_contiguous_array(shape, dtype):
+    a = pages.zeros(shape, dtype)
+    assert a.shape == shape and a.dtype == dtype
+    assert a.flags["C_CONTIGUOUS"] and a.flags["WRITEABLE"]
+    assert not a.any()
+    a[...] = 1
+    assert a.all()
+    if THP:
+        assert a.ctypes.data % pages.HUGE_PAGE == 0
+
+
+def test_small_arrays_and_huge_false_are_plain_numpy():
+    for a in (pages.zeros((1000, 16), np.float32), pages.zeros((300_000, 16), np.float32, huge=False)):
+        assert a.base is None and not a.any()
+
+
+@pytest.mark.skipif(not THP, reason="the kernel's transparent huge pages are off here")
+def test_the_kernel_backs_the_array_with_huge_pages():
+    fallback = _vmstat("thp_fault_fallback")
+    a = pages.zeros((8 << 20,), np.float32)  # 32 MiB
+    a[::1024] = 1.0  # touch every 4 KiB page
+    if _vmstat("thp_fault_fallback") > fallback:
+        pytest.skip("the kernel had no free huge page (fragmented memory): small pages, as documented")
+    assert pages.on_huge_pages(a) >= 16 * pages.HUGE_PAGE
+    assert pages.on_huge_pages(np.zeros(1 << 20)) == 0 or pages.thp_mode() == "always"
+
+
+@pytest.mark.skipif(not THP, reason="the kernel's transparent huge pages are off here")
+def test_the_mapping_goes_with_the_array():
+    a = pages.zeros((4 << 20,), np.int64)
+    view = a[10:20]
+    addr = a.ctypes.data
+    del a
+    gc.collect()
+    assert _mapped(addr)  # a view still holds it
+    del view
+    gc.collect()
+    assert not _mapped(addr)
+
+
+def test_a_table_on_huge_pages_holds_the_same_rows():
+    """Rows, optimizer state and key map on huge pages or not: every value the same, and
+    the large arrays are where the setting says."""
+    spec = TableSpec(dim=16, capacity=40_000)  # rows 2.4 MiB, buckets 2 MiB
+    tables = {hp: EmbeddingTable("t", spec, StoreConfig(optimizer="adam", huge_pages=hp)) for hp in (True, False)}
+    rng = np.random.default_rng(1)
+    for step in range(4):
+        keys = np.unique(hashing.hash_int64(rng.integers(0, 60_000, 20_000), "t"))  # evicts from step 2 on
+        grads = rng.standard_normal((keys.shape[0], 16)).astype(np.float32)
+        for t in tables.values():
+            t.lookup(keys, step)
+            t.apply_gradients(keys, grads, step)
+    keys = np.unique(hashing.hash_int64(np.arange(60_000), "t"))
+    np.testing.assert_array_equal(tables[True].peek(keys), tables[False].peek(keys))
+    on, off = tables[True], tables[False]
+    assert on.counters() == off.counters()
+    for name in off._state:
+        np.testing.assert_array_equal(on._state[name], off._state[name])
+    if THP:
+        for arr in (on.weights_CD, on._map._buckets):
+            assert arr.ctypes.data % pages.HUGE_PAGE == 0
+    for arr in (off.weights_CD, off._map._buckets):
+        assert arr.base is None or isinstance(arr.base, np.ndarray) and arr.base.base is None
+
+
+def test_keymap_huge_pages_is_opt_in():
+    assert KeyMap(300_000)._buckets.base is None
+    m = KeyMap(300_000, huge_pages=True)  # per-slot arrays of 2.4 MB, buckets of 16 MB
+    assert (m._buckets[:, 1] == m._buckets[0, 1]).all() and not m.slot_key.any()
+    if THP:
+        for arr in (m._buckets, m.slot_key, m.slot_step, m._slot_call):
+            assert arr.ctypes.data % pages.HUGE_PAGE == 0
