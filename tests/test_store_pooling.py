@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from recsys.store.pooling import pool_backward, pool_forward, pool_torch
+from recsys.store.pooling import local_copy, pool_backward, pool_forward, pool_torch
 
 
 def _case(seed: int, weighted: bool):
@@ -43,3 +43,25 @@ def test_pool_kernels_match_torch_forward_and_backward():
         grads = pool_backward(upstream.numpy(), *args, np.zeros(rows.shape, dtype=np.float32))
         # the zero row (R - 1) is padding: torch gives it no gradient, ours is never read
         torch.testing.assert_close(torch.from_numpy(grads[:-1]), ref_rows.grad[:-1])
+
+
+def test_local_copy_is_an_equal_copy_in_a_reused_per_thread_buffer():
+    import threading
+
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((5000, 16)).astype(np.float32)
+    c = local_copy(a)
+    np.testing.assert_array_equal(c, a)
+    assert c.shape == a.shape and c.dtype == np.float32 and c.flags["C_CONTIGUOUS"]
+    assert not np.shares_memory(c, a)
+    b = rng.standard_normal((3000, 16)).astype(np.float32)
+    c2 = local_copy(b)  # fits: the same buffer, now holding b
+    np.testing.assert_array_equal(c2, b)
+    assert c2.ctypes.data == c.ctypes.data
+    big = rng.standard_normal((50_000, 16)).astype(np.float32)
+    np.testing.assert_array_equal(local_copy(big), big)  # grows
+    other = {}
+    t = threading.Thread(target=lambda: other.setdefault("ptr", local_copy(b).ctypes.data))
+    t.start()
+    t.join()
+    assert other["ptr"] != local_copy(b).ctypes.data  # each thread its own buffer

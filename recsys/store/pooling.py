@@ -15,9 +15,13 @@ input checks: hot path; the store builds the indices.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 from numba import njit
+
+_scratch = threading.local()
 
 
 @njit(nogil=True, cache=True)
@@ -97,6 +101,25 @@ def pool_forward(rows_RD: np.ndarray, single_idx: np.ndarray, single_cols: np.nd
     w = weights if weights is not None else np.empty(0, dtype=np.float32)
     _pool_kernel(rows_RD, single_idx, single_cols, values, offsets, w, weights is not None, multi_cols, out_BFD)
     return out_BFD
+
+
+def local_copy(rows_RD: np.ndarray) -> np.ndarray:
+    """Return a copy of ``rows_RD`` (float32 [R, D]) in this thread's reused scratch buffer,
+    valid until the thread's next call.
+
+    The pooling reads each row of a batch several times, in the batch's order. When another
+    core wrote the rows (the store's worker gathers them), each such read fetches a line
+    from that core's cache; copying them first reads them once, in order (the hardware
+    prefetches it), and the pooling's reads then hit this core's caches. Measured in
+    training (the bench job, B 4096, 28 features, D 16, thread CPU time of the forward
+    pooling per step, two alternations): 1.17 / 1.20 ms with the copy, 1.47 / 1.49 without."""
+    n = rows_RD.size
+    buf = getattr(_scratch, "buf", None)
+    if buf is None or buf.shape[0] < n:
+        buf = _scratch.buf = np.empty(max(n, 1 << 16) + n // 4, dtype=np.float32)
+    out = buf[:n].reshape(rows_RD.shape)
+    np.copyto(out, rows_RD)
+    return out
 
 
 def pool_backward(grad_BFD: np.ndarray, single_idx: np.ndarray, single_cols: np.ndarray, values: np.ndarray,

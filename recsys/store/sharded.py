@@ -60,7 +60,7 @@ from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch, unique_inverse
 from recsys.store.malloc import keep_freed_memory
-from recsys.store.pooling import pool_backward, pool_forward, pool_torch, scatter_add
+from recsys.store.pooling import local_copy, pool_backward, pool_forward, pool_torch, scatter_add
 
 log = logging.getLogger(__name__)
 ADMISSION_FORMAT = 1
@@ -338,9 +338,9 @@ class Lookup:
         w = self.multi_weights
         F = self.single_cols.shape[0] + self.multi_cols.shape[0]
         out = torch.empty((self.batch_size, F, self.rows_all.shape[1]), dtype=torch.float32)
-        pool_forward(self.rows_all.detach().numpy(), self.single_idx.numpy(), self.single_cols.numpy(),
-                     self.multi_values.numpy(), self.multi_offsets.numpy(), None if w is None else w.numpy(),
-                     self.multi_cols.numpy(), out.numpy())
+        rows = local_copy(self.rows_all.detach().numpy())  # read from this core's cache, not the gatherer's
+        pool_forward(rows, self.single_idx.numpy(), self.single_cols.numpy(), self.multi_values.numpy(),
+                     self.multi_offsets.numpy(), None if w is None else w.numpy(), self.multi_cols.numpy(), out.numpy())
         self.pooled_leaf = out.requires_grad_(self.rows_all.requires_grad)
 
     def pool_backward(self, grad_BFD: np.ndarray, out_RD: np.ndarray, columns: np.ndarray | None = None) -> None:
