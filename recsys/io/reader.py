@@ -257,7 +257,7 @@ class ParquetReader:
             p.consumed[u] += t
         p.batches[j] += 1
         b = item["batch"]
-        t = _views(b)
+        t = b.get("views") or _views(b)
         size = int(t["labels"].shape[0])
         self.stats["rows"] += size
         self.stats["batches"] += 1
@@ -373,8 +373,10 @@ class ParquetReader:
 # --------------------------------------------------------------------------- sources
 
 
-def _to_torch(item: dict) -> dict:
-    """Replace the item's BatchArrays by its buffer (a tensor, or a ring slot) and layout."""
+def _to_torch(item: dict, views: bool = False) -> dict:
+    """Replace the item's BatchArrays by its buffer (a tensor, or a ring slot) and layout;
+    with ``views`` (a source in this process), also by its tensors (``_views``), made here
+    rather than by the consumer."""
     b: BatchArrays | None = item.get("batch")
     if b is not None:
         out = {
@@ -387,6 +389,8 @@ def _to_torch(item: dict) -> dict:
             out["ring_slot"] = b.owner.index
         else:
             out["buffer"] = b.owner if b.owner is not None else torch.from_numpy(b.buffer)
+            if views:
+                out["views"] = _views(out)
         item["batch"] = out
     return item
 
@@ -433,7 +437,9 @@ class _ThreadSource:
             for item in items:
                 if self._stop.is_set():
                     return
-                self._q.put(_to_torch(item))
+                # the tensors are made on this thread: each torch call on the trainer's
+                # thread between its steps is time its other torch threads sit idle
+                self._q.put(_to_torch(item, views=True))
         except ReadError as err:
             self._q.put({"slot": self._slot, "error": err.fields()})
         except BaseException as exc:  # surfaces in the caller's thread
