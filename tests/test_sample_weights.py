@@ -120,3 +120,25 @@ def test_weight_column_type_and_role_are_checked(tmp_path):
         ParquetReader(ReaderConfig(paths=[str(tmp_path)]), SCHEMA)
     with pytest.raises(ValueError, match="weight column 'x' is also the label or a feature"):
         SCHEMA.replace(weight="x")
+
+
+def test_batch_to_its_own_device_is_itself_and_to_another_moves_every_tensor():
+    """``Batch.to`` skips the no-op copies (the trainer calls it every step) and moves a
+    batch that is elsewhere, weights, id weights and passthrough columns included."""
+    import torch
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from recsys.io.batch import Batch
+
+    kjt = KeyedJaggedTensor(keys=["a"], values=torch.tensor([1, 2], dtype=torch.int64),
+                            lengths=torch.tensor([1, 1], dtype=torch.int32), weights=torch.ones(2))
+    b = Batch(dense=torch.zeros(2, 3), labels=torch.zeros(2), sparse=kjt, extra={"row_id": torch.arange(2)},
+              weights=torch.ones(2))
+    assert b.to("cpu") is b and b.to(torch.device("cpu")) is b
+    m = b.to("meta")
+    assert m is not b
+    moved = [m.dense, m.labels, m.weights, m.extra["row_id"], m.sparse.values(), m.sparse.lengths(),
+             m.sparse.weights()]
+    assert all(t.device.type == "meta" for t in moved)
+    half = Batch(dense=b.dense, labels=m.labels, sparse=m.sparse)  # the dense part elsewhere: moved
+    assert half.to("meta") is not half and half.to("meta").dense.device.type == "meta"

@@ -38,7 +38,15 @@ class Batch:
         return int(self.labels.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        """Return the batch moved to ``device``."""
+        """Return the batch moved to ``device`` (itself if every tensor is there already:
+        the trainer calls this every step, and on CPU a dozen no-op torch calls on its
+        thread are time its other torch threads wait)."""
+        dev = torch.device(device)
+        sp = self.sparse
+        here = [self.dense, self.labels, sp.values(), sp.lengths(), *self.extra.values()]
+        here += [t for t in (self.weights, sp.weights_or_none()) if t is not None]
+        if all(t.device == dev for t in here):
+            return self
         return Batch(
             dense=self.dense.to(device, non_blocking=non_blocking),
             labels=self.labels.to(device, non_blocking=non_blocking),
