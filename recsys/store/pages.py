@@ -68,25 +68,3 @@ def zeros(shape, dtype, huge: bool = True) -> np.ndarray:
     start = (-raw.ctypes.data) % HUGE_PAGE
     # the array keeps ``region`` alive (through its base); the mapping goes with the array
     return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
-def on_huge_pages(arr: np.ndarray) -> int:
-    """Return how many bytes of ``arr``'s mapping the kernel backs with huge pages now
-    (Linux; from ``/proc/self/smaps``; 0 elsewhere). For tests and diagnostics."""
-    if sys.platform != "linux":
-        return 0
-    addr = arr.ctypes.data
-    try:
-        with open("/proc/self/smaps") as fh:
-            text = fh.read()
-    except OSError:
-        return 0
-    inside = False
-    for line in text.splitlines():
-        head = line.split(None, 1)[0] if line else ""
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024
-    return 0
