@@ -280,3 +280,38 @@ def test_find_with_hints_equals_find_whatever_the_hints():
         np.testing.assert_array_equal(km.find(keys, h), km.find(keys))
     with pytest.raises(ValueError, match="hints of shape"):
         km.find(keys, hints)
+
+
+def test_hints_are_trusted_only_while_no_key_left_its_slot():
+    """``find(keys, hints, departures)`` returns the hints unread only while ``departures``
+    is unchanged and every key had a slot; over random lookups, assigns and removes (small
+    capacity: many evictions) it always equals a plain ``find``."""
+    rng = np.random.default_rng(11)
+    km = KeyMap(48, pool_fraction=0.25)
+    trusted = checked = 0
+    step = 0
+    held: list[tuple[np.ndarray, np.ndarray, int]] = []  # (keys, slots, departures) of earlier lookups
+    for _ in range(400):
+        op = rng.integers(0, 10)
+        keys = np.unique(rng.integers(-60, 60, rng.integers(1, 20)))
+        if op < 6:
+            step += int(rng.integers(0, 2))
+            slots = km.lookup(keys, step).slots_N
+            held.append((keys, slots, km.departures))
+            held = held[-5:]
+        elif op < 8:
+            km.assign(keys, np.full(keys.shape[0], max(step - int(rng.integers(0, 3)), 0), dtype=np.int64))
+        else:
+            km.remove(keys[: rng.integers(0, keys.shape[0] + 1)])
+        for k, hints, dep in held:
+            got = km.find(k, hints, dep)
+            np.testing.assert_array_equal(got, km.find(k))
+            if got is hints:
+                trusted += 1
+            else:
+                checked += 1
+    assert trusted > 50 and checked > 50  # both paths ran
+    # a hint of -1 (no slot then) is always checked: the key may have one now
+    km2 = KeyMap(8)
+    km2.lookup(np.array([5]), 0)
+    np.testing.assert_array_equal(km2.find(np.array([5]), np.array([-1]), km2.departures), [km2.find(np.array([5]))[0]])

@@ -332,6 +332,9 @@ class KeyMap:
         self._slot_call = pages.zeros(self.capacity, np.int64, huge_pages)
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # pops slot 0 first
         self._n_free = self.capacity
+        self.departures = 0
+        """How many calls took keys out of their slots (evictions, ``remove``). While it is
+        unchanged, every key still holds the slot it had: inserts only take free slots."""
         self._call_id = 0
         self._clock = 0
         self._has_clock = False
@@ -355,19 +358,26 @@ class KeyMap:
         """Return the step of the latest ``lookup`` (None before the first)."""
         return self._clock if self._has_clock else None
 
-    def find(self, keys_N: np.ndarray, hints_N: np.ndarray | None = None) -> np.ndarray:
+    def find(self, keys_N: np.ndarray, hints_N: np.ndarray | None = None,
+             hints_departures: int | None = None) -> np.ndarray:
         """Return the slot of each key, -1 where absent; touches nothing.
 
         ``hints_N``: a slot each key probably still holds (say, from its lookup; -1: none),
-        checked first: a right hint saves the hash probe, a wrong one costs one read."""
+        checked first: a right hint saves the hash probe, a wrong one costs one read.
+        ``hints_departures``: ``departures`` when the hints were this map's slots of these
+        keys; if no key left its slot since and every key had one, the hints are returned
+        as they are (no read at all)."""
         keys = as_keys(keys_N)
+        if hints_N is not None:
+            hints = np.ascontiguousarray(hints_N, dtype=np.int64)
+            if hints.shape != keys.shape:
+                raise ValueError(f"find: {keys.shape[0]} keys but hints of shape {hints.shape}")
+            if hints_departures == self.departures and (hints.shape[0] == 0 or hints.min() >= 0):
+                return hints
         out = np.empty(keys.shape[0], dtype=np.int64)
         if hints_N is None:
             _find_kernel(self._buckets, keys, out)
         else:
-            hints = np.ascontiguousarray(hints_N, dtype=np.int64)
-            if hints.shape != keys.shape:
-                raise ValueError(f"find: {keys.shape[0]} keys but hints of shape {hints.shape}")
             _find_hinted_kernel(self._buckets, self.slot_key, self._slot_used, keys, hints, out)
         return out
 
@@ -412,6 +422,7 @@ class KeyMap:
         """Remove keys; return the slot each held (-1 where absent). Slots become free."""
         keys = as_keys(keys_N)
         out = np.empty(keys.shape[0], dtype=np.int64)
+        self.departures += 1
         self._n_free = int(_remove_kernel(self._buckets, keys, self._slot_used, self._free, self._n_free, out))
         return out
 
@@ -481,6 +492,7 @@ class KeyMap:
         return got
 
     def _evict_slots(self, victims: np.ndarray, got: int, ev_keys, ev_steps, ev_slots) -> int:
+        self.departures += 1
         self._n_free, got = _evict_kernel(
             self._buckets, np.ascontiguousarray(victims), self.slot_key, self._slot_used, self.slot_step,
             self._free, self._n_free, ev_keys, ev_steps, ev_slots, got,

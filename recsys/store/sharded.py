@@ -79,8 +79,10 @@ class _TablePart:
     served_U: np.ndarray | None = None
     served_inverse: np.ndarray | None = None
     # this rank's slots of the keys it serves (keys_U, or served_U when W > 1), when its
-    # table reserved them early (``EmbeddingTable.reserve``); also the push's slot hints
+    # table reserved them early (``EmbeddingTable.reserve``); also the push's slot hints,
+    # used unchecked if the table's ``departures`` is still the count right after the reserve
     slots: np.ndarray | None = None
+    departures: int | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -952,7 +954,9 @@ class ShardedEmbeddingStore:
                 return p.keys_U if self.world_size == 1 else p.served_U
 
             def reserve(p: _TablePart) -> None:
-                p.slots = self.tables[p.name].reserve(served(p), step)
+                table = self.tables[p.name]
+                p.slots = table.reserve(served(p), step)
+                p.departures = table.departures
 
             todo = [p for p in prep.parts
                     if len(served(p)) and getattr(self.tables[p.name], "reserves_early", False)]
@@ -1080,7 +1084,7 @@ class ShardedEmbeddingStore:
     def _apply(self, part: _TablePart, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
         table = self.tables[part.name]
         if part.slots is not None:
-            table.apply_gradients(keys_U, grads_UD, step, slots_hint=part.slots)
+            table.apply_gradients(keys_U, grads_UD, step, slots_hint=part.slots, hint_departures=part.departures)
         else:
             table.apply_gradients(keys_U, grads_UD, step)
 

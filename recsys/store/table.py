@@ -377,6 +377,11 @@ class EmbeddingTable:
         slots (-1: not admitted) for ``read``; the rows are not read yet."""
         return self._touch(as_keys(keys_U), int(step))
 
+    @property
+    def departures(self) -> int:
+        """How many calls took keys out of their slots so far (``KeyMap.departures``)."""
+        return self._map.departures
+
     def read(self, slots_U: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Return the float32 rows of ``reserve``'s slots as they are now (zeros for -1).
         Valid until the next call that inserts or evicts (``reserve``, ``lookup``...)."""
@@ -461,20 +466,22 @@ class EmbeddingTable:
     # ------------------------------------------------------------------ updates
 
     def apply_gradients(self, keys_U: np.ndarray, grads_UD: np.ndarray, step: int,
-                        slots_hint: np.ndarray | None = None) -> None:
+                        slots_hint: np.ndarray | None = None, hint_departures: int | None = None) -> None:
         """Apply the sparse optimizer to the rows of ``keys_U`` with gradients ``grads_UD``.
 
         Keys without a row (not admitted, evicted, popped) are ignored and counted.
         ``step`` is the step whose lookup produced the rows: it may not be later than the
         latest lookup (pushes may lag lookups, never lead them). ``slots_hint``: the slots
-        ``reserve`` gave these keys (checked, so a stale hint is harmless; saves probes).
+        ``reserve`` gave these keys (checked, so a stale hint is harmless; saves probes);
+        ``hint_departures``: ``departures`` right after that ``reserve`` (no key left its
+        slot since: the hints are used unchecked).
         """
         keys = as_keys(keys_U)
         grads = np.ascontiguousarray(grads_UD, dtype=np.float32)
         check_push(self.name, self.dim, keys, tuple(grads.shape), step, self._map.clock)
         if self.spill is not None:
             self.spill.check()
-        slots = self._map.find(keys, slots_hint)
+        slots = self._map.find(keys, slots_hint, hint_departures)
         if self.spill is not None and (slots < 0).any():
             slots = self._restore_for_update(keys, slots)
         n_ignored = int((slots < 0).sum())
