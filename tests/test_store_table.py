@@ -660,3 +660,16 @@ def test_prefault_commits_the_tables_memory_and_changes_no_row(optimizer):
         table.lookup(keys, 0)
         table.apply_gradients(keys, grads, 0)
     np.testing.assert_array_equal(tables[True].peek(keys), tables[False].peek(keys))
+
+
+def test_gather_kernel_copies_rows_and_zeros_absent_slots():
+    from recsys.store.table import _gather_kernel
+
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((50, 16)).astype(np.float32)
+    for n in (0, 3, 40):  # shorter and longer than the prefetch distance
+        slots = rng.integers(-1, 50, n)
+        out = np.full((n, 16), np.nan, dtype=np.float32)
+        _gather_kernel(w, slots, out)
+        want = np.where((slots >= 0)[:, None], w[np.maximum(slots, 0)], 0.0)
+        np.testing.assert_array_equal(out, want)

@@ -72,6 +72,7 @@ from recsys.store.config import StoreConfig
 from recsys.store.init import init_kernel as _init_kernel
 from recsys.store.init import init_salt, init_vectors
 from recsys.store.keymap import FrequencySketch, KeyMap, as_keys, commit_pages
+from recsys.store.prefetch import ROWS_AHEAD, prefetch
 
 __all__ = ["EmbeddingTable", "RowBlock", "init_vectors", "COUNTERS", "to_float16", "to_float32"]
 
@@ -190,6 +191,24 @@ def _f16_bits_to_f32_bits(h):
 def _f16_table_kernel(out_u32):
     for h in range(out_u32.shape[0]):
         out_u32[h] = _f16_bits_to_f32_bits(np.uint16(h))
+
+
+@njit(nogil=True, cache=True)
+def _gather_kernel(w, rows, out):
+    """``out[i] = w[rows[i]]``, zeros where ``rows[i] < 0``. The batch's rows are fetched a
+    few ahead (the push then updates the same rows, so the write hint costs nothing)."""
+    n = rows.shape[0]
+    for i in range(n):
+        # the hint is written out in each kernel on purpose (recsys.store.prefetch)
+        j = i + ROWS_AHEAD
+        if j < n and rows[j] >= 0:
+            prefetch(w, rows[j])
+        r = rows[i]
+        if r < 0:
+            out[i, :] = 0.0
+        else:
+            for d in range(out.shape[1]):
+                out[i, d] = w[r, d]
 
 
 @njit(nogil=True, cache=True)
@@ -648,12 +667,8 @@ class EmbeddingTable:
             out = np.empty((slots_U.shape[0], self.dim), dtype=np.float32)
         if self._w16 is not None:
             _gather_f16_kernel(self._w16, slots_U, _f16_lut(), out.view(np.uint32))
-            return out
-        absent = slots_U < 0
-        if not absent.any():
-            return np.take(self.weights_CD, slots_U, axis=0, out=out)
-        np.take(self.weights_CD, np.where(absent, 0, slots_U), axis=0, out=out)
-        out[absent] = 0.0
+        else:
+            _gather_kernel(self.weights_CD, np.ascontiguousarray(slots_U, dtype=np.int64), out)
         return out
 
     def _take_evicted(self, upd) -> RowBlock | None:
