@@ -333,8 +333,8 @@ class KeyMap:
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # pops slot 0 first
         self._n_free = self.capacity
         self.departures = 0
-        """How many calls took keys out of their slots (evictions, ``remove``). While it is
-        unchanged, every key still holds the slot it had: inserts only take free slots."""
+        """How many calls may have taken keys out of their slots (evictions, ``remove``). While
+        it is unchanged, every key still holds the slot it had: inserts only take free slots."""
         self._call_id = 0
         self._clock = 0
         self._has_clock = False
@@ -366,7 +366,7 @@ class KeyMap:
         checked first: a right hint saves the hash probe, a wrong one costs one read.
         ``hints_departures``: ``departures`` when the hints were this map's slots of these
         keys; if no key left its slot since and every key had one, the hints are returned
-        as they are (no read at all)."""
+        as they are, unread (the caller's own array when it is already int64 and contiguous)."""
         keys = as_keys(keys_N)
         if hints_N is not None:
             hints = np.ascontiguousarray(hints_N, dtype=np.int64)

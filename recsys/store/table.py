@@ -195,8 +195,8 @@ def _f16_table_kernel(out_u32):
 
 @njit(nogil=True, cache=True)
 def _gather_kernel(w, rows, out):
-    """``out[i] = w[rows[i]]``, zeros where ``rows[i] < 0``. The batch's rows are fetched a
-    few ahead (the push then updates the same rows, so the write hint costs nothing)."""
+    """``out[i] = w[rows[i]]``, zeros where ``rows[i] < 0``. Rows are asked for a few ahead
+    (``prefetch`` asks to write: in training the push updates the same rows next)."""
     n = rows.shape[0]
     for i in range(n):
         # the hint is written out in each kernel on purpose (recsys.store.prefetch)
