@@ -398,7 +398,7 @@ class EmbeddingTable:
 
     @property
     def departures(self) -> int:
-        """How many calls took keys out of their slots so far (``KeyMap.departures``)."""
+        """How many calls may have taken keys out of their slots so far (``KeyMap.departures``)."""
         return self._map.departures
 
     def read(self, slots_U: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
