@@ -43,34 +43,26 @@ _SHARD = re.compile(r"^rank-(\d{5})-of-(\d{5})\.parquet$")
 def incomplete(path: str | os.PathLike) -> str | None:
     """Return why the checkpoint at ``path`` is not complete, or None when it is.
 
-    Complete: ``meta.json``, the marker's files all there with their sizes (a checkpoint
-    written before markers existed: one shard per saving rank of every table)."""
+    Complete: ``meta.json`` and the marker, with every file the marker lists there at its
+    size. The marker is required: a directory without it is a save in progress or cut
+    short (a ``.tmp-step-*`` can hold every shard's name while a shard is still short)."""
     path = Path(path)
     if not (path / "meta.json").is_file():
         return f"{path}: no meta.json"
     marker = path / MARKER
-    if marker.is_file():
-        try:
-            files = json.loads(marker.read_text())["files"]
-        except (ValueError, KeyError):
-            return f"{marker}: unreadable"
-        for rel, size in files.items():
-            f = path / rel
-            if not f.is_file():
-                return f"{f}: missing (listed in {MARKER})"
-            if f.stat().st_size != size:
-                return f"{f}: {f.stat().st_size} bytes, {MARKER} says {size} (truncated or changed)"
-        return None
+    if not marker.is_file():
+        return (f"{path}: no {MARKER} (expected the completeness marker a finished save writes last; "
+                "found none: a save in progress or cut short)")
     try:
-        meta = json.loads((path / "meta.json").read_text())
-    except ValueError:
-        return f"{path / 'meta.json'}: unreadable"
-    world = int(meta.get("world_size", 1))
-    for table in meta.get("tables", []):
-        have = {p.name for p in (path / "sparse" / table).glob("rank-*.parquet")}
-        want = {f"rank-{r:05d}-of-{world:05d}.parquet" for r in range(world)}
-        if have != want:
-            return f"{path / 'sparse' / table}: shards {sorted(want - have)} missing"
+        files = json.loads(marker.read_text())["files"]
+    except (ValueError, KeyError, TypeError):
+        return f"{marker}: unreadable"
+    for rel, size in files.items():
+        f = path / rel
+        if not f.is_file():
+            return f"{f}: missing (listed in {MARKER})"
+        if f.stat().st_size != size:
+            return f"{f}: {f.stat().st_size} bytes, {MARKER} says {size} (truncated or changed)"
     return None
 
 

@@ -1,6 +1,7 @@
 """Every command resolves a checkpoint the same way, from any of the paths a user holds."""
 
 import json
+import shutil
 
 import pytest
 
@@ -13,6 +14,7 @@ def _fake_run(tmp_path):
         d = root / f"step-{step:08d}"
         d.mkdir(parents=True)
         (d / "meta.json").write_text(json.dumps({"format_version": cf.FORMAT_VERSION, "step": step}))
+        (d / cf.MARKER).write_text(json.dumps({"files": {"meta.json": (d / "meta.json").stat().st_size}}))
     (root / "latest").write_text("step-00000200\n")
     return tmp_path / "run"
 
@@ -67,6 +69,26 @@ def test_saved_checkpoints_carry_a_marker_that_loading_checks(tmp_path):
     assert "missing" in cf.incomplete(second)
     with pytest.raises(FileNotFoundError, match="no shards of table 't'"):
         cf.load_sparse(second)
+
+
+def test_a_directory_without_the_marker_is_never_a_checkpoint_even_with_every_shard(tmp_path):
+    """A save cut short before its marker (``.tmp-step-*``) has meta.json and every rank's
+    shard name while a shard is still short: it is refused, by name and as a fallback."""
+    root = tmp_path / "checkpoints"
+    done = _save(root, 1)
+    cut = root / ".tmp-step-00000002"
+    shutil.copytree(done, cut)
+    (cut / cf.MARKER).unlink()
+    meta = json.loads((cut / "meta.json").read_text())
+    (cut / "meta.json").write_text(json.dumps({**meta, "step": 2}))
+    shard = cut / "sparse" / "t" / "rank-00000-of-00001.parquet"
+    shard.write_bytes(shard.read_bytes()[:-10])  # still being written
+    assert f"no {cf.MARKER}" in cf.incomplete(cut)
+    with pytest.raises(FileNotFoundError, match=f"not a complete checkpoint: .*no {cf.MARKER}"):
+        cf.resolve(cut)
+    cut.rename(root / "step-00000002")  # under a checkpoint's name, with no pointer: not picked either
+    (root / "latest").unlink()
+    assert cf.latest(root) == done and cf.resolve(root) == done
 
 
 def test_load_sparse_names_a_missing_rank_shard(tmp_path):
