@@ -65,22 +65,9 @@ import torch.distributed as dist
 # the read side needs no torch (the lookup service and `recsys export` use it)
 from recsys.checkpoint_files import (FORMAT_VERSION, MARKER, incomplete, latest, load_meta,  # noqa: F401
                                     load_sparse, resolve)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirs, files in os.walk(root):
-        for name in files:
-            with open(Path(dirpath) / name, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(Path(dirpath))
+from recsys.durable import fsync_dir as _fsync_dir
+from recsys.durable import fsync_file
+from recsys.durable import fsync_tree as _fsync_tree
 
 
 FAULT_ENV = "RECSYS_FAULT_CHECKPOINT"
@@ -186,8 +173,7 @@ def set_pointer(root: str | os.PathLike, pointer: str, name: str) -> None:
     root = Path(root)
     tmp = root / f".{pointer}.tmp"
     tmp.write_text(name + "\n")
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
+    fsync_file(tmp)
     os.replace(tmp, root / pointer)
     _fsync_dir(root)
 
