@@ -198,6 +198,39 @@ def test_infer_proposes_a_job_that_inspect_accepts(tmp_path):
     assert "MISSING" not in text and "WRONG TYPE" not in text
 
 
+def test_infer_writes_any_column_name_as_toml_data_never_as_toml(tmp_path):
+    """A JSON key holding a quote and line ends that would open a table of their own."""
+    import tomllib
+
+    label = 'clk"\n[data.eval]\npaths = ["/etc"]\n#'
+    item = 'item "id"\n'
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps({label: i % 2, "price": i / 4, item: f"i{i}"}) + "\n" for i in range(50)))
+    out = tmp_path / "out"
+    report = convert([str(path)], out, ConvertOptions(fmt="jsonl"), infer=True)
+    proposed = tomllib.loads(Path(report["proposed_job"]).read_text())
+    assert proposed["schema"]["label"] == label
+    assert "eval" not in proposed["data"]
+    assert [(f["column"], f["kind"]) for f in proposed["schema"]["sparse"]] == [(item, "string")]
+    job = load_job(report["proposed_job"])
+    assert job.schema.label == label and job.schema.dense == ["price"]
+
+
+def test_a_deeply_nested_json_line_is_a_bad_row(tmp_path):
+    """Python's JSON parser recurses: a line nested deeper than its limit is skipped and
+    counted under ``skip``, and named under ``error``, never a RecursionError."""
+    deep = '{"label": 1, "a": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    path = tmp_path / "in.jsonl"
+    path.write_text('{"label": 0, "a": 1.5}\n' + deep + '\n{"label": 1, "a": 2.5}\n')
+    schema = Schema(label="label", dense=["a"])
+    report = convert([str(path)], tmp_path / "out", ConvertOptions(fmt="jsonl", bad_rows="skip"), schema=schema)
+    assert report["bad_rows"] == 1 and report["bad_rows_listed"][0]["line"] == 2
+    assert "nested too deeply" in report["bad_rows_listed"][0]["found"]
+    assert _read_dir(tmp_path / "out").column("a").to_pylist() == [1.5, 2.5]
+    with pytest.raises(ConvertError, match=r"in.jsonl: line 2: expected a JSON object, found JSON nested too deeply"):
+        convert([str(path)], tmp_path / "err", ConvertOptions(fmt="jsonl"), schema=schema)
+
+
 def test_output_directory_with_parts_is_refused(criteo, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -19,9 +19,13 @@ Bad rows: Arrow's fast path either parses a block cleanly or not. When it does n
 value checks flag rows, the block is checked again line by line in Python (rare: only
 blocks with bad rows pay for it), which finds each bad line's number, column and value.
 ``bad_rows = "error"`` stops at the first block holding one, naming it; ``"skip"`` drops
-them, counted, and the first ``BAD_ROWS_KEPT`` go into the report. Output goes to a hidden
-directory inside ``out`` and is moved in only when every input converted, so a failed run
-leaves ``out`` as it was.
+them, counted, and the first ``BAD_ROWS_KEPT`` go into the report.
+
+Output appears whole or not at all: it goes to a hidden directory inside ``out``, is fsynced,
+and is moved in only when every input converted, under a marker the reader refuses (the
+section "the output, whole or not at all" below). A failed or killed run leaves ``out`` as
+it was, or (killed while moving in) leaves it refused until the next conversion into it
+finishes the move.
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ import math
 import os
 import re
 import shutil
+import signal
 import sys
+import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,9 +53,12 @@ import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.fs as pafs
 import pyarrow.json as pa_json
+import tomli_w
 
+from recsys.durable import fsync_dir, fsync_file
 from recsys.errors import UserError
 from recsys.io.parquet_out import SplitWriter
+from recsys.io.units import CONVERT_PENDING
 from recsys.schema import Schema
 
 FORMATS = ("csv", "tsv", "jsonl")
@@ -380,6 +389,8 @@ class _Parser:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
             return None, "a JSON object", f"invalid JSON ({exc.msg} at column {exc.colno})"
+        except RecursionError:  # a bad row like any other, not the end of the conversion
+            return None, "a JSON object", f"JSON nested too deeply for Python's parser ({len(text):,} characters)"
         if not isinstance(obj, dict):
             return None, "a JSON object", type(obj).__name__
         for col in self.columns:
@@ -585,18 +596,18 @@ def convert(
     """
     files = resolve_inputs(inputs)
     out = Path(out)
+    say = log or (lambda _msg: None)
     if out.exists() and not out.is_dir():
         raise ConvertError(f"{out}: expected an output directory, found a file")
-    if out.is_dir() and any(out.glob("part-*.parquet")):
-        raise ConvertError(f"{out}: expected an output directory without part-*.parquet files (they would mix "
-                           f"with this conversion's), found {len(list(out.glob('part-*.parquet')))}; "
-                           f"choose another --out or remove them")
+    finished = False
+    if out.is_dir():
+        finished = _finish_interrupted(out, say)
+        _remove_abandoned(out)
+    _refuse_parts(out, finished)
     out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f".convert-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    say = log or (lambda _msg: None)
-    writer = SplitWriter(tmp, opts.rows_per_file, opts.row_group_rows, None)
+    tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=out))
+    lock = _hold(tmp)
+    writer = SplitWriter(tmp, opts.rows_per_file, opts.row_group_rows, lambda _msg: _fault("mid-write"))
     bar = _Progress(sum(f.size for f in files), progress)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recsys-convert-write")
     pending = None
@@ -664,21 +675,19 @@ def convert(
         pool.shutdown(wait=True)
         bar.close()
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
         raise
     pool.shutdown(wait=True)
     bar.close()
     seconds = time.perf_counter() - t0
-    written = []
-    for p in writer.paths:
-        os.replace(p, out / p.name)
-        written.append(str(out / p.name))
-    shutil.rmtree(tmp, ignore_errors=True)
+    columns = parser.columns  # JSON without a job: typed from the first block
+    moved = [p.name for p in writer.paths]
     report = {
         "inputs": [f.display for f in files],
         "format": opts.fmt,
         "preset": opts.preset,
         "out": str(out),
-        "files": written,
+        "files": [str(out / name) for name in moved],
         "rows": stats["rows"],
         "lines": stats["lines"],
         "bad_rows": stats["bad_rows"],
@@ -690,12 +699,161 @@ def convert(
         "rows_per_file": opts.rows_per_file,
         "columns": {c.name: str(c.type) for c in columns},
     }
-    if infer:
-        job_path = out / PROPOSED_JOB
-        job_path.write_text(propose_job(sample, columns, out))
-        report["proposed_job"] = str(job_path)
-    (out / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+    try:
+        if infer:
+            (tmp / PROPOSED_JOB).write_text(propose_job(sample, columns, out))
+            report["proposed_job"] = str(out / PROPOSED_JOB)
+            moved.append(PROPOSED_JOB)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        moved.append(REPORT)
+        _move_in(tmp, out, moved)
+    finally:
+        os.close(lock)
     return report
+
+
+# --------------------------------------------------------------------------- the output, whole or not at all
+#
+# The files are written into a hidden directory inside ``out`` (the reader skips hidden
+# names), held by a lock, and fsynced. Then ``out/_convert.pending`` names them (created
+# exclusively, fsynced), they are renamed into ``out`` one by one, and the marker goes: the
+# reader refuses a directory holding it. A crash before the marker leaves ``out`` as it was
+# (the next conversion into it removes the hidden directory); after it, the next conversion
+# into ``out`` finishes the move (every file was on disk before the marker was), so no crash
+# loses a finished conversion or shows a part of one.
+
+FAULT_ENV = "RECSYS_FAULT_CONVERT"
+"""Test hook (no effect when unset): the process SIGKILLs itself at this point of a conversion."""
+FAULT_POINTS = ("mid-write", "written", "marked", "mid-move", "moved", "unmarked")
+"""In order: the first output file written (into the hidden directory), all of them written
+and fsynced, the marker written, the first file moved in, all moved in, the marker removed."""
+_LOCK = ".lock"
+
+
+def _fault(point: str) -> None:
+    if os.environ.get(FAULT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _refuse_parts(out: Path, finished: bool = False) -> None:
+    parts = list(out.glob("part-*.parquet")) if out.is_dir() else []
+    if parts:
+        whose = (" (an interrupted conversion's, whose move this run finished: the directory holds its whole "
+                 "output)") if finished else ""
+        raise ConvertError(f"{out}: expected an output directory without part-*.parquet files (they would mix "
+                           f"with this conversion's), found {len(parts)}{whose}; choose another --out or remove them")
+
+
+def _hold(tmp: Path) -> int:
+    """Lock ``tmp`` for this conversion; return the descriptor holding the lock (released at close or death)."""
+    import fcntl
+
+    fd = os.open(tmp / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _abandoned(tmp: Path) -> bool:
+    """Whether no live conversion holds ``tmp`` (its lock is free; no lock yet: its process is gone)."""
+    import fcntl
+
+    try:
+        fd = os.open(tmp / _LOCK, os.O_RDWR)
+    except FileNotFoundError:  # between the directory's creation and its lock: the pid in its name says
+        pid = tmp.name.split("-")[1] if tmp.name.count("-") >= 2 else ""
+        if not pid.isdigit():
+            return True
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Remove the hidden directories of conversions into ``out`` that died before their marker."""
+    for tmp in out.glob(".convert-*"):
+        if tmp.is_dir() and _abandoned(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_in(tmp: Path, out: Path, names: list[str]) -> None:
+    """Move ``tmp``'s files ``names`` (output files first, the report last) into ``out`` (see above)."""
+    for name in names:
+        fsync_file(tmp / name)
+    fsync_dir(tmp)
+    _fault("written")
+    marker = out / CONVERT_PENDING
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConvertError(f"{out}: expected no other conversion moving files in, found {marker} (one is "
+                           "finishing now, or was interrupted: convert again once it is done)") from None
+    try:
+        os.write(fd, json.dumps({"from": tmp.name, "files": names}).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(out)
+    try:
+        _refuse_parts(out)  # another conversion finished into ``out`` while this one ran
+    except ConvertError:
+        marker.unlink()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fault("marked")
+    for i, name in enumerate(names):
+        os.replace(tmp / name, out / name)
+        if i == 0:
+            _fault("mid-move")
+    fsync_dir(out)
+    _fault("moved")
+    marker.unlink()
+    fsync_dir(out)
+    _fault("unmarked")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finish_interrupted(out: Path, say: Callable[[str], None]) -> bool:
+    """Finish the move of a conversion into ``out`` that died after its marker (its files are
+    all on disk, in its hidden directory or moved in already); return whether there was one.
+    ConvertError if that conversion is alive."""
+    marker = out / CONVERT_PENDING
+    if not marker.is_file():
+        return False
+    try:
+        intent = json.loads(marker.read_text())
+        src, names = out / intent["from"], list(intent["files"])
+    except (ValueError, KeyError, TypeError):  # died while writing the marker: nothing moved yet
+        marker.unlink()
+        fsync_dir(out)
+        return False
+    if src.is_dir() and not _abandoned(src):
+        raise ConvertError(f"{out}: expected no other conversion moving files in, found {marker} (one is "
+                           "finishing now: convert again once it is done)")
+    lost = [n for n in names if not (src / n).exists() and not (out / n).exists()]
+    if lost:
+        raise ConvertError(f"{marker}: expected the files of an interrupted conversion in {src} or {out}, found "
+                           f"{lost} in neither; the directory holds part of a data set: remove it and convert again")
+    for name in names:
+        if (src / name).exists():
+            os.replace(src / name, out / name)
+    fsync_dir(out)
+    marker.unlink()
+    fsync_dir(out)
+    shutil.rmtree(src, ignore_errors=True)
+    say(f"{out}: finished moving in the {len(names)} files of a conversion that was interrupted")
+    return True
 
 
 def _plan(opts: ConvertOptions, schema: Schema | None, passthrough, names, display) -> list[Column]:
@@ -812,24 +970,21 @@ def propose_job(sample: pa.Table, columns: list[Column], out: Path) -> str:
                 dense.append(c.name)
         elif pa.types.is_floating(t) or pa.types.is_boolean(t):
             dense.append(c.name)
-    lines = [
-        f"# Proposed by `recsys convert --infer` from the first {sample.num_rows:,} rows: check the label,",
-        "# which columns are dense or sparse, and the capacities; then `recsys inspect --config` this file.",
-        f'name = "{_toml_key(out.name or "converted")}"',
-        "",
-        "[schema]",
-        f'label = "{label or "CHOOSE_A_LABEL_COLUMN"}"',
-        f"dense = [{', '.join(json.dumps(d) for d in dense)}]",
+    top = {"name": _toml_key(out.name or "converted"),
+           "schema": {"label": label or "CHOOSE_A_LABEL_COLUMN", "dense": dense,
+                      "sparse": [{"name": _toml_key(name), "column": name, "kind": kind,
+                                  **({"multi_hot": True} if multi else {})} for name, kind, multi, _ in sparse]}}
+    parts = [
+        f"# Proposed by `recsys convert --infer` from the first {sample.num_rows:,} rows: check the label,\n"
+        "# which columns are dense or sparse, and the capacities; then `recsys inspect --config` this file.\n",
+        tomli_w.dumps(top),
     ]
     for name, _kind, _multi, distinct in sparse:
         cap = max(1000, 10 * distinct)
-        lines += ["", f"[schema.tables.{_toml_key(name)}]", "dim = 16",
-                  f"capacity = {cap}  # {distinct:,} distinct ids in the sample"]
-    for name, kind, multi, _distinct in sparse:
-        lines += ["", "[[schema.sparse]]", f'name = "{_toml_key(name)}"', f"column = {json.dumps(name)}",
-                  f'kind = "{kind}"'] + (["multi_hot = true"] if multi else [])
-    lines += ["", "[data.train]", f"paths = [{json.dumps(str(out))}]", ""]
-    return "\n".join(lines)
+        parts.append(f"# {distinct:,} distinct ids in the sample\n"
+                     + tomli_w.dumps({"schema": {"tables": {_toml_key(name): {"dim": 16, "capacity": cap}}}}))
+    parts.append(tomli_w.dumps({"data": {"train": {"paths": [str(out)]}}}))
+    return "\n".join(parts)
 
 
 def _toml_key(name: str) -> str:

@@ -29,6 +29,9 @@ from recsys.schema import FeatureSpec, Schema
 log = logging.getLogger("recsys.io.reader")
 
 _MAGIC = re.compile(r"[*?\[]")
+CONVERT_PENDING = "_convert.pending"
+"""Lies in a directory while ``recsys convert`` moves its files in (``recsys.io.ingest``):
+such a directory holds part of a data set, and the reader refuses it."""
 
 
 # --------------------------------------------------------------------------- files
@@ -60,10 +63,29 @@ def expand_paths(paths: list[str] | str, filesystem: pafs.FileSystem | None = No
     for raw in paths:
         raw = os.fspath(raw)
         fs, path, prefix = _resolve(raw, filesystem)
-        for p in _expand_one(fs, path, raw):
+        found = _expand_one(fs, path, raw, prefix)
+        _refuse_unfinished_conversions(fs, {posixpath.dirname(p) for p in found}, prefix)
+        for p in found:
             sf = SourceFile(fs, p, prefix + p)
             out.setdefault(sf.display, sf)
     return [out[k] for k in sorted(out)]
+
+
+def _refuse_unfinished_conversions(fs: pafs.FileSystem, folders, prefix: str) -> None:
+    """Raise ReadError if one of ``folders`` holds ``CONVERT_PENDING``: a conversion into it
+    has moved in only part of its files (one call for all)."""
+    markers = sorted(posixpath.join(d, CONVERT_PENDING) for d in folders)
+    try:
+        infos = fs.get_file_info(markers)
+    except (pa.ArrowException, OSError):
+        return  # the files themselves are read next, and a failure there names them
+    for info in infos:
+        if info.type == pafs.FileType.File:
+            folder = prefix + posixpath.dirname(info.path)
+            raise ReadError(file=folder, expected="a directory `recsys convert` finished writing",
+                            found=f"{CONVERT_PENDING} in it: a conversion into it stopped while moving its "
+                            "files in, or is doing so now; running the same `recsys convert` again "
+                            "finishes the move")
 
 
 def _resolve(raw: str, filesystem: pafs.FileSystem | None) -> tuple[pafs.FileSystem, str, str]:
@@ -102,7 +124,7 @@ def _fsspec(scheme: str, raw: str) -> tuple[pafs.FileSystem, str] | None:
     return pafs.PyFileSystem(pafs.FSSpecHandler(fs)), path if path.startswith("/") else "/" + path
 
 
-def _expand_one(fs: pafs.FileSystem, path: str, raw: str) -> list[str]:
+def _expand_one(fs: pafs.FileSystem, path: str, raw: str, prefix: str) -> list[str]:
     if _MAGIC.search(path):
         parts = path.split("/")
         first = next(i for i, part in enumerate(parts) if _MAGIC.search(part))
@@ -129,6 +151,7 @@ def _expand_one(fs: pafs.FileSystem, path: str, raw: str) -> list[str]:
     if info.type == pafs.FileType.Directory:
         files = _list_dir_files(fs, path, raw)
         if not files:
+            _refuse_unfinished_conversions(fs, [path], prefix)  # the reason there are none yet
             raise ReadError(file=raw, expected="a directory holding data files", found="no files in it")
         return files
     return [path]
