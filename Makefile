@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
 NPROC ?= 2
 
-.PHONY: venv redis-server train serve test test-all data data-tiny bench-quick clean
+.PHONY: venv venv-cuda redis-server train serve test test-all data data-tiny bench-quick gpu-wheels gpu-check clean
 
 venv: $(STAMP)
 
@@ -19,10 +19,27 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	# torch first: its CPU wheel is pinned, so nothing later pulls a CUDA build.
 	$(PIP) install --quiet torch==2.13.0 fbgemm-gpu-cpu==1.8.0
-	$(PIP) install --quiet -e '.[test]'
+	$(PIP) install --quiet -e '.[test,cpu]'
 	# torchrec's metadata asks for the CUDA fbgemm-gpu; its real requirements are in pyproject.
 	$(PIP) install --quiet --no-deps torchrec==1.8.0
 	@touch $(STAMP)
+
+# The CUDA environment, on a machine with NVIDIA's driver: torch's CUDA build, the CUDA
+# fbgemm-gpu instead of fbgemm-gpu-cpu, torchrec. The first install reads no pip config file
+# and no PIP_FIND_LINKS, so a CPU wheel of the same torch version lying in a local wheel
+# folder (e.g. a find-links of the machine's config) is not taken instead.
+VENV_CUDA := .venv-cuda
+venv-cuda: $(VENV_CUDA)/.installed
+
+$(VENV_CUDA)/.installed: pyproject.toml Makefile
+	@test -x $(VENV_CUDA)/bin/python || $(PYTHON) -m venv $(VENV_CUDA) || python3 -m venv $(VENV_CUDA)
+	$(VENV_CUDA)/bin/python -m pip install --quiet --upgrade pip
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VENV_CUDA)/bin/python -m pip install --quiet torch==2.13.0 fbgemm-gpu==1.8.0
+	$(VENV_CUDA)/bin/python -m pip install --quiet -e '.[test,cuda]'
+	$(VENV_CUDA)/bin/python -m pip install --quiet --no-deps torchrec==1.8.0
+	$(VENV_CUDA)/bin/python -c "import torch, fbgemm_gpu, torchrec; assert torch.version.cuda, torch.__version__; \
+		print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| GPUs visible:', torch.cuda.device_count())"
+	@touch $@
 
 # redis-server backs the spill tier and the lookup service; tests start their own instances.
 redis-server:
@@ -70,6 +87,24 @@ data-tiny: venv
 
 bench-quick: venv
 	$(VENV)/bin/recsys bench reader --quick --json bench-out/reader-quick.json
+
+# A GPU machine without network (docs/gpu.md): the wheels its image lacks, for its Python
+# (GPU_PY, default 3.12), fetched here into .whl/; `make gpu-check` there installs them.
+GPU_PY ?= 3.12
+GPU_WHEELS := torchrec==1.6.1 fbgemm-gpu-cpu==1.6.0 tensordict==0.12.1 iopath redis==5.2.1 hiredis orjson \
+	pyvers importlib_metadata tomli-w pytest pluggy iniconfig pytest-timeout hypothesis sortedcontainers attrs
+gpu-wheels: venv
+	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl $(GPU_WHEELS)
+	@ls .whl | wc -l | xargs echo "wheels in .whl:"
+
+# On a GPU machine: the cuda tests, one epoch of the default job with --device cuda and its
+# evaluation on both devices, the quick GPU training bench; one summary (gpu-check-out/).
+# Runs on the machine's own python and torch (GPU_PYTHON), not a venv.
+GPU_PYTHON ?= python3
+gpu-check:
+	$(GPU_PYTHON) scripts/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

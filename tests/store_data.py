@@ -33,7 +33,7 @@ def random_kjts(steps: int, vocab: int, seed: int, B: int = 8) -> list[KeyedJagg
 
 def train_pooled(store, kjts, dim: int) -> list[torch.Tensor]:
     """Return each step's pooled output of a short training run on ``store`` (then flush)."""
-    V = torch.linspace(-1, 1, 3 * dim).view(1, 3, dim)
+    V = torch.linspace(-1, 1, 3 * dim).view(1, 3, dim).to(store.device)
     pooled_all = []
     for step, kjt in enumerate(kjts):
         lookup = store.lookup(kjt, step)

@@ -122,9 +122,10 @@ def test_weight_column_type_and_role_are_checked(tmp_path):
         SCHEMA.replace(weight="x")
 
 
-def test_batch_to_its_own_device_is_itself_and_to_another_moves_every_tensor():
+def test_batch_to_its_own_device_is_itself_and_to_another_moves_the_dense_side_only():
     """``Batch.to`` skips the no-op copies (the trainer calls it every step) and moves a
-    batch that is elsewhere, weights, id weights and passthrough columns included."""
+    batch that is elsewhere: weights and passthrough columns included, while the sparse ids
+    (and their id weights) stay on the host, where the store reads them."""
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -137,8 +138,9 @@ def test_batch_to_its_own_device_is_itself_and_to_another_moves_every_tensor():
     assert b.to("cpu") is b and b.to(torch.device("cpu")) is b
     m = b.to("meta")
     assert m is not b
-    moved = [m.dense, m.labels, m.weights, m.extra["row_id"], m.sparse.values(), m.sparse.lengths(),
-             m.sparse.weights()]
+    moved = [m.dense, m.labels, m.weights, m.extra["row_id"]]
     assert all(t.device.type == "meta" for t in moved)
+    assert m.sparse is kjt and all(t.device.type == "cpu" for t in (kjt.values(), kjt.lengths(), kjt.weights()))
+    assert m.to("meta") is m  # already there: the host-side ids do not make it move again
     half = Batch(dense=b.dense, labels=m.labels, sparse=m.sparse)  # the dense part elsewhere: moved
     assert half.to("meta") is not half and half.to("meta").dense.device.type == "meta"

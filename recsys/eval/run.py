@@ -62,7 +62,8 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
         tables = {name: dataclasses.replace(spec, capacity=max(spec.capacity, sparse[name].num_rows))
                   for name, spec in schema.tables.items()}
         store = ShardedEmbeddingStore(dataclasses.replace(schema, tables=tables),
-                                      dataclasses.replace(cfg, spill_url="", device_cache_rows=0), device=device)
+                                      dataclasses.replace(cfg, spill_url="", device_cache_rows=0, device_memory_gb=0.0),
+                                      device=device)
         store.load_state_dict({name: sparse[name] for name in tables})
         return store
 
@@ -126,13 +127,13 @@ def iter_predictions(job, store, model, paths: list[str], *, batch_size: int | N
                 break
             else:
                 cur = batch
-            cur = cur.to(device)
-            lookup = store.lookup(cur.sparse, None, train=False)
+            host, cur = cur, cur.to(device)  # labels, weights and ids are read from the host batch
+            lookup = store.lookup(host.sparse, None, train=False)
             logits = model(cur.dense, *model_inputs(lookup, F))
             if batch is not None:
-                yield (cur.labels.cpu().numpy(), torch.sigmoid(logits).cpu().numpy(),
-                       None if cur.weights is None else cur.weights.cpu().numpy(),
-                       {k: cur.extra[k].cpu().numpy() for k in extra_cols})
+                yield (host.labels.numpy(), torch.sigmoid(logits).cpu().numpy(),
+                       None if host.weights is None else host.weights.numpy(),
+                       {k: host.extra[k].numpy() for k in extra_cols})
 
 
 def predict(job, store, model, paths: list[str], batch_size: int | None = None, device: str = "cpu",

@@ -12,6 +12,10 @@ Shapes (legend: ``B`` rows in the batch, ``N`` dense columns, ``F`` sparse featu
     └── extra    {column: Tensor [B]}               passthrough columns (e.g. row_id)
 
 No validation here: it is on the hot path; the reader validates.
+
+Host and device: ``to(device)`` moves what the dense model reads (dense, labels, weights,
+passthrough columns); ``sparse`` always stays on the host, where the embedding store hashes
+its keys to slots (docs/ARCHITECTURE.md, "The host/device boundary").
 """
 
 from __future__ import annotations
@@ -38,29 +42,30 @@ class Batch:
         return int(self.labels.shape[0])
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> "Batch":
-        """Return the batch moved to ``device`` (itself if every tensor is there already:
-        the trainer calls this every step, and on CPU a dozen no-op torch calls on its
-        thread are time its other torch threads wait)."""
+        """Return the batch with its dense inputs, labels, weights and passthrough columns on
+        ``device``; the sparse ids stay on the host, where the store works on them (it refuses
+        ids on another device). Returns itself if those tensors are there already: the
+        trainer calls this every step, and on CPU a dozen no-op torch calls on its thread are
+        time its other torch threads wait."""
         dev = torch.device(device)
-        sp = self.sparse
-        here = [self.dense, self.labels, sp.values(), sp.lengths(), *self.extra.values()]
-        here += [t for t in (self.weights, sp.weights_or_none()) if t is not None]
-        if all(t.device == dev for t in here):
+        moved = [self.dense, self.labels, *self.extra.values()] + ([] if self.weights is None else [self.weights])
+        if all(t.device == dev for t in moved):
             return self
         return Batch(
-            dense=self.dense.to(device, non_blocking=non_blocking),
-            labels=self.labels.to(device, non_blocking=non_blocking),
-            sparse=self.sparse.to(torch.device(device), non_blocking=non_blocking),
-            extra={k: v.to(device, non_blocking=non_blocking) for k, v in self.extra.items()},
-            weights=None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
+            dense=self.dense.to(dev, non_blocking=non_blocking),
+            labels=self.labels.to(dev, non_blocking=non_blocking),
+            sparse=self.sparse,
+            extra={k: v.to(dev, non_blocking=non_blocking) for k, v in self.extra.items()},
+            weights=None if self.weights is None else self.weights.to(dev, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> "Batch":
-        """Return the batch in pinned host memory (for async copies to a GPU)."""
+        """Return the batch with the tensors ``to`` moves in pinned host memory (for
+        asynchronous copies to a GPU); the sparse ids stay where they are."""
         return Batch(
             dense=self.dense.pin_memory(),
             labels=self.labels.pin_memory(),
-            sparse=self.sparse.pin_memory(),
+            sparse=self.sparse,
             extra={k: v.pin_memory() for k, v in self.extra.items()},
             weights=None if self.weights is None else self.weights.pin_memory(),
         )

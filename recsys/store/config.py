@@ -79,7 +79,13 @@ class StoreConfig:
     step up to 1.7x slower per round on a 2-core VM. The process keeps up to 1 GiB of freed
     memory. False: leave malloc as it is."""
     device_cache_rows: int = 0
-    """Rows per table and shard cached on the compute device, write-back (0: no device cache)."""
+    """Rows per table and shard cached on the compute device, write-back (0: no device cache).
+    On a GPU with one process, every table cached: rows are gathered, pooled and updated on
+    the GPU, and only the misses cross from the host (the GPU tier; docs/ARCHITECTURE.md)."""
+    device_memory_gb: float = 0.0
+    """Device memory for the tables' rows and optimizer state, in GiB (0: unused). Each
+    table and shard gets a device cache: its whole capacity when every table fits, else a
+    share of the budget in proportion to its capacity. Exclusive with ``device_cache_rows``."""
     spill_url: str = ""
     """Redis URL of the spill tier keeping evicted rows, e.g. ``redis://host:6379/0`` ("": none)."""
     spill_namespace: str = ""
@@ -150,6 +156,11 @@ class StoreConfig:
             raise ValueError(f"threads must be >= 0 (0: torch's intra-op thread count), found {self.threads}")
         if self.device_cache_rows < 0:
             raise ValueError(f"device_cache_rows must be >= 0 (0: no device cache), found {self.device_cache_rows}")
+        if not (math.isfinite(self.device_memory_gb) and self.device_memory_gb >= 0):
+            raise ValueError(f"device_memory_gb must be a number >= 0 (0: unused), found {self.device_memory_gb}")
+        if self.device_memory_gb and self.device_cache_rows:
+            raise ValueError("set device_cache_rows (rows per table) or device_memory_gb (a budget for all "
+                             f"tables), not both; found {self.device_cache_rows} and {self.device_memory_gb}")
         if self.spill_url and not self.spill_url.startswith(SPILL_SCHEMES):
             raise ValueError(
                 f"spill_url must start with one of {list(SPILL_SCHEMES)} (or be empty: no spill tier), "

@@ -25,8 +25,11 @@ evicts it, before ``pop_rows`` takes it, and on ``flush`` / ``state_dict`` / ``c
 Devices: the cache lives on the ``device`` given (``torch.device``); nothing moves to a GPU
 implicitly. Rows cross between host and device only on a cache miss (host → device) and a
 write-back (device → host). ``lookup`` returns host numpy rows (the table interface the
-sharded store's CPU all_to_all uses); ``lookup_tensor`` returns them on the device. Only
-the CPU device is tested here; on CUDA the same code runs with ``device="cuda:N"``.
+sharded store's CPU all_to_all uses); ``lookup_tensor`` / ``peek_tensor`` return them on the
+device, and ``apply_gradients`` takes gradients on the device too: a one-process store whose
+tables are all device caches gathers, pools and updates its cached rows on the device (the
+GPU tier; ``ShardedEmbeddingStore._read_on_device``). The suite runs this code on the CPU
+device; the ``cuda``-marked tests run it on a GPU with ``device="cuda:N"``.
 
 Counters (merged with the host's): ``cache_hits`` / ``cache_misses`` (keys with a row
 found / not found in the cache), ``cache_evictions``, ``writebacks`` (rows written back),
@@ -167,20 +170,33 @@ class DeviceCache:
                 found_out[~cached] = host_found
         return out
 
+    def peek_tensor(self, keys_U: np.ndarray, init_missing: bool = False) -> torch.Tensor:
+        """Return ``peek``'s float32 [U, D] rows on the device: cached rows gathered there,
+        the others read from the host and copied over. Changes nothing."""
+        keys = as_keys(keys_U)
+        slots = self._map.find(keys)
+        out = self._gather(slots)  # zeros where not cached
+        rest = np.flatnonzero(slots < 0)
+        if rest.shape[0]:
+            host_rows = self.host.peek(keys[rest], init_missing=init_missing)
+            out[torch.from_numpy(rest).to(self.device)] = torch.from_numpy(host_rows).to(self.device)
+        return out
+
     # ------------------------------------------------------------------ updates
 
     def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int) -> None:
         """Apply the sparse optimizer to the rows of the unique keys ``keys_U`` (as
         ``EmbeddingTable``): on the device for cached rows, on the host for the others."""
         keys = as_keys(keys_U)
-        grads = torch.as_tensor(grads_UD, dtype=torch.float32)
+        grads = torch.as_tensor(grads_UD, dtype=torch.float32)  # host or device: a device's stay there
         check_push(self.name, self.dim, keys, tuple(grads.shape), step, self._map.clock)
         slots = self._map.find(keys)
         cached = slots >= 0
         if cached.any():
             sel = np.flatnonzero(cached)
             idx = torch.from_numpy(slots[sel]).to(self.device)
-            g = grads.index_select(0, torch.from_numpy(sel)).to(self.device)
+            g = grads if sel.shape[0] == keys.shape[0] else grads.index_select(0, torch.from_numpy(sel).to(grads.device))
+            g = g.to(self.device)
             w = self._w.index_select(0, idx).float()
             state = {name: t.index_select(0, idx) for name, t in self._state.items()}
             apply_update_torch(self.cfg, w, state, g)
@@ -191,7 +207,7 @@ class DeviceCache:
             self._updated += sel.shape[0]
         if not cached.all():
             rest = np.flatnonzero(~cached)
-            host_grads = grads.index_select(0, torch.from_numpy(rest)).cpu().numpy()
+            host_grads = grads.index_select(0, torch.from_numpy(rest).to(grads.device)).cpu().numpy()
             self.host.apply_gradients(keys[rest], host_grads, step)
 
     # ------------------------------------------------------------------ rows in and out

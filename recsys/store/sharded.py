@@ -61,6 +61,7 @@ from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch, unique_inverse
 from recsys.store.malloc import keep_freed_memory
 from recsys.store.pooling import local_copy, pool_backward, pool_forward, pool_torch, scatter_add
+from recsys.transfer import Transfers, arrive
 
 log = logging.getLogger(__name__)
 ADMISSION_FORMAT = 1
@@ -280,6 +281,29 @@ class _Lanes:
             self._pool.shutdown(wait=True)
 
 
+def device_budget_rows(specs: dict[str, TableSpec], cfg: StoreConfig) -> dict[str, int]:
+    """Return the device cache rows of each table (its shard's ``TableSpec``) under
+    ``cfg.device_memory_gb``: every table's capacity when all fit, else the budget shared in
+    proportion to capacity (at least 1 row each). Empty without a budget."""
+    if not cfg.device_memory_gb or not specs:
+        return {}
+    from recsys.store import optim
+
+    itemsize = np.dtype(cfg.dtype).itemsize
+    budget = cfg.device_memory_gb * 2**30
+    rows: dict[str, int] = {}
+    per_row = {}
+    for name, spec in specs.items():
+        state = sum((spec.dim if c.per_dim else 1) * np.dtype(c.dtype).itemsize
+                    for c in optim.state_columns(cfg.optimizer))
+        per_row[name] = spec.dim * itemsize + state
+    need = sum(spec.capacity * per_row[name] for name, spec in specs.items())
+    share = min(1.0, budget / need)
+    for name, spec in specs.items():
+        rows[name] = max(1, min(spec.capacity, int(spec.capacity * share)))
+    return rows
+
+
 def _raise_first(failed: list[tuple[int, BaseException]]) -> None:
     """Raise the error of the lowest item index among ``failed`` (item order), if any."""
     if failed:
@@ -309,6 +333,7 @@ class Lookup:
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
     recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
+    ready: object = None  # torch.cuda.Event: the tensors' copy to the device is done after it (None: done)
 
     @property
     def rows(self) -> dict[str, torch.Tensor]:
@@ -325,6 +350,10 @@ class Lookup:
         with autograd. Either way ``push`` takes the gradients of ``pooled()`` and of
         ``rows_all`` (if any) together.
         """
+        if self.ready is not None:  # the caller's stream waits for the rows' copy, its thread does not
+            arrive([self.rows_all, self.single_idx, self.multi_values, self.multi_offsets, self.multi_weights],
+                   self.ready)
+            self.ready = None
         if self.pooled_leaf is None and self.rows_all.device.type == "cpu":
             self.pool_now()
         out = self.pooled_leaf
@@ -398,6 +427,8 @@ class ShardedEmbeddingStore:
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         self.table_names = list(schema.tables)
+        self._device_budget_rows = device_budget_rows(
+            {name: self._shard_spec(spec) for name, spec in schema.tables.items()}, cfg)
         self.tables = {
             name: self._make_table(table_factory, name, self._shard_spec(spec), cfg)
             for name, spec in schema.tables.items()
@@ -429,10 +460,15 @@ class ShardedEmbeddingStore:
         self._table_columns = {t: np.isin(np.arange(len(schema.sparse)), self._features_of[t]) for t in self.table_names}
         # per-table work on several threads: plain host tables only (a spill tier's Redis
         # client and a device cache stay on the worker thread)
-        plain = table_factory is None and not cfg.spill_url and cfg.device_cache_rows == 0
+        plain = table_factory is None and not cfg.spill_url and not self._device_budget_rows and cfg.device_cache_rows == 0
         lanes = (cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
         self._board = _Board() if threaded and cfg.waiter_helps and plain and self.device.type == "cpu" else None
         self._lanes = _Lanes(lanes, self._board)
+        # rows gathered where they live: every table a device cache, one process (the GPU tier)
+        self._device_rows = self.world_size == 1 and bool(self.tables) and all(
+            hasattr(t, "lookup_tensor") for t in self.tables.values())
+        self._to_device = Transfers(self.device)  # the worker's copies of a lookup's rows and indices
+        self._to_host = Transfers(self.device)  # the caller's copies of a push's row gradients
         self._single_cols_t = torch.tensor(self._single_features, dtype=torch.int64, device=self.device)
         self._multi_cols_t = torch.tensor(self._multi_features, dtype=torch.int64, device=self.device)
         # the schedule
@@ -470,10 +506,11 @@ class ShardedEmbeddingStore:
                     owns = lambda keys: hashing.owner_of(keys, world) == rank  # noqa: E731
                 spill = SpillTier(name, spec.dim, cfg, owns=owns)
             table = EmbeddingTable(name, spec, cfg, spill=spill)
-        if cfg.device_cache_rows > 0:
+        rows = cfg.device_cache_rows or self._device_budget_rows.get(name, 0)
+        if rows > 0:
             from recsys.store.device_cache import DeviceCache
 
-            table = DeviceCache(table, cfg.device_cache_rows, self.device)
+            table = DeviceCache(table, rows, self.device)
         return table
 
     def _spill_tiers(self) -> list:
@@ -544,7 +581,14 @@ class ShardedEmbeddingStore:
         return self.submit_lookup(kjt, step, train).result()
 
     def submit_lookup(self, kjt: KeyedJaggedTensor, step: int | None, train: bool = True) -> Future:
-        """Return a future of ``lookup``. Threaded, it runs once the pushes it must see arrive."""
+        """Return a future of ``lookup``. Threaded, it runs once the pushes it must see arrive.
+
+        The ids must be on the host (``Batch.to`` leaves them there): the store hashes them
+        to slots on the CPU whatever its ``device``."""
+        device = kjt.values().device
+        if device.type != "cpu":
+            raise ValueError(f"store lookup: the batch's sparse ids are on {device}; the store reads ids on the "
+                             "host (keep the KeyedJaggedTensor on the CPU: Batch.to moves only the dense side)")
         if train:
             if step is None:
                 raise ValueError("a training lookup needs a step")
@@ -559,10 +603,16 @@ class ShardedEmbeddingStore:
         """Queue the row gradients of ``lookup`` (after backward) for their owners."""
         self._fulfil(lookup)
         g = lookup.rows_all.grad
-        g_rows = None if g is None else g.detach().to("cpu", torch.float32)
+        ready = None
+        if g is None or g.device.type == "cpu":
+            g_rows = None if g is None else g.detach().to(torch.float32)
+        elif self._device_rows:  # the optimizer runs where the rows are
+            g_rows = g.detach()
+        else:  # to the host rows: copied on a side stream; the worker waits for it, not this thread
+            (g_rows,), ready = self._to_host.to_host([g.detach().to(torch.float32)])
         leaf = lookup.pooled_leaf
         g_pooled = None if leaf is None or leaf.grad is None else leaf.grad.detach()
-        self._submit(("push", lookup.step, (lookup, g_rows, g_pooled)))
+        self._submit(("push", lookup.step, (lookup, g_rows, g_pooled, ready)))
 
     def cancel(self, lookup: Lookup) -> None:
         """Withdraw the push a training lookup promised (e.g. a look-ahead never trained on).
@@ -921,14 +971,12 @@ class ShardedEmbeddingStore:
                 given = np.concatenate([kw[offs[f] : offs[f + 1]] for f in multi]).astype(np.float32, copy=False)
                 w = given if w is None else w * given
             if w is not None:
-                weights = torch.from_numpy(w).to(self.device)
+                weights = torch.from_numpy(w)
         else:
             multi_offsets = np.zeros(1, dtype=np.int64)
-        dev = self.device
-        return _Prepared(
-            B, parts, int(base[-1]), torch.from_numpy(single_idx).to(dev), torch.from_numpy(multi_values).to(dev),
-            torch.from_numpy(multi_offsets).to(dev), weights,
-        )
+        # host tensors: ``_read`` moves them to the device with the rows
+        return _Prepared(B, parts, int(base[-1]), torch.from_numpy(single_idx), torch.from_numpy(multi_values),
+                         torch.from_numpy(multi_offsets), weights)
 
     def _do_lookup(self, batch: KeyedJaggedTensor | _Prepared | _Failed, step: int | None, train: bool) -> Lookup:
         if isinstance(batch, _Failed):
@@ -966,8 +1014,15 @@ class ShardedEmbeddingStore:
     def _read(self, prep: _Prepared, step: int | None, train: bool) -> Lookup:
         """Return the lookup's rows as they are now (after the pushes it must see)."""
         parts, n = prep.parts, prep.num_rows
+        index = [prep.single_idx, prep.multi_values, prep.multi_offsets, prep.multi_weights]
+        if self._device_rows:
+            return self._read_on_device(prep, index, step, train)
         # every row is written: by its table, or (W > 1) by the exchange; the last is the zero row
-        rows_np = np.empty((n + 1, self.dim), dtype=np.float32)
+        if self.device.type == "cpu":
+            rows_np = np.empty((n + 1, self.dim), dtype=np.float32)
+        else:  # pinned: the copy to the device runs on a side stream (recsys.transfer)
+            rows_host = torch.empty((n + 1, self.dim), dtype=torch.float32, pin_memory=self.device.type == "cuda")
+            rows_np = rows_host.numpy()
         rows_np[n] = 0.0
         if self.world_size == 1:
             todo = [p for p in parts if len(p.keys_U)]
@@ -975,12 +1030,35 @@ class ShardedEmbeddingStore:
                              lambda p: self._serve(p, p.keys_U, step, train, rows_np[p.base : p.base + len(p.keys_U)]))
         else:
             self._gather_remote(parts, prep.comm, rows_np, step, train)
-        rows_all = torch.from_numpy(rows_np).to(self.device).requires_grad_(train)
-        lookup = Lookup(
-            step, prep.batch_size, parts, rows_all, prep.single_idx, self._single_cols_t, prep.multi_values,
-            prep.multi_offsets, prep.multi_weights, self._multi_cols_t, **prep.comm,
-        )
-        return lookup
+        ready = None
+        if self.device.type == "cpu":
+            rows_all = torch.from_numpy(rows_np)
+        else:  # the rows and the pooling indices cross together, once
+            moved, ready = self._to_device.to_device([rows_host] + [t for t in index if t is not None])
+            rows_all, index = moved[0], moved[1:] + [None] * (index[3] is None)
+        return Lookup(step, prep.batch_size, parts, rows_all.requires_grad_(train), index[0], self._single_cols_t,
+                      index[1], index[2], index[3], self._multi_cols_t, **prep.comm, ready=ready)
+
+    def _read_on_device(self, prep: _Prepared, index: list, step: int | None, train: bool) -> Lookup:
+        """``_read`` for device-resident rows (one process, every table a ``DeviceCache`` on a
+        GPU): the rows are gathered on the device; only the pooling indices cross."""
+        n = prep.num_rows
+        rows_all = torch.empty((n + 1, self.dim), dtype=torch.float32, device=self.device)
+        rows_all[n] = 0.0
+        for p in prep.parts:
+            if len(p.keys_U):
+                rows_all[p.base : p.base + len(p.keys_U)] = self._serve_tensor(p, step, train)
+        moved, ready = self._to_device.to_device([t for t in index if t is not None])
+        index = moved + [None] * (index[3] is None)
+        return Lookup(step, prep.batch_size, prep.parts, rows_all.requires_grad_(train), index[0], self._single_cols_t,
+                      index[1], index[2], index[3], self._multi_cols_t, ready=ready)
+
+    def _serve_tensor(self, part: _TablePart, step: int | None, train: bool) -> torch.Tensor:
+        """Return the float32 [U, D] rows of ``part``'s keys on the device (a ``DeviceCache``)."""
+        t = self.tables[part.name]
+        if train:
+            return t.lookup_tensor(part.keys_U, step)
+        return t.peek_tensor(part.keys_U, init_missing=self.cfg.min_count == 1)
 
     def _serve(self, part: _TablePart, keys_U: np.ndarray, step: int | None, train: bool,
                out: np.ndarray | None = None) -> np.ndarray:
@@ -1033,11 +1111,16 @@ class ShardedEmbeddingStore:
                                    "rows")
         rows_np[comm["dest"]] = recv_rows.reshape(-1, D)
 
-    def _do_push(self, lookup: Lookup, g_rows: torch.Tensor | None, g_pooled: torch.Tensor | None) -> None:
+    def _do_push(self, lookup: Lookup, g_rows: torch.Tensor | None, g_pooled: torch.Tensor | None,
+                 ready=None) -> None:
         """Turn the gradients of ``rows_all`` and of ``pooled_leaf`` into row gradients and
-        apply them at the owners."""
+        apply them at the owners (``ready``: the event after which ``g_rows`` holds them)."""
+        if ready is not None:
+            ready.synchronize()
         if g_rows is None:
             grads = np.zeros(tuple(lookup.rows_all.shape), dtype=np.float32)
+        elif g_rows.device.type != "cpu":  # device-resident rows: their device caches apply it there
+            grads = g_rows
         else:
             grads = np.array(g_rows.numpy(), dtype=np.float32)  # ours to add into
         parts = lookup.parts

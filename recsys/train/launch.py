@@ -138,6 +138,27 @@ def preflight(job, resume: Path | None, run_dir: Path) -> None:
         raise UserError(f"run directory {run_dir} is not writable: {exc.strerror or exc}") from None
 
 
+def check_devices(device: str, nproc: int) -> None:
+    """Check that ``--device cuda`` has a GPU for each of the node's ``nproc`` workers (one
+    process per GPU, ``cuda:LOCAL_RANK``), before any process starts (raises ``UserError``)."""
+    if device != "cuda":
+        return
+    import torch
+
+    from recsys.errors import UserError
+
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    shown = os.environ.get("CUDA_VISIBLE_DEVICES")
+    where = f" (CUDA_VISIBLE_DEVICES={shown!r})" if shown is not None else ""
+    if visible == 0:
+        build = "torch has no CUDA support: see the README's GPU section" if torch.version.cuda is None else (
+            f"torch {torch.__version__} sees no GPU{where}")
+        raise UserError(f"train: --device cuda needs a GPU: {build}")
+    if nproc > visible:
+        raise UserError(f"train: --device cuda --nproc {nproc} runs one process per GPU, but {visible} GPU(s) are "
+                        f"visible{where}: use --nproc {visible} or fewer")
+
+
 RDZV_CONF_KEYS = {
     "join_timeout": "seconds a node waits for --nnodes MIN nodes (default 600)",
     "last_call_timeout": "seconds to wait for more nodes once MIN joined (default 30)",
@@ -274,6 +295,7 @@ def launch(args: argparse.Namespace) -> int:
     verbose = bool(getattr(args, "verbose", False))
     job = load_job_args(args)
     run_dir = args.run_dir or new_run_dir(job.name)
+    check_devices(job.train.device, args.nproc)
     preflight(job, args.resume, run_dir)  # fail fast, before any process starts
     forwarded = ["--config", str(args.config), "--run-dir", str(run_dir)]
     for s in args.set:

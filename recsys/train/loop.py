@@ -48,6 +48,7 @@ from recsys.train import checkpoint as ckpt
 from recsys.train.distributed import init_distributed, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
 from recsys.train.rows import ROWS_DIR, RowRecorder, attempt_name
+from recsys.transfer import Transfers, arrive
 
 
 @dataclasses.dataclass
@@ -75,9 +76,13 @@ def setup_env(device: str, collective_timeout_s: float = 300.0) -> Env:
     rank = int(os.environ.get("RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise RuntimeError("train.device = 'cuda' but no CUDA device is visible")
+        from recsys.errors import UserError
+
+        visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if local_rank >= visible:
+            raise UserError(f"train.device = 'cuda': local rank {local_rank} needs GPU {local_rank}, "
+                            f"{visible} visible (one process per GPU)")
         torch.cuda.set_device(local_rank)
         dev = torch.device("cuda", local_rank)
     else:
@@ -86,7 +91,9 @@ def setup_env(device: str, collective_timeout_s: float = 300.0) -> Env:
     # torchrec), printed by every process: nothing a user can act on
     logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
     if world > 1 and not dist.is_initialized():
-        init_distributed("nccl" if device == "cuda" else "gloo", collective_timeout_s)
+        # on GPUs: NCCL for CUDA tensors (DDP's all-reduce), gloo for the host tensors of the
+        # trainer's control collectives and object gathers; the store has a gloo group of its own
+        init_distributed("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", collective_timeout_s)
     return Env(rank, world, local_world, dev, collective_timeout_s)
 
 
@@ -194,6 +201,7 @@ class Trainer:
         schema = job.schema
         torch.manual_seed(tc.seed)
         self.model = model_for(job).to(env.device)
+        self._transfers = Transfers(env.device)  # a batch's dense side, host → device (recsys.transfer)
         self.ddp = (
             DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
             if env.world_size > 1
@@ -396,6 +404,24 @@ class Trainer:
     def _submit(self, batch: Batch | None, step: int):
         return self.store.submit_lookup((batch or self._empty).sparse, step)
 
+    def _stage(self, batch: Batch | None):
+        """Start the copy of ``batch``'s dense side to the device (on a GPU: from pinned memory
+        on a side stream, overlapping the current step); ``_arrive`` returns the moved batch."""
+        batch = batch or self._empty
+        if self._transfers.stream is None:
+            return batch.to(self.env.device), None
+        fields = [batch.dense, batch.labels, batch.weights, *batch.extra.values()]
+        moved, event = self._transfers.to_device([t for t in fields if t is not None])
+        weights = None if batch.weights is None else moved.pop(2)
+        extra = dict(zip(batch.extra, moved[2:]))
+        return Batch(dense=moved[0], labels=moved[1], sparse=batch.sparse, extra=extra, weights=weights), event
+
+    def _arrive(self, staged) -> Batch:
+        """Return the staged batch on the device, once the compute stream may read it."""
+        batch, event = staged
+        arrive([batch.dense, batch.labels, batch.weights, *batch.extra.values()], event)
+        return batch
+
     def train(self) -> dict:
         """Run until ``epochs`` or ``max_steps``; return the final metrics."""
         tc, env = self.job.train, self.env
@@ -410,6 +436,7 @@ class Trainer:
                 it = self._epoch_batches(epoch)
                 nxt = self._fetch(it)
                 future = self._submit(nxt, self.step)
+                staged = self._stage(nxt)
                 while True:
                     t0 = time.perf_counter()
                     has_data, stop, due = _all_max(
@@ -424,12 +451,14 @@ class Trainer:
                         break
                     lookup = future.result()
                     t1 = time.perf_counter()
-                    cur = (nxt or self._empty).to(env.device)
+                    host = nxt or self._empty
+                    cur = self._arrive(staged)
                     final_step = self.total_steps is not None and self.step + 1 >= self.total_steps
                     future = None
-                    if not final_step:  # the next lookup overlaps this step's compute
+                    if not final_step:  # the next lookup and copy overlap this step's compute
                         nxt = self._fetch(it)
                         future = self._submit(nxt, self.step + 1)
+                        staged = self._stage(nxt)
                     t2 = time.perf_counter()
                     priority.dense_phase()  # nothing waits for the store or the reader until the push
                     logits = self.ddp(cur.dense, *model_inputs(lookup, F))
@@ -449,16 +478,17 @@ class Trainer:
                     self.sched.step()
                     self.step += 1
                     if self.rows is not None:
-                        self.rows.record(epoch, self.step, cur.extra["row_id"].cpu().numpy())
+                        self.rows.record(epoch, self.step, host.extra["row_id"].numpy())
                     t4 = time.perf_counter()
-                    loss_value = loss.item()
+                    # on a GPU the loss stays there: read once per logged window, not every step
+                    loss_value = loss.item() if env.device.type == "cpu" else loss.detach().double()
                     self.log.step(
                         self.step, epoch, loss_value, cur.size, env.world_size,
                         {"sparse_lookup_wait": t1 - t0, "data_wait": t2 - t1, "dense_fwd_bwd": t3 - t2,
                          "push_and_optimizer": t4 - t3},
                         self.store, lr, log_every=tc.log_every,
                     )
-                    progress.update(self.step, loss_value, self.log.samples_per_s)
+                    progress.update(self.step, self.log.last_loss, self.log.samples_per_s)
                     if tc.eval_every and self.step % tc.eval_every == 0:
                         self._validate(lookahead=future is not None)
                     every = tc.checkpoint_every_steps and self.step % tc.checkpoint_every_steps == 0
@@ -576,13 +606,14 @@ class Trainer:
                 (has_data,) = _all_max([batch is not None], env)
                 if not has_data:
                     break
-                cur = (batch or empty_batch(schema, list(cfg.passthrough))).to(env.device)
-                lookup = self.store.lookup(cur.sparse, None, train=False)
+                host = batch or empty_batch(schema, list(cfg.passthrough))
+                cur = host.to(env.device)  # the dense side; ids, labels and weights are read on the host
+                lookup = self.store.lookup(host.sparse, None, train=False)
                 logits = self.model(cur.dense, *model_inputs(lookup, len(schema.sparse)))
-                labels.append(cur.labels.cpu().numpy())
+                labels.append(host.labels.numpy())
                 preds.append(torch.sigmoid(logits).cpu().numpy())
-                if cur.weights is not None:
-                    weights.append(cur.weights.cpu().numpy())
+                if host.weights is not None:
+                    weights.append(host.weights.numpy())
                 seen += cur.size * env.world_size
         finally:
             reader.close()

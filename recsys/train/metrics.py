@@ -31,6 +31,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, enabled: bool) -> None:
         self.enabled = enabled
         self.samples_per_s = 0.0
+        self.last_loss = float("nan")  # loss/train of the last logged window
         self._window_start = time.perf_counter()
         self._reset()
         self._last_counters: dict[str, int] = {}
@@ -49,9 +50,12 @@ class MetricsLog:
         self._rows = 0
         self._phases: dict[str, float] = {}
 
-    def step(self, step: int, epoch: int, loss: float, rows: int, world_size: int, phases: dict[str, float],
+    def step(self, step: int, epoch: int, loss, rows: int, world_size: int, phases: dict[str, float],
              store, lr: float, log_every: int) -> None:
         """Account one step (every rank calls it); every ``log_every`` steps write the window's means.
+
+        ``loss``: the step's mean loss, a float or a float64 tensor on the device (summed
+        there, so a GPU is waited for once per window, not every step).
 
         ``loss/train`` is the mean over every rank's rows of the window (one all-reduce per
         logged window), so it is comparable across world sizes.
@@ -63,7 +67,7 @@ class MetricsLog:
             self._phases[k] = self._phases.get(k, 0.0) + v
         if step % log_every:
             return
-        loss_sum, total_rows = self._loss, self._rows
+        loss_sum, total_rows = float(self._loss), self._rows  # a GPU's loss tensor: read once a window
         if world_size > 1:
             import torch
             import torch.distributed as dist
@@ -74,6 +78,7 @@ class MetricsLog:
         now = time.perf_counter()
         elapsed = max(now - self._window_start, 1e-9)
         self.samples_per_s = total_rows / elapsed
+        self.last_loss = loss_sum / total_rows if total_rows else 0.0
         record = {
             "step": step,
             "epoch": epoch,
