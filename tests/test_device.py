@@ -80,7 +80,8 @@ def test_device_memory_budget_holds_whole_tables_when_they_fit_and_shares_it_oth
 
 def test_a_budget_store_caches_every_table_and_trains_as_the_host_store():
     """``device_memory_gb`` puts each table in a device cache (here the CPU device: the same
-    code as on a GPU) and gathers rows where they live; nothing changes in the numbers."""
+    code as on a GPU), all in one arena, and gathers and updates rows where they live, one
+    call over all tables each; nothing changes in the numbers."""
     kjts = random_kjts(12, vocab=60, seed=3)
     budget = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg(device_memory_gb=0.01), device="cpu")
     host = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg())
@@ -88,6 +89,10 @@ def test_a_budget_store_caches_every_table_and_trains_as_the_host_store():
         assert all(isinstance(t, DeviceCache) and t.rows == 10_000 for t in budget.tables.values())
         assert all(isinstance(t, EmbeddingTable) for t in host.tables.values())
         assert budget._device_rows and not host._device_rows
+        arena = budget._arena  # one array for every table's cached rows: one gather and one update a step
+        assert arena is not None and arena.w.shape[0] == 2 * 10_000 + 1
+        assert {t._w.data_ptr() for t in budget.tables.values()} == {
+            arena.w[arena.offsets[n]:].data_ptr() for n in budget.tables}
         for step, (a, b) in enumerate(zip(train_pooled(budget, kjts, D), train_pooled(host, kjts, D))):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
         _assert_same_rows(budget, host)

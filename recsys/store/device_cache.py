@@ -48,7 +48,7 @@ from recsys.store import optim
 from recsys.store.keymap import KeyMap, as_keys
 from recsys.store.table import EmbeddingTable, RowBlock, check_push
 
-__all__ = ["DeviceCache", "CACHE_COUNTERS", "apply_update_torch"]
+__all__ = ["DeviceArena", "DeviceCache", "CACHE_COUNTERS", "apply_update_torch"]
 
 CACHE_COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "writebacks")
 _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
@@ -61,7 +61,10 @@ class DeviceCache:
     Not thread-safe: the store serializes calls.
     """
 
-    def __init__(self, host: EmbeddingTable, rows: int, device: torch.device | str) -> None:
+    def __init__(self, host: EmbeddingTable, rows: int, device: torch.device | str,
+                 arena: "DeviceArena | None" = None) -> None:
+        """``arena``: keep the rows and state in ``arena``'s block for this table (one array
+        for every table of a store, so a step's gathers and updates are one call each)."""
         if rows <= 0:
             raise ValueError(f"table {host.name!r}: device cache rows must be > 0, found {rows}")
         self.host = host
@@ -71,13 +74,15 @@ class DeviceCache:
         self.device = torch.device(device)
         self._map = KeyMap(self.rows)
         self._np_dtype = np.dtype(self.cfg.dtype)
-        self._w = torch.zeros((self.rows, self.dim), dtype=_TORCH_DTYPES[self._np_dtype], device=self.device)
         self._columns = optim.state_columns(self.cfg.optimizer)
-        self._state = {
-            c.name: torch.zeros((self.rows, self.dim) if c.per_dim else (self.rows,),
-                                dtype=_TORCH_DTYPES[np.dtype(c.dtype)], device=self.device)
-            for c in self._columns
-        }
+        self.arena, self.offset = arena, 0
+        if arena is None:
+            self._w, self._state = _allocate(self.cfg, self.rows, self.dim, self.device)
+        else:
+            self.offset = arena.offsets[self.name]
+            if arena.rows[self.name] != self.rows:
+                raise ValueError(f"table {self.name!r}: the arena holds {arena.rows[self.name]} rows, not {self.rows}")
+            self._w, self._state = arena.block(self.name)
         self._dirty = np.zeros(self.rows, dtype=bool)
         self._counters = dict.fromkeys(CACHE_COUNTERS, 0)
         self._updated = 0
@@ -115,6 +120,11 @@ class DeviceCache:
 
     def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
         """Return float32 [U, D] rows on the device; misses come from the host (see module doc)."""
+        return self._gather(self.lookup_slots(keys_U, step))
+
+    def lookup_slots(self, keys_U: np.ndarray, step: int) -> np.ndarray:
+        """Do ``lookup_tensor``'s work but the gather: return each key's cache slot (-1: the
+        key has no row, e.g. not yet admitted), its row on the device from now on."""
         keys = as_keys(keys_U)
         step = int(step)
         if keys.shape[0] > self.rows and np.unique(keys).shape[0] > self.rows:
@@ -146,11 +156,10 @@ class DeviceCache:
             self._dirty[upd.new_slots_M] = False
         slots = np.full(keys.shape[0], -1, dtype=np.int64)
         slots[has_row] = upd.slots_N
-        rows = self._gather(slots)
         if wb is not None:  # last: the cache is consistent even if the host raises (rows kept there)
             c["writebacks"] += wb.num_rows
             self.host.write_back(wb)
-        return rows
+        return slots
 
     def peek(self, keys_U: np.ndarray, init_missing: bool = False, found_out: np.ndarray | None = None) -> np.ndarray:
         """Return float32 [U, D] rows of ``keys_U``, cached ones from the device; changes
@@ -187,28 +196,28 @@ class DeviceCache:
     def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int) -> None:
         """Apply the sparse optimizer to the rows of the unique keys ``keys_U`` (as
         ``EmbeddingTable``): on the device for cached rows, on the host for the others."""
-        keys = as_keys(keys_U)
         grads = torch.as_tensor(grads_UD, dtype=torch.float32)  # host or device: a device's stay there
-        check_push(self.name, self.dim, keys, tuple(grads.shape), step, self._map.clock)
+        sel, slots = self.gradient_slots(keys_U, grads, step)
+        if sel.shape[0]:
+            g = grads if sel.shape[0] == grads.shape[0] else grads.index_select(0, torch.from_numpy(sel).to(grads.device))
+            _update_rows(self.cfg, self._w, self._state, slots, g.to(self.device))
+
+    def gradient_slots(self, keys_U: np.ndarray, grads_UD: torch.Tensor, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """Do ``apply_gradients``'s work but the device update: apply the host's optimizer to
+        the keys not cached; return (positions in ``keys_U`` of the cached keys, their
+        slots), which the caller updates on the device (marked dirty here)."""
+        keys = as_keys(keys_U)
+        check_push(self.name, self.dim, keys, tuple(grads_UD.shape), step, self._map.clock)
         slots = self._map.find(keys)
         cached = slots >= 0
-        if cached.any():
-            sel = np.flatnonzero(cached)
-            idx = torch.from_numpy(slots[sel]).to(self.device)
-            g = grads if sel.shape[0] == keys.shape[0] else grads.index_select(0, torch.from_numpy(sel).to(grads.device))
-            g = g.to(self.device)
-            w = self._w.index_select(0, idx).float()
-            state = {name: t.index_select(0, idx) for name, t in self._state.items()}
-            apply_update_torch(self.cfg, w, state, g)
-            self._w.index_copy_(0, idx, w.to(self._w.dtype))
-            for name, t in self._state.items():
-                t.index_copy_(0, idx, state[name])
-            self._dirty[slots[sel]] = True
-            self._updated += sel.shape[0]
-        if not cached.all():
+        sel = np.flatnonzero(cached)
+        self._dirty[slots[sel]] = True
+        self._updated += sel.shape[0]
+        if sel.shape[0] < keys.shape[0]:
             rest = np.flatnonzero(~cached)
-            host_grads = grads.index_select(0, torch.from_numpy(rest).to(grads.device)).cpu().numpy()
+            host_grads = grads_UD.index_select(0, torch.from_numpy(rest).to(grads_UD.device)).cpu().numpy()
             self.host.apply_gradients(keys[rest], host_grads, step)
+        return sel, slots[sel]
 
     # ------------------------------------------------------------------ rows in and out
 
@@ -298,6 +307,55 @@ class DeviceCache:
         self._w.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(block.emb)).to(self.device, self._w.dtype))
         for name, t in self._state.items():
             t.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(block.states[name])).to(self.device))
+
+
+class DeviceArena:
+    """The device rows and optimizer state of every table of a store, one array each (a
+    block of ``rows[name]`` rows per table, in the order given) plus one zero row at the end
+    (``zero_row``) that is never updated: a step gathers all its rows, and updates them, with
+    one call each over all tables instead of one per table."""
+
+    def __init__(self, cfg, rows: dict[str, int], dim: int, device: torch.device | str) -> None:
+        self.cfg, self.rows, self.device = cfg, dict(rows), torch.device(device)
+        self.offsets, total = {}, 0
+        for name, n in self.rows.items():
+            self.offsets[name] = total
+            total += int(n)
+        self.zero_row = total
+        self.w, self.state = _allocate(cfg, total + 1, dim, self.device)
+
+    def block(self, name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Return views of table ``name``'s rows and state."""
+        a, b = self.offsets[name], self.offsets[name] + self.rows[name]
+        return self.w[a:b], {k: t[a:b] for k, t in self.state.items()}
+
+    def gather(self, rows_N: np.ndarray) -> torch.Tensor:
+        """Return float32 [N, D] copies of the arena's rows ``rows_N`` (one call)."""
+        return self.w.index_select(0, torch.from_numpy(rows_N).to(self.device)).float()
+
+    def update(self, rows_N: np.ndarray, grads_ND: torch.Tensor) -> None:
+        """Apply the optimizer to the arena's distinct rows ``rows_N`` (one call)."""
+        _update_rows(self.cfg, self.w, self.state, rows_N, grads_ND.to(self.device))
+
+
+def _allocate(cfg, rows: int, dim: int, device: torch.device) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    w = torch.zeros((rows, dim), dtype=_TORCH_DTYPES[np.dtype(cfg.dtype)], device=device)
+    state = {c.name: torch.zeros((rows, dim) if c.per_dim else (rows,), dtype=_TORCH_DTYPES[np.dtype(c.dtype)],
+                                 device=device)
+             for c in optim.state_columns(cfg.optimizer)}
+    return w, state
+
+
+def _update_rows(cfg, w_all: torch.Tensor, state_all: dict[str, torch.Tensor], rows: np.ndarray,
+                 g: torch.Tensor) -> None:
+    """Apply ``cfg.optimizer`` to the distinct ``rows`` of ``w_all`` and their state, in place."""
+    idx = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64)).to(w_all.device)
+    w = w_all.index_select(0, idx).float()
+    state = {name: t.index_select(0, idx) for name, t in state_all.items()}
+    apply_update_torch(cfg, w, state, g)
+    w_all.index_copy_(0, idx, w.to(w_all.dtype))
+    for name, t in state_all.items():
+        t.index_copy_(0, idx, state[name])
 
 
 # --------------------------------------------------------------------------- torch optimizers

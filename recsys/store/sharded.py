@@ -429,6 +429,14 @@ class ShardedEmbeddingStore:
         self.table_names = list(schema.tables)
         self._device_budget_rows = device_budget_rows(
             {name: self._shard_spec(spec) for name, spec in schema.tables.items()}, cfg)
+        self._arena = None  # every table's device cache in one array (recsys.store.device_cache.DeviceArena)
+        cache_rows = {name: cfg.device_cache_rows or self._device_budget_rows.get(name, 0) for name in schema.tables}
+        if table_factory is None and cache_rows and all(cache_rows.values()):
+            from recsys.store.device_cache import DeviceArena
+
+            dims = {spec.dim for spec in schema.tables.values()}
+            if len(dims) == 1:  # else the check below raises
+                self._arena = DeviceArena(cfg, cache_rows, dims.pop(), self.device)
         self.tables = {
             name: self._make_table(table_factory, name, self._shard_spec(spec), cfg)
             for name, spec in schema.tables.items()
@@ -510,7 +518,7 @@ class ShardedEmbeddingStore:
         if rows > 0:
             from recsys.store.device_cache import DeviceCache
 
-            table = DeviceCache(table, rows, self.device)
+            table = DeviceCache(table, rows, self.device, arena=self._arena)
         return table
 
     def _spill_tiers(self) -> list:
@@ -1042,12 +1050,21 @@ class ShardedEmbeddingStore:
     def _read_on_device(self, prep: _Prepared, index: list, step: int | None, train: bool) -> Lookup:
         """``_read`` for device-resident rows (one process, every table a ``DeviceCache`` on a
         GPU): the rows are gathered on the device; only the pooling indices cross."""
-        n = prep.num_rows
-        rows_all = torch.empty((n + 1, self.dim), dtype=torch.float32, device=self.device)
-        rows_all[n] = 0.0
-        for p in prep.parts:
-            if len(p.keys_U):
-                rows_all[p.base : p.base + len(p.keys_U)] = self._serve_tensor(p, step, train)
+        n, arena = prep.num_rows, self._arena
+        if train and arena is not None:  # the tables' key work, then one gather over all of them
+            rows = np.full(n + 1, arena.zero_row, dtype=np.int64)
+            for p in prep.parts:
+                if len(p.keys_U):
+                    slots = self.tables[p.name].lookup_slots(p.keys_U, step)
+                    rows[p.base : p.base + len(p.keys_U)] = np.where(slots >= 0, arena.offsets[p.name] + slots,
+                                                                     arena.zero_row)
+            rows_all = arena.gather(rows)
+        else:
+            rows_all = torch.empty((n + 1, self.dim), dtype=torch.float32, device=self.device)
+            rows_all[n] = 0.0
+            for p in prep.parts:
+                if len(p.keys_U):
+                    rows_all[p.base : p.base + len(p.keys_U)] = self._serve_tensor(p, step, train)
         moved, ready = self._to_device.to_device([t for t in index if t is not None])
         index = moved + [None] * (index[3] is None)
         return Lookup(step, prep.batch_size, prep.parts, rows_all.requires_grad_(train), index[0], self._single_cols_t,
@@ -1135,12 +1152,16 @@ class ShardedEmbeddingStore:
                     columns = np.logical_or.reduce([self._table_columns[p.name] for p in group])
                 lookup.pool_backward(g_pooled.numpy(), grads, columns)
 
-        if self.world_size == 1:
+        if self.world_size == 1 and self._arena is not None:
+            pool_backward(parts)
+            self._update_arena(parts, torch.as_tensor(grads), lookup.step)
+        elif self.world_size == 1:
             def apply(p: _TablePart) -> None:
                 if len(p.keys_U):
                     self._apply(p, p.keys_U, grads[p.base : p.base + len(p.keys_U)], lookup.step)
 
             self._lanes.each(parts, costs, apply, before=pool_backward)
+        if self.world_size == 1:
             if self.publisher is not None:  # rows now reflect lookup.step + 1 optimizer steps (the trainer's count)
                 self.publisher.after_push(lookup.step + 1, [(p.name, p.keys_U) for p in lookup.parts])
             return
@@ -1163,6 +1184,20 @@ class ShardedEmbeddingStore:
         if self.publisher is not None:  # this rank's owned keys the push updated; as above
             self.publisher.after_push(lookup.step + 1, [(p.name, p.served_U) for p in lookup.parts
                                                         if p.served_U is not None])
+
+    def _update_arena(self, parts: list[_TablePart], grads: torch.Tensor, step: int) -> None:
+        """Apply a push to the device caches of one arena: each table's key work (and the
+        host optimizer of keys no longer cached), then one update over all tables' rows."""
+        arena, rows, positions = self._arena, [], []
+        for p in parts:
+            if len(p.keys_U):
+                sel, slots = self.tables[p.name].gradient_slots(p.keys_U, grads[p.base : p.base + len(p.keys_U)], step)
+                rows.append(arena.offsets[p.name] + slots)
+                positions.append(p.base + sel)
+        if rows:
+            pos = np.concatenate(positions)
+            g = grads if pos.shape[0] == grads.shape[0] else grads.index_select(0, torch.from_numpy(pos).to(grads.device))
+            arena.update(np.concatenate(rows), g)
 
     def _apply(self, part: _TablePart, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
         table = self.tables[part.name]
