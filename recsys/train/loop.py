@@ -237,6 +237,11 @@ class Trainer:
         self.best: dict | None = None
         """The best periodic evaluation so far: {"metric", "value", "step"} (keep_best / early stopping)."""
         self.evals_without_improvement = 0
+        self.after_validation = None
+        """Called on every rank after each periodic evaluation as ``hook(step, result)`` (``recsys
+        tune`` reports it to its pruner); a true return (the same on every rank) stops the run as
+        early stopping does, with ``"stopped": "pruned"``."""
+        self.pruned = False
         self._empty = empty_batch(schema, list(job.data.train.passthrough))
         self._state_before_fetch: dict | None = None
         source = resume or ckpt.latest(self.ckpt_root)
@@ -519,7 +524,7 @@ class Trainer:
             if self.best is not None:
                 out["best"] = self.best
             if self._early_stop():
-                out["stopped"] = "early stopping"
+                out["stopped"] = "pruned" if self.pruned else "early stopping"
             return out
         finally:
             priority.enable(False)
@@ -548,6 +553,8 @@ class Trainer:
         """Run a periodic evaluation; track the best one, keep its checkpoint, count patience."""
         tc = self.job.train
         result = self.evaluate(max_rows=tc.eval_max_rows, split="validation")
+        if self.after_validation is not None and self.after_validation(self.step, result):
+            self.pruned = True
         metric = tc.keep_best or ("auc" if tc.early_stopping_patience else "")
         if not metric or metric not in result:
             return result
@@ -567,7 +574,7 @@ class Trainer:
 
     def _early_stop(self) -> bool:
         patience = self.job.train.early_stopping_patience
-        return bool(patience) and self.evals_without_improvement >= patience
+        return self.pruned or (bool(patience) and self.evals_without_improvement >= patience)
 
     def _done(self) -> bool:
         return bool(self.total_steps) and self.step >= self.total_steps
