@@ -150,3 +150,22 @@ def test_too_many_rows_fall_back_to_a_binned_auc_with_its_bound(tiny_run):
     assert binned["rows"] == exact["rows"] and binned["log_loss"] == pytest.approx(exact["log_loss"], rel=1e-9)
     with pytest.raises(UserError, match="--slice needs every prediction"):
         run_eval(tiny_run, EvalOptions(max_exact_rows=500, slices=["c9"]))
+
+
+def test_predictions_of_a_failed_eval_leave_the_previous_file_as_it_was(tiny_run, tmp_path):
+    """A read error after rows were scored: no file with part of the rows, the one there untouched."""
+    good = sorted((_data(tiny_run) / "eval").glob("*.parquet"))
+    table = pq.read_table(good[0])
+    labels = table.column("label").to_numpy().copy()
+    labels[-1] = 7  # read last: its last row group is bad data
+    bad = tmp_path / "zz-bad.parquet"
+    pq.write_table(table.set_column(table.schema.get_field_index("label"), "label", pa.array(labels, pa.int8())),
+                   bad, row_group_size=max(1, table.num_rows // 4))
+    out = tmp_path / "pred.parquet"
+    pq.write_table(pa.table({"row_id": [1], "label": pa.array([0], pa.int8()), "score": pa.array([0.5], pa.float32())}),
+                   out)
+    before = out.read_bytes()
+    with pytest.raises(UserError, match="zz-bad.parquet: row group 3: column .label.*expected a label of 0 or 1"):
+        run_eval(tiny_run, EvalOptions(data=[*map(str, good), str(bad)], predictions=out))
+    assert out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pred.parquet", "zz-bad.parquet"]

@@ -311,14 +311,23 @@ def _collect(batches, max_rows: int, need_rows: str | None, calibration_bins: in
 
 
 def _predictions_writer(out: Path | None):
-    """Return (write(ids, labels, scores, weights), close()) streaming rows to ``out`` (Parquet);
-    a ``weight`` column follows ``score`` when the rows have sample weights."""
+    """Return (write(ids, labels, scores, weights), close(ok)) streaming rows to ``out`` (Parquet);
+    a ``weight`` column follows ``score`` when the rows have sample weights.
+
+    Rows go to a hidden temporary name beside ``out``; ``close(True)`` fsyncs it and renames it
+    to ``out``, ``close(False)`` (Ctrl-C, a read error) removes it: ``out`` is every row or,
+    as before the run, untouched."""
     if out is None:
-        return (lambda *a: None), (lambda: None)
+        return (lambda *a: None), (lambda ok: None)
+    import os
+
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from recsys.durable import fsync_dir, fsync_file
+
     out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     state = {"writer": None, "row": 0}
 
     def write(ids: dict, y: np.ndarray, p: np.ndarray, w: np.ndarray | None = None) -> None:
@@ -327,15 +336,23 @@ def _predictions_writer(out: Path | None):
         weight = {} if w is None else {"weight": w.astype(np.float32)}
         table = pa.table({**cols, "label": y.astype(np.int8), "score": p.astype(np.float32), **weight})
         if state["writer"] is None:
-            state["writer"] = pq.ParquetWriter(str(out), table.schema, compression="zstd")
+            state["writer"] = pq.ParquetWriter(str(tmp), table.schema, compression="zstd")
         state["writer"].write_table(table)
 
-    def close() -> None:
-        if state["writer"] is None:  # no rows: still a valid, empty file
-            pq.write_table(pa.table({"row_id": pa.array([], pa.int64()), "label": pa.array([], pa.int8()),
-                                     "score": pa.array([], pa.float32())}), str(out))
-        else:
-            state["writer"].close()
+    def close(ok: bool) -> None:
+        try:
+            if state["writer"] is not None:
+                state["writer"].close()
+            elif ok:  # no rows: still a valid, empty file
+                pq.write_table(pa.table({"row_id": pa.array([], pa.int64()), "label": pa.array([], pa.int8()),
+                                         "score": pa.array([], pa.float32())}), str(tmp))
+            if ok:
+                fsync_file(tmp)
+                os.replace(tmp, out)
+                fsync_dir(out.parent)
+        finally:
+            if not ok:
+                tmp.unlink(missing_ok=True)
 
     return write, close
 
@@ -348,6 +365,7 @@ def score_one_process(checkpoint, paths, id_cols, passthrough, opts: EvalOptions
     job, store, model, path, meta = load_trained(checkpoint, opts.device)
     stats = dense_stats_of(job, meta, path)
     write, close = _predictions_writer(predictions)
+    scored = False
     try:
         def batches():
             for y, p, w, extra in iter_predictions(job, store, model, paths, device=opts.device,
@@ -355,9 +373,12 @@ def score_one_process(checkpoint, paths, id_cols, passthrough, opts: EvalOptions
                 write({k: extra[k] for k in id_cols}, y, p, w)
                 yield y, p, w, extra
         y, p, w, extra = _collect(batches(), opts.max_exact_rows, need_rows, opts.calibration_bins)
+        scored = True
     finally:
-        close()
-        store.close()
+        try:
+            close(scored)
+        finally:
+            store.close()
     if y is None:
         return None, p, str(path), meta["step"]
     return Scored(str(path), meta["step"], y, p, {k: extra[k] for k in id_cols},
@@ -504,8 +525,12 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
         stream, ck, step = None, scored.checkpoint, scored.step
         if opts.predictions is not None:
             write, close = _predictions_writer(opts.predictions)
-            write(scored.ids, scored.labels, scored.scores, scored.weights)
-            close()
+            written = False
+            try:
+                write(scored.ids, scored.labels, scored.scores, scored.weights)
+                written = True
+            finally:
+                close(written)
     result = {"checkpoint": ck, "step": step, "data": list(paths)}
     if job.schema.weight:
         result["weight_column"] = job.schema.weight  # every figure below is weighted by it
