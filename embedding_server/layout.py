@@ -6,8 +6,9 @@ Keys (``ns`` the namespace, default ``recsys``; ``v`` the version; names are res
 ``[A-Za-z0-9_.-]`` so none holds a ``{``, ``}``, ``:`` or glob character)::
 
     ns:current                      string: the version served now (the alias; one SET flips it)
-    ns:versions                     hash: version -> {"state": writing|ready|failed, "started",
-                                    "heartbeat", "rows"} (JSON); the registry export and gc use
+    ns:versions                     hash: version -> {"state": writing|flipping|ready|failed|
+                                    deleting, "started", "heartbeat", "rows", "superseded_at"}
+                                    (JSON); the registry export and gc use (``publish``)
     ns:manifest:v                   string: the version's manifest (JSON; ``Catalog.to_manifest``)
     ns:{v:table:bbbb}:kkkkkkkkkkkkkkkk
                                     string: one row; bbbb = bucket (4 hex digits), k = the

@@ -5,14 +5,27 @@ Legend: ``N`` rows of a chunk, ``B`` buckets per table.
 
     checkpoint shards ──► chunks of N rows (key, embedding) ──► storage dtype
         ──► group by bucket ──► one MSET per bucket (pipelined, one round trip per chunk)
-    registry: ns:versions[v] = writing (heartbeat every chunk)
+    registry: ns:versions[v] = writing (heartbeat every chunk, written and verified alike)
     verify: EXISTS over every written key == rows per table; a sample read back byte-equal
-    manifest ──► ns:manifest:v ;  registry: ready ;  SET ns:current v   (the atomic flip)
-    prune: ready versions beyond the newest ``keep`` ──► SCAN MATCH ns:{v:* + UNLINK
+    manifest ──► ns:manifest:v ;  registry: flipping ;  the sample and the manifest re-checked
+        ──► SET ns:current v (the atomic flip) ;  registry: ready ;  the previous one: superseded_at
+    prune: ready versions beyond the newest ``keep``, superseded ``superseded_grace_s`` ago or
+        more ──► SCAN MATCH ns:{v:* + UNLINK
 
 An export that fails midway marks its version ``failed`` (or, if the process died, leaves
 it ``writing`` with a heartbeat that stops): ``current`` is untouched, and ``gc`` removes
 it (``writing`` ones once their heartbeat is older than ``grace_s``). Layout: ``layout``.
+
+No served row goes missing:
+
+- an export changes its registry entry only from what it last wrote (a compare-and-set in
+  Redis), and a gc takes a version over the same way (state ``deleting``) before it deletes
+  a row: an export whose entry a gc took (it paused longer than the gc's grace) fails at its
+  next heartbeat or at the flip, and never flips ``current`` to it;
+- a version ``current`` no longer names is kept ``superseded_grace_s`` (default 60 s) after
+  the flip, whatever ``keep`` says: servers read ``current`` every ``--refresh-s`` and may
+  still read the previous version's rows until then. It goes at the next export or
+  ``recsys export --gc`` after that. A gc never removes the version ``current`` names.
 """
 
 from __future__ import annotations
@@ -57,6 +70,9 @@ class ExportSettings:
     """Rows per pipelined round trip (bounds the exporter's memory)."""
     timeout_s: float = 30.0
     """Socket timeout of one Redis call."""
+    superseded_grace_s: float = 60.0
+    """A version ``current`` no longer names is kept this long after the flip (servers may
+    still read it until their next refresh of ``current``), beyond ``keep`` too."""
 
     def __post_init__(self) -> None:
         layout.check_name(self.namespace, "namespace")
@@ -70,6 +86,8 @@ class ExportSettings:
             raise ValueError(f"buckets must be in [1, 4096], found {self.buckets}")
         if not 1 <= self.chunk_rows <= 1_000_000:
             raise ValueError(f"chunk_rows must be in [1, 1000000], found {self.chunk_rows}")
+        if not self.superseded_grace_s >= 0:
+            raise ValueError(f"superseded_grace_s must be >= 0, found {self.superseded_grace_s}")
 
 
 class ExportError(RuntimeError):
@@ -81,15 +99,59 @@ def _registry(client, ns: str) -> dict[str, dict]:
     return {k.decode(): json.loads(v) for k, v in raw.items()}
 
 
-def _set_state(client, ns: str, version: str, **state) -> None:
-    client.hset(layout.registry_key(ns), version, json.dumps(state))
+_CAS = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+if ARGV[3] == '' then redis.call('HDEL', KEYS[1], ARGV[1]) else redis.call('HSET', KEYS[1], ARGV[1], ARGV[3]) end
+return 1
+"""
+"""Registry field ARGV[1]: from exactly ARGV[2] to ARGV[3] (deleted if empty); 1 if it was ARGV[2]."""
+_UNFLIP = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('SET', KEYS[1], ARGV[2]) return 1 end
+return 0
+"""
+"""``current``: from ARGV[1] back to ARGV[2], only if it still names ARGV[1]."""
+
+
+def _swap(client, ns: str, version: str, old: str, new: dict | None) -> bool:
+    """Change ``version``'s registry entry from exactly ``old`` (its JSON) to ``new`` (None:
+    remove it); return False, changing nothing, if someone changed it first."""
+    return bool(client.eval(_CAS, 1, layout.registry_key(ns), version, old, "" if new is None else json.dumps(new)))
+
+
+class _Entry:
+    """This export's registry entry, only ever changed from what this export last wrote."""
+
+    def __init__(self, client, ns: str, version: str, clock) -> None:
+        self.client, self.ns, self.version, self.clock = client, ns, version, clock
+        self.started = clock()
+        self.text = ""
+
+    def create(self) -> bool:
+        text = json.dumps({"state": "writing", "started": self.started, "heartbeat": self.started})
+        if not self.client.hsetnx(layout.registry_key(self.ns), self.version, text):
+            return False
+        self.text = text
+        return True
+
+    def set(self, state: str, **extra) -> None:
+        """Move to ``state`` with a fresh heartbeat; ExportError if a gc took the version over."""
+        new = {"state": state, "started": self.started, "heartbeat": self.clock(), **extra}
+        if not _swap(self.client, self.ns, self.version, self.text, new):
+            raise ExportError(f"version {self.version!r}: a gc took it over (its heartbeat was older than the gc's "
+                              "--grace-s: this export paused longer than that) and removes its rows; "
+                              "export again")
+        self.text = json.dumps(new)
+
+    def beat(self) -> None:
+        self.set("writing")
 
 
 def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = None, *,
-           progress: bool = True, fail_after_rows: int | None = None) -> dict:
+           progress: bool = True, fail_after_rows: int | None = None, clock=time.time) -> dict:
     """Publish ``checkpoint``'s rows to the Redis at ``url`` as a new version; return a summary.
 
     ``fail_after_rows`` (tests): raise after writing that many rows, as a crash would.
+    ``clock``: the time heartbeats and the superseded version's grace are counted in.
     """
     s = settings or ExportSettings()
     path = checkpoint_files.resolve(checkpoint)
@@ -101,14 +163,14 @@ def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = N
     client = connect(url, timeout_s=s.timeout_s)
     ns = s.namespace
     try:
-        if version in _registry(client, ns) or client.exists(layout.manifest_key(ns, version)):
+        entry = _Entry(client, ns, version, clock)
+        if client.exists(layout.manifest_key(ns, version)) or not entry.create():
             raise ExportError(f"version {version!r} already exists in namespace {ns!r} at {redact(url)}; "
                               "pick another --version (or remove it with --gc if it failed)")
-        started = time.time()
-        _set_state(client, ns, version, state="writing", started=started, heartbeat=started)
+        started = entry.started
         try:
-            written, checksums = _write_rows(client, ns, version, catalog, files, s, started, progress,
-                                              fail_after_rows)
+            written, checksums, sample = _write_rows(client, ns, version, catalog, files, s, entry.beat, progress,
+                                                     fail_after_rows)
             tables = {}
             for name, t in catalog.tables.items():
                 if written[name] != t.rows:
@@ -119,16 +181,27 @@ def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = N
                                            created_at=started)
             client.set(layout.manifest_key(ns, version), json.dumps(manifest))
             total = sum(written.values())
-            _set_state(client, ns, version, state="ready", started=started, heartbeat=time.time(), rows=total)
+            entry.set("flipping", rows=total)  # from here on no gc takes it: a gc that did fails this
+            _recheck(client, ns, version, sample)
+            previous = client.get(layout.current_key(ns))
             client.set(layout.current_key(ns), version)
+            try:
+                entry.set("ready", rows=total)
+            except ExportError:  # a gc took it between the two: serve the previous version again
+                if previous is not None:
+                    client.eval(_UNFLIP, 1, layout.current_key(ns), version, previous)
+                raise
         except BaseException:
             try:
-                _set_state(client, ns, version, state="failed", started=started, heartbeat=time.time())
-            except Exception:  # noqa: BLE001 - Redis itself may be what failed; gc handles "writing"
+                entry.set("failed")
+            except Exception:  # noqa: BLE001 - Redis itself may be what failed, or a gc took it: gc handles both
                 log.warning("could not mark version %s failed; `recsys export --gc` removes it later", version)
             raise
-        elapsed = time.time() - started
-        removed = gc(url, ns, keep=s.keep, client=client)["removed"]
+        if previous is not None and previous.decode() != version:
+            _supersede(client, ns, previous.decode(), clock())
+        elapsed = clock() - started
+        removed = gc(url, ns, keep=s.keep, superseded_grace_s=s.superseded_grace_s, client=client,
+                     clock=clock)["removed"]
     finally:
         client.close()
     return {"version": version, "namespace": ns, "checkpoint": str(path), "step": meta["step"], "rows": total,
@@ -136,8 +209,9 @@ def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = N
             "rows_per_s": total / elapsed if elapsed > 0 else float("nan"), "removed_versions": removed}
 
 
-def _write_rows(client, ns, version, catalog, files, s: ExportSettings, started, progress, fail_after_rows):
-    """Write every table's rows; return (rows written, checksum) per table, after verifying them."""
+def _write_rows(client, ns, version, catalog, files, s: ExportSettings, beat, progress, fail_after_rows):
+    """Write every table's rows, calling ``beat`` after every chunk; return (rows written,
+    checksum) per table and the row keys read back, after verifying them."""
     from tqdm import tqdm
 
     total = sum(t.rows for t in catalog.tables.values())
@@ -146,6 +220,7 @@ def _write_rows(client, ns, version, catalog, files, s: ExportSettings, started,
     written = {name: 0 for name in catalog.tables}
     checksums = {name: 0 for name in catalog.tables}
     done = 0
+    sampled = []
     try:
         for name, table in catalog.tables.items():
             sample_keys, sample_values = [], []
@@ -164,13 +239,14 @@ def _write_rows(client, ns, version, catalog, files, s: ExportSettings, started,
                     sample_keys += [names[i] for i in pick]
                     sample_values += [values[i] for i in pick]
                     bar.update(len(names))
-                    _set_state(client, ns, version, state="writing", started=started, heartbeat=time.time())
+                    beat()
                     if fail_after_rows is not None and done >= fail_after_rows:
                         raise ExportError(f"failing on purpose after {done} rows (fail_after_rows)")
-            _verify(client, ns, version, name, files[name], s, written[name], sample_keys, sample_values)
+            _verify(client, ns, version, name, files[name], s, written[name], sample_keys, sample_values, beat)
+            sampled += sample_keys
     finally:
         bar.close()
-    return written, checksums
+    return written, checksums, sampled
 
 
 def _mset_by_bucket(client, names: list[bytes], values: list[bytes], buckets: np.ndarray) -> None:
@@ -184,8 +260,9 @@ def _mset_by_bucket(client, names: list[bytes], values: list[bytes], buckets: np
     pipe.execute()
 
 
-def _verify(client, ns, version, table, files, s, rows, sample_keys, sample_values) -> None:
-    """Raise ``ExportError`` unless every row of ``table`` exists and the sample reads back equal."""
+def _verify(client, ns, version, table, files, s, rows, sample_keys, sample_values, beat) -> None:
+    """Raise ``ExportError`` unless every row of ``table`` exists and the sample reads back
+    equal; ``beat`` after every chunk (a long verification is no abandoned export)."""
     present = 0
     for f in files:
         for batch in pq.ParquetFile(f).iter_batches(batch_size=s.chunk_rows, columns=["key"]):
@@ -195,6 +272,7 @@ def _verify(client, ns, version, table, files, s, rows, sample_keys, sample_valu
             for group in layout.by_bucket(layout.buckets_of(keys, s.buckets)):
                 pipe.execute_command("EXISTS", *[names[i] for i in group.tolist()])
             present += sum(pipe.execute())
+            beat()
     if present != rows:
         raise ExportError(f"table {table!r}: {present} of {rows} rows are in Redis after the write "
                           "(evicted by maxmemory? check the server's maxmemory-policy)")
@@ -205,6 +283,29 @@ def _verify(client, ns, version, table, files, s, rows, sample_keys, sample_valu
     bad = [n for n, want, got in zip(sample_keys, sample_values, back) if got != want]
     if bad:
         raise ExportError(f"table {table!r}: {len(bad)} sampled rows read back different, e.g. {bad[0]!r}")
+
+
+def _recheck(client, ns: str, version: str, sample_keys: list[bytes]) -> None:
+    """Right before the flip: the manifest and every sampled row are still there."""
+    pipe = client.pipeline(transaction=False)
+    pipe.exists(layout.manifest_key(ns, version))
+    for name in sample_keys:
+        pipe.exists(name)
+    found = pipe.execute()
+    if not all(found):
+        raise ExportError(f"version {version!r}: {found.count(0)} of {len(found)} re-checked keys (its manifest and "
+                          "sampled rows) went missing after the verification (evicted by maxmemory, or deleted); "
+                          "`current` was not flipped")
+
+
+def _supersede(client, ns: str, version: str, now: float) -> None:
+    """Note when ``version`` stopped being current (its grace counts from then)."""
+    text = client.hget(layout.registry_key(ns), version)
+    if text is None:
+        return
+    state = json.loads(text)
+    if state.get("state") in ("ready", "flipping"):  # flipping: its export died between the flip and "ready"
+        _swap(client, ns, version, text.decode(), {**state, "state": "ready", "superseded_at": now})
 
 
 def versions(url: str, namespace: str = "recsys", client=None) -> dict:
@@ -219,25 +320,52 @@ def versions(url: str, namespace: str = "recsys", client=None) -> dict:
             client.close()
 
 
-def gc(url: str, namespace: str = "recsys", keep: int = 3, grace_s: float = 60.0, client=None) -> dict:
+def gc(url: str, namespace: str = "recsys", keep: int = 3, grace_s: float = 60.0, superseded_grace_s: float = 60.0,
+       client=None, clock=time.time) -> dict:
     """Remove failed versions, ``writing`` ones whose heartbeat is older than ``grace_s``, and
-    ready ones beyond the newest ``keep``; never the current one. Return what was removed."""
+    ready ones beyond the newest ``keep`` that ``current`` stopped naming ``superseded_grace_s``
+    ago or more; never the current one. Return what was removed.
+
+    A ready version beyond ``keep`` with no ``superseded_at`` (its export died right after
+    the flip) gets one now. Each version is taken over (state ``deleting``, compare-and-set)
+    before its rows go, so an export that changed its entry meanwhile keeps it."""
     own = client is None
     client = client or connect(url)
     try:
-        info = versions(url, namespace, client)
-        current, states = info["current"], info["versions"]
-        now = time.time()
+        key = layout.registry_key(namespace)
+        raw = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        cur = client.get(layout.current_key(namespace))
+        current = cur.decode() if cur else None
+        states = {v: json.loads(t) for v, t in raw.items()}
+        now = clock()
         ready = sorted((v for v, st in states.items() if st["state"] == "ready"),
                        key=lambda v: states[v]["started"], reverse=True)
-        doomed = [v for v in ready[keep:] if v != current]
+        doomed = []
+        for v in ready[keep:]:
+            since = states[v].get("superseded_at")
+            if v == current:
+                continue
+            if since is None and _swap(client, namespace, v, raw[v], {**states[v], "superseded_at": now}):
+                since = now
+            if since is not None and now - since >= superseded_grace_s:
+                doomed.append(v)
+        if current in states and "superseded_at" in states[current]:  # current again (set by hand): its grace restarts
+            _swap(client, namespace, current, raw[current],
+                  {k: x for k, x in states[current].items() if k != "superseded_at"})
         doomed += [v for v, st in states.items() if v != current and (
-            st["state"] == "failed" or (st["state"] == "writing" and now - st["heartbeat"] > grace_s))]
+            st["state"] in ("failed", "deleting")
+            or (st["state"] in ("writing", "flipping") and now - st["heartbeat"] > grace_s))]
         removed = {}
         for v in doomed:
+            taken = {**states[v], "state": "deleting"}
+            if not _swap(client, namespace, v, raw[v], taken):
+                continue  # its export beat (or a gc took it) since we read it
+            if client.get(layout.current_key(namespace)) == v.encode():  # flipped to meanwhile: keep it
+                _swap(client, namespace, v, json.dumps(taken), states[v])
+                continue
             removed[v] = _unlink_version(client, namespace, v)
             client.delete(layout.manifest_key(namespace, v))
-            client.hdel(layout.registry_key(namespace), v)
+            _swap(client, namespace, v, json.dumps(taken), None)
         return {"current": current, "removed": removed, "kept": sorted(set(states) - set(removed))}
     finally:
         if own:

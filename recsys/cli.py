@@ -158,7 +158,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     if args.list or args.gc:
         if args.gc:
-            result = publish.gc(args.redis, args.namespace, keep=args.keep, grace_s=args.grace_s)
+            result = publish.gc(args.redis, args.namespace, keep=args.keep, grace_s=args.grace_s,
+                                superseded_grace_s=args.superseded_grace_s)
             print(f"removed {len(result['removed'])} version(s) from {redact(args.redis)}: "
                   + (", ".join(f"{v} ({n} rows)" for v, n in result["removed"].items()) or "none"))
         print(json.dumps(publish.versions(args.redis, args.namespace), indent=2))
@@ -168,6 +169,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     try:
         settings = publish.ExportSettings(namespace=args.namespace, version=args.version or "", dtype=args.dtype,
                                           keep=args.keep, buckets=args.buckets,
+                                          superseded_grace_s=args.superseded_grace_s,
                                           tables=[t for t in args.tables.split(",") if t] if args.tables else None)
     except ValueError as exc:
         raise UserError(f"export: {exc}") from None
@@ -356,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gc", action="store_true", help="only remove failed/abandoned exports and versions beyond --keep")
     p.add_argument("--grace-s", type=float, default=60.0,
                    help="--gc leaves an export alone while its heartbeat is younger than this (default 60)")
+    p.add_argument("--superseded-grace-s", type=float, default=60.0,
+                   help="a version `current` stopped naming is kept this long, beyond --keep too: servers may "
+                   "read it until their next --refresh-s (default 60; removed by the next export or --gc after)")
     p.add_argument("--list", action="store_true", help="only print the versions and which one is current")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", type=Path, help="also write the summary here")

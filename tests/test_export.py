@@ -50,7 +50,8 @@ def test_export_writes_every_row_and_a_manifest(tiny_run, redis_server):
 
 def test_keep_k_and_gc(tiny_run, redis_server):
     for v in ("v1", "v2", "v3"):
-        publish.export(tiny_run, redis_server.url, publish.ExportSettings(version=v, keep=2), progress=False)
+        publish.export(tiny_run, redis_server.url, publish.ExportSettings(version=v, keep=2, superseded_grace_s=0),
+                       progress=False)
     info = publish.versions(redis_server.url)
     assert info["current"] == "v3" and sorted(info["versions"]) == ["v2", "v3"]
     assert row_count(redis_server.url, "v1") == 0 and row_count(redis_server.url, "v2") > 0
@@ -83,6 +84,97 @@ def test_abandoned_export_is_removed_after_its_grace(tiny_run, redis_server):
     removed = publish.gc(redis_server.url, grace_s=60)["removed"]
     assert removed == {"dead": 1}
     assert "busy" in publish.versions(redis_server.url)["versions"]
+
+
+class Clock:
+    """The time export and gc count heartbeats and graces in, moved by the test."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _pausing_reads(monkeypatch, after_chunk):
+    """Make the export's verification pass (its reads of the key column alone) call
+    ``after_chunk()`` after each chunk."""
+    real = publish.pq.ParquetFile
+
+    class Reads:
+        def __init__(self, path):
+            self._file = real(path)
+            self.metadata = self._file.metadata
+
+        def iter_batches(self, *, batch_size, columns):
+            for batch in self._file.iter_batches(batch_size=batch_size, columns=columns):
+                yield batch
+                if columns == ["key"]:
+                    after_chunk()
+
+    monkeypatch.setattr(publish.pq, "ParquetFile", Reads)
+
+
+def test_a_gc_during_a_long_verification_leaves_the_version_in_flight(tiny_run, redis_server, monkeypatch):
+    """Every chunk of the verification takes three quarters of the gc's grace, and a gc runs
+    after each: the heartbeat goes on through the verification, so none removes the export."""
+    clock, grace, gcs = Clock(), 60.0, []
+
+    def slow_chunk():
+        clock.now += 0.75 * grace
+        gcs.append(publish.gc(redis_server.url, grace_s=grace, clock=clock)["removed"])
+
+    _pausing_reads(monkeypatch, slow_chunk)
+    summary = publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="long", chunk_rows=500),
+                             progress=False, clock=clock)
+    assert len(gcs) > 4 and all(removed == {} for removed in gcs), gcs
+    assert publish.versions(redis_server.url)["current"] == "long"
+    assert row_count(redis_server.url, "long") == summary["rows"]
+
+
+def test_an_export_a_gc_took_over_before_the_flip_never_becomes_current(tiny_run, redis_server, monkeypatch):
+    """The export pauses longer than the gc's grace after its verification (while it makes
+    the manifest), and a gc removes the version then: the export fails, and ``current``
+    keeps naming the whole previous version."""
+    first = publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="first"), progress=False)
+    clock, grace, gcs = Clock(), 60.0, []
+    real = publish.Catalog.to_manifest
+
+    def paused(catalog, **extra):
+        clock.now += 2 * grace
+        gcs.append(publish.gc(redis_server.url, grace_s=grace, clock=clock)["removed"])
+        return real(catalog, **extra)
+
+    monkeypatch.setattr(publish.Catalog, "to_manifest", paused)
+    with pytest.raises(publish.ExportError, match="'second': a gc took it over"):
+        publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="second"), progress=False,
+                       clock=clock)
+    assert list(gcs[0]) == ["second"]
+    info = publish.versions(redis_server.url)
+    assert info["current"] == "first" and "second" not in info["versions"]
+    assert row_count(redis_server.url, "first") == first["rows"] and row_count(redis_server.url, "second") == 0
+
+
+def test_a_superseded_version_is_kept_for_its_grace_even_beyond_keep(tiny_run, redis_server):
+    clock = Clock()
+    one = publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="one"), progress=False,
+                         clock=clock)
+    clock.now += 5
+    two = publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="two", keep=1,
+                                                                             superseded_grace_s=30),
+                         progress=False, clock=clock)
+    flipped = clock.now
+    assert two["removed_versions"] == {} and publish.versions(redis_server.url)["current"] == "two"
+    assert row_count(redis_server.url, "one") == one["rows"]  # servers may still read it
+    clock.now = flipped + 29.5
+    assert publish.gc(redis_server.url, keep=1, superseded_grace_s=30, clock=clock)["removed"] == {}
+    assert row_count(redis_server.url, "one") == one["rows"]
+    clock.now = flipped + 30
+    assert publish.gc(redis_server.url, keep=1, superseded_grace_s=30, clock=clock)["removed"] == {"one": one["rows"]}
+    assert row_count(redis_server.url, "two") == two["rows"]
+    out = subprocess.run([sys.executable, "-m", "recsys.cli", "export", "--redis", redis_server.url, "--gc",
+                          "--keep", "1", "--superseded-grace-s", "0"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "removed 0 version(s)" in out.stdout, out.stderr
 
 
 def test_cli_errors_are_one_line(tiny_run, redis_server, tmp_path):
@@ -131,7 +223,8 @@ def test_cluster_export_and_serve_equal_single_redis(tiny_run, redis_server, tmp
         assert answers[0] == answers[1]
         assert sum(sum(x["found"]) for x in answers[0]["results"]) > 600
         # keep K and gc work across the nodes too
-        publish.export(tiny_run, cluster.url, publish.ExportSettings(version="v2", keep=1), progress=False)
+        publish.export(tiny_run, cluster.url, publish.ExportSettings(version="v2", keep=1, superseded_grace_s=0),
+                       progress=False)
         assert [list(redis.Redis(port=n.port).scan_iter("recsys:{v1:*")) for n in cluster.nodes] == [[], [], []]
     finally:
         cluster.stop()
