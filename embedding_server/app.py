@@ -6,7 +6,8 @@ Routes (OpenAPI at /docs and /openapi.json):
     POST /v1/lookup/batch  {"lookups": [...]}                    -> {"results": [...], "version"}
     GET  /v1/tables        served tables, their dims, features, rows and arm, and the version
     GET  /healthz          the process is up
-    GET  /readyz           the backend answers and a version is loaded (503 otherwise)
+    GET  /readyz           the backend answers and a version is loaded (503 otherwise); with a
+                           token configured, the reason only for a caller that sends it
     GET  /metrics          Prometheus text format
 
 ``Accept: application/octet-stream`` on the lookups returns float32 rows in the binary
@@ -18,8 +19,8 @@ pooled like the embeddings; a version without them answers 422 saying so. Every 
 is read from one version (one snapshot per request); with ``--follow`` the live rows of a
 training job are overlaid on it and ``version`` says so (``<version>+live@<step>``,
 ``embedding_server.overlay``). Errors: 4xx naming the request field (never 5xx for bad
-input), 401 without the bearer token when one is configured, 413 past the id or body
-limits, 503 when the backend cannot answer (the body says why; the service recovers by
+input), 401 without the bearer token when one is configured, 413 past the id, lookup or
+body limits, 503 when the backend cannot answer (the body says why; the service recovers by
 itself).
 """
 
@@ -157,6 +158,12 @@ async def _parse(request: Request, model: type[BaseModel]):
         raise HTTPException(422, detail=detail) from None
 
 
+def _first(names: list[str], shown: int = 10) -> str:
+    """Return ``names`` listed, at most ``shown`` of them, with how many more there are."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return f"{names[:shown]}{more}"
+
+
 def _field_error(status: int, loc: list, msg: str, kind: str) -> HTTPException:
     return HTTPException(status, detail=[{"loc": loc, "msg": msg, "type": kind}])
 
@@ -235,12 +242,15 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
     app.state.backend = backend
     app.state.metrics = metrics
 
-    async def authorized(request: Request) -> None:
+    def has_token(request: Request) -> bool:
         if token is None:
-            return
+            return True
         given = request.headers.get("authorization", "")
         scheme, _, value = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(value.strip().encode(), token.encode()):
+        return scheme.lower() == "bearer" and hmac.compare_digest(value.strip().encode(), token.encode())
+
+    async def authorized(request: Request) -> None:
+        if not has_token(request):
             raise HTTPException(401, detail=[{"loc": ["header", "authorization"],
                                               "msg": "a valid bearer token is required", "type": "unauthorized"}],
                                 headers={"WWW-Authenticate": "Bearer"})
@@ -318,6 +328,9 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
     async def lookup_batch(request: Request) -> Response:
         """Return the embeddings (or wide weights) of several lookups, all from one version."""
         body = await _parse(request, BatchRequest)
+        if len(body.lookups) > settings.max_lookups:  # before any of them is resolved or read
+            raise _field_error(413, ["body", "lookups"], f"{len(body.lookups)} lookups in one request, at most "
+                               f"{settings.max_lookups} allowed", "too_many_lookups")
         snap = await snapshot()
         results, version = await answer(snap, body.lookups, batched=True)
         if wants_binary(request):
@@ -340,7 +353,8 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         missing = [c for c in columns if c not in body.values]
         extra = sorted(set(body.values) - set(columns))
         if missing or extra:
-            what = f"missing {missing}" if missing else f"unknown {extra}"
+            # a body may name ~10^5 unknown columns: the message names the first few, not all of them
+            what = f"missing {missing}" if missing else f"unknown {_first(extra)}"
             raise _field_error(422, ["body", "values"], f"{what}; expected exactly the dense columns {columns}",
                                "dense_columns")
         sizes = {len(body.values[c]) for c in columns}
@@ -379,10 +393,12 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz", responses={503: {"model": ErrorResponse}})
-    async def readyz() -> JSONResponse:
-        """Return 200 when the backend answers and a version is loaded, else 503 with the reason."""
+    async def readyz(request: Request) -> JSONResponse:
+        """Return 200 when the backend answers and a version is loaded, else 503; the reason
+        (paths, URLs) only to a caller with the bearer token when one is configured."""
         ready, why = backend.status()
-        return JSONResponse({"ready": ready, "detail": why, "backend": backend.name}, status_code=200 if ready else 503)
+        body = {"ready": ready, "detail": why, "backend": backend.name} if has_token(request) else {"ready": ready}
+        return JSONResponse(body, status_code=200 if ready else 503)
 
     @app.get("/metrics", dependencies=guarded, responses=_ERRORS)
     async def metrics_route() -> Response:
@@ -396,7 +412,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
             schema = get_openapi(title=app.title, version=app.version, description=app.description,
                                  routes=app.routes)
             components = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (LookupRequest, BatchRequest):  # the bodies parsed by hand (see _parse)
+            for model in (LookupRequest, BatchRequest, DenseRequest):  # the bodies parsed by hand (see _parse)
                 js = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 components.update(js.pop("$defs", {}))
                 components[model.__name__] = js
@@ -415,6 +431,13 @@ def create_app_from_env() -> FastAPI:
     return create_app(ServeSettings.from_env())
 
 
+def uvicorn_tls(settings: ServeSettings) -> dict:
+    """Return uvicorn's TLS arguments for ``settings`` (none without a certificate)."""
+    if not settings.ssl_certfile:
+        return {}
+    return {"ssl_certfile": settings.ssl_certfile, "ssl_keyfile": settings.ssl_keyfile}
+
+
 def serve(settings: ServeSettings) -> None:
     """Run the service until interrupted (uvicorn; ``settings.workers`` processes)."""
     import uvicorn
@@ -427,12 +450,13 @@ def serve(settings: ServeSettings) -> None:
         metrics_dir = tempfile.mkdtemp(prefix="recsys-serve-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
+        tls = uvicorn_tls(settings)
         if settings.workers > 1:
             uvicorn.run("embedding_server.app:create_app_from_env", factory=True, host=settings.host,
-                        port=settings.port, workers=settings.workers, log_level="info", access_log=False)
+                        port=settings.port, workers=settings.workers, log_level="info", access_log=False, **tls)
         else:
             uvicorn.run(create_app_from_env(), host=settings.host, port=settings.port, log_level="info",
-                        access_log=False)
+                        access_log=False, **tls)
     finally:
         if metrics_dir is not None:
             import shutil

@@ -38,7 +38,7 @@ from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
 from embedding_server.resp import RespPool
 from recsys import checkpoint_files
-from recsys.redis_util import is_cluster_info, redact
+from recsys.redis_util import client_options, is_cluster_info, redact
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +140,19 @@ class RedisBackend:
     are overlaid on the version when compatible (``embedding_server.overlay``). Live rows
     are cached ``live_ttl_s`` seconds by ``clock`` (0: not cached), in half of
     ``cache_bytes``; the published rows' caches get the other half.
+
+    A ``url`` without a password takes it from ``password_file``, else ``$REDIS_PASSWORD``
+    (``recsys.redis_util.password_for``), read once here.
     """
 
     name = "redis"
 
     def __init__(self, url: str, namespace: str = "recsys", cache_bytes: int = 256 << 20,
                  refresh_s: float = 1.0, timeout_s: float = 2.0, follow: str = "", live_ttl_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, password_file: str = "") -> None:
         self.url = url
+        # read now: a missing or empty password file fails at start, naming it, not in every request
+        self._options = client_options(url, password_file, "redis_password_file")
         self.ns = namespace
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
@@ -226,7 +231,7 @@ class RedisBackend:
         import redis.asyncio as aredis
         from redis.asyncio.cluster import RedisCluster
 
-        opts = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
+        opts = dict(socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s, **self._options)
         probe = aredis.Redis.from_url(self.url, **opts)
         try:
             cluster = not self.url.startswith("unix://") and is_cluster_info(await probe.info("cluster"))
@@ -234,7 +239,7 @@ class RedisBackend:
             await probe.aclose()
         self._cluster = cluster
         if not cluster and self.url.startswith(("redis://", "unix://")):
-            self._resp = RespPool(self.url, self.timeout_s)
+            self._resp = RespPool(self.url, self.timeout_s, self._options.get("password"))
         return RedisCluster.from_url(self.url, **opts) if cluster else aredis.Redis.from_url(self.url, **opts)
 
     async def _call(self, what: str, op):
@@ -477,4 +482,5 @@ def backend_from_settings(settings) -> EmbeddedBackend | RedisBackend:
         log.info("loaded %s in %.1f s", backend.path, time.perf_counter() - t0)
         return backend
     return RedisBackend(settings.redis, settings.namespace, settings.cache_bytes, settings.refresh_s,
-                        settings.redis_timeout_s, follow=settings.follow, live_ttl_s=settings.live_ttl_s)
+                        settings.redis_timeout_s, follow=settings.follow, live_ttl_s=settings.live_ttl_s,
+                        password_file=settings.redis_password_file)

@@ -55,6 +55,7 @@ import time
 import numpy as np
 
 from embedding_server import layout
+from recsys.redis_util import redact
 
 FORMAT = 2
 """2: the fence (format 1 namespaces had none: a run resumed onto one is refused, not trusted)."""
@@ -266,17 +267,20 @@ class LiveWriter:
     ``group`` and ``member`` name the writer in the fence: writers of one group promise to
     write disjoint keys (the ranks of one training attempt); the default group is a new
     random token, a group of its own. Errors are redis-py's (``redis.RedisError`` /
-    ``OSError``): the caller retries.
+    ``OSError``): the caller retries. A ``url`` without a password takes it from
+    ``password_file``, else ``$REDIS_PASSWORD`` (``recsys.redis_util.password_for``).
     """
 
     def __init__(self, url: str, ns: str, buckets: int = 64, timeout_s: float = 5.0,
-                 max_keys_per_call: int = MAX_KEYS_PER_CALL, group: str | None = None, member: str = "0") -> None:
+                 max_keys_per_call: int = MAX_KEYS_PER_CALL, group: str | None = None, member: str = "0",
+                 password_file: str = "") -> None:
         import secrets
 
         from recsys.redis_util import check_url
 
         check_url(url, "publish.redis")
         self.url, self.ns, self.buckets = url, layout.check_name(ns, "publish.namespace"), int(buckets)
+        self.password_file = password_file
         self.timeout_s = timeout_s
         self.max_keys_per_call = max_keys_per_call
         self.group = group or secrets.token_hex(6)
@@ -295,7 +299,7 @@ class LiveWriter:
         if self._client is None:
             from recsys.redis_util import connect
 
-            self._client = connect(self.url, self.timeout_s)
+            self._client = connect(self.url, self.timeout_s, self.password_file, "publish.redis")
         return self._client
 
     def register(self) -> None:
@@ -485,7 +489,7 @@ class LiveWriter:
 
     def read_manifest(self) -> dict | None:
         raw = self.client.get(manifest_key(self.ns))
-        return None if raw is None else parse_manifest(raw, f"{manifest_key(self.ns)} at {self.url}")
+        return None if raw is None else parse_manifest(raw, f"{manifest_key(self.ns)} at {redact(self.url)}")
 
     def write_head(self, rank: int, step: int, rows: int) -> None:
         self.client.hset(head_key(self.ns), str(rank), json.dumps({"step": step, "time": time.time(), "rows": rows}))

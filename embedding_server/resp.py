@@ -42,10 +42,13 @@ class _Connection:
 class RespPool:
     """MGETs to one Redis node over pooled connections (``redis://`` or ``unix://`` URLs)."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
+    def __init__(self, url: str, timeout_s: float, password: str | None = None) -> None:
+        """``password``: sent when the URL has none (``recsys.redis_util.client_options``)."""
         if not url.startswith(("redis://", "unix://")):
             raise ValueError("RespPool speaks plain TCP or a Unix socket: use redis-py for rediss:// URLs")
         self.opts = parse_url(url)
+        if password is not None:
+            self.opts.setdefault("password", password)
         self.timeout_s = timeout_s
         self._idle: list[_Connection] = []
 

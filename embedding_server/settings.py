@@ -3,12 +3,15 @@
 Each field has an environment variable: ``RECSYS_SERVE_`` + the field name in capitals
 (``RECSYS_SERVE_REDIS``, ``RECSYS_SERVE_MAX_IDS``...). Worker processes (``--workers N``)
 are given their settings that way. The bearer token itself is never in a setting, a log
-or the environment: only the path of the file holding it.
+or the environment: only the path of the file holding it. Give a Redis password the same
+way (``redis_password_file``, or ``$REDIS_PASSWORD``): one written in the ``redis`` URL
+reaches the workers in ``RECSYS_SERVE_REDIS``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import typing
@@ -20,6 +23,16 @@ from recsys.redis_util import check_url
 ENV_PREFIX = "RECSYS_SERVE_"
 
 
+def is_loopback(host: str) -> bool:
+    """Return whether binding ``host`` keeps the service on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 @dataclass(kw_only=True, slots=True)
 class ServeSettings:
     """What the service serves and how it guards itself."""
@@ -28,6 +41,8 @@ class ServeSettings:
     """Serve this checkpoint from memory (the embedded default); any path form ``recsys eval`` takes."""
     redis: str = ""
     """Serve the versions published to this Redis (or Redis Cluster) URL; ``rediss://`` for TLS."""
+    redis_password_file: str = ""
+    """File holding the Redis password, for a ``redis`` URL without one (else ``$REDIS_PASSWORD``)."""
     namespace: str = "recsys"
     """Namespace the versions were published under (``recsys export --namespace``)."""
     host: str = "127.0.0.1"
@@ -37,9 +52,18 @@ class ServeSettings:
     workers: int = 1
     """Worker processes (each holds its own cache, and in embedded mode its own rows)."""
     token_file: str = ""
-    """File holding a bearer token; when set, /v1/* and /metrics require ``Authorization: Bearer``."""
+    """File holding a bearer token; when set, /v1/* and /metrics require ``Authorization: Bearer``
+    and /readyz tells its details (paths, URLs) only to a caller that sends it. Off loopback
+    (``host`` not 127.x, ::1 or localhost) a token needs ``ssl_certfile``: it never travels in clear."""
+    ssl_certfile: str = ""
+    """Serve HTTPS with this certificate (PEM; uvicorn's ``ssl_certfile``); needs ``ssl_keyfile``."""
+    ssl_keyfile: str = ""
+    """The certificate's private key (PEM)."""
     max_ids: int = 10_000
     """Most ids one request may ask for (all lookups of a batch together); more: 413."""
+    max_lookups: int = 1_000
+    """Most lookups one ``POST /v1/lookup/batch`` may hold (each costs a resolution and a
+    backend read even with no ids); more: 413."""
     max_body_bytes: int = 4 << 20
     """Largest request body accepted; larger: 413."""
     cache_bytes: int = 256 << 20
@@ -74,6 +98,18 @@ class ServeSettings:
             raise ValueError(f"workers must be >= 1, found {self.workers}")
         if self.max_ids < 1:
             raise ValueError(f"max_ids must be >= 1, found {self.max_ids}")
+        if self.max_lookups < 1:
+            raise ValueError(f"max_lookups must be >= 1, found {self.max_lookups}")
+        if bool(self.ssl_certfile) != bool(self.ssl_keyfile):
+            raise ValueError("ssl_certfile and ssl_keyfile go together (--ssl-certfile, --ssl-keyfile): give both "
+                             "for HTTPS, or neither")
+        for name in ("ssl_certfile", "ssl_keyfile"):
+            path = getattr(self, name)
+            if path and not os.path.isfile(path):
+                raise ValueError(f"{name} {path}: not a file (expected a PEM file)")
+        if self.token_file and not self.ssl_certfile and not is_loopback(self.host):
+            raise ValueError(f"token_file with host {self.host!r} (not loopback) needs ssl_certfile and ssl_keyfile "
+                             "(--ssl-certfile, --ssl-keyfile): the bearer token must not travel in clear")
         if self.max_body_bytes < 1024:
             raise ValueError(f"max_body_bytes must be >= 1024, found {self.max_body_bytes}")
         if self.cache_bytes < 0:
@@ -82,6 +118,11 @@ class ServeSettings:
             raise ValueError(f"refresh_s must be > 0, found {self.refresh_s}")
         if not self.redis_timeout_s > 0:
             raise ValueError(f"redis_timeout_s must be > 0, found {self.redis_timeout_s}")
+
+    @property
+    def scheme(self) -> str:
+        """``https`` with a certificate, else ``http``."""
+        return "https" if self.ssl_certfile else "http"
 
     def token(self) -> str | None:
         """Return the bearer token from ``token_file`` (None when unset); ``ValueError`` if empty."""

@@ -204,11 +204,18 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
             check_name(args.follow, "--follow")
         settings = ServeSettings(checkpoint=str(args.checkpoint or ""), redis=args.redis or "",
+                                 redis_password_file=str(args.redis_password_file or ""),
                                  namespace=args.namespace, host=args.host, port=args.port, workers=args.workers,
-                                 token_file=str(args.token_file or ""), max_ids=args.max_ids,
+                                 token_file=str(args.token_file or ""), ssl_certfile=str(args.ssl_certfile or ""),
+                                 ssl_keyfile=str(args.ssl_keyfile or ""), max_ids=args.max_ids,
+                                 max_lookups=args.max_lookups,
                                  max_body_bytes=args.max_body_bytes, cache_bytes=int(args.cache_mb * (1 << 20)),
                                  refresh_s=args.refresh_s, follow=args.follow or "", live_ttl_s=args.live_ttl_s)
         settings.token()  # a bad token file fails here, before the server starts
+        if settings.redis:  # and a bad Redis password file
+            from recsys.redis_util import password_for
+
+            password_for(settings.redis, settings.redis_password_file, "--redis-password-file")
     except (ValueError, OSError) as exc:
         raise UserError(f"serve: {exc}") from None
     serve(settings)
@@ -347,7 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path,
                    help="a checkpoint directory, a run directory, a checkpoints/ directory or its latest file")
     p.add_argument("--redis", required=True, help="redis://[:password@]host:port/db, rediss:// for TLS; "
-                   "any node of a Redis Cluster")
+                   "any node of a Redis Cluster; a URL without a password takes $REDIS_PASSWORD")
     p.add_argument("--version", help="version name (default: s<step>-<UTC time>)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="storage type in Redis (float16: half the memory, rows rounded)")
@@ -379,8 +386,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
-    p.add_argument("--token-file", type=Path, help="require `Authorization: Bearer <token in this file>`")
+    p.add_argument("--redis-password-file", type=Path,
+                   help="file holding the Redis password, for a --redis URL without one (else $REDIS_PASSWORD)")
+    p.add_argument("--token-file", type=Path, help="require `Authorization: Bearer <token in this file>` (off "
+                   "loopback only with --ssl-certfile: the token never travels in clear)")
+    p.add_argument("--ssl-certfile", type=Path, help="serve HTTPS with this certificate (PEM; with --ssl-keyfile)")
+    p.add_argument("--ssl-keyfile", type=Path, help="the certificate's private key (PEM)")
     p.add_argument("--max-ids", type=int, default=10_000, help="ids per request at most (default 10000)")
+    p.add_argument("--max-lookups", type=int, default=1_000,
+                   help="lookups per /v1/lookup/batch request at most (default 1000)")
     p.add_argument("--max-body-bytes", type=int, default=4 << 20, help="request body size limit (default 4 MiB)")
     p.add_argument("--cache-mb", type=float, default=256, help="row cache per worker, MiB (default 256; 0: none)")
     p.add_argument("--refresh-s", type=float, default=1.0, help="how often the `current` alias is read (default 1)")

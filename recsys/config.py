@@ -228,8 +228,29 @@ def to_dict(cfg: Any) -> Any:
 
 
 def dumps(cfg: Any) -> str:
-    """Return ``cfg`` as TOML text (loadable again as a job file)."""
-    return tomli_w.dumps(to_dict(cfg))
+    """Return ``cfg`` as TOML text (loadable again as a job file), with no secret in it.
+
+    The text is saved (a run's ``config.toml``, every checkpoint's ``meta.json``), and run
+    directories and checkpoints are copied to serving hosts and shared: every Redis URL in
+    it is written without its password (``recsys.redis_util.strip_password``). A run that
+    loads it again takes the password from the ``*_password_file`` keys or
+    ``$REDIS_PASSWORD``."""
+    return tomli_w.dumps(_without_secrets(to_dict(cfg)))
+
+
+def _without_secrets(data: Any) -> Any:
+    from recsys.redis_util import URL_SCHEMES, redact, strip_password
+
+    if isinstance(data, dict):
+        return {k: _without_secrets(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_without_secrets(v) for v in data]
+    if isinstance(data, str) and data.startswith(URL_SCHEMES):
+        try:
+            return strip_password(data)
+        except ValueError:  # not parsable: nothing of it is kept but what redact shows
+            return redact(data)
+    return data
 
 
 def write_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.toml") -> Path:

@@ -14,7 +14,8 @@ def user_message(exc: BaseException) -> str | None:
 
     Input errors: ``UserError`` (config errors, the reader's ``ReadError``...), an ``OSError``
     (a path that is missing, a directory, unreadable, a full disk...), a file that is not
-    UTF-8 or not JSON. Anything else is a bug and keeps its traceback.
+    UTF-8 or not JSON. Anything else is a bug and keeps its traceback. Every Redis URL in the
+    message is redacted (``recsys.redis_util.redact_text``).
     """
     if isinstance(exc, UserError):
         text = str(exc)
@@ -26,4 +27,7 @@ def user_message(exc: BaseException) -> str | None:
         text = f"invalid JSON: {exc}"
     else:
         return None
-    return " ".join(text.split()) or type(exc).__name__
+    from recsys.redis_util import redact_text
+
+    # the last line of defence: a Redis URL quoted anywhere (an override, a path) loses its password
+    return redact_text(" ".join(text.split())) or type(exc).__name__

@@ -1,33 +1,123 @@
-"""Small Redis helpers shared by the spill tier, ``recsys export`` and the lookup service.
+"""Small Redis helpers shared by the spill tier, ``recsys export``, live pushes and the lookup service.
 
-No torch here. A URL's password never reaches a log or an error message: use ``redact``.
+No torch here.
+
+**Secrets.** A Redis password never reaches a file, a log line or a message:
+
+- ``redact(url)`` is the one redaction of a URL for messages and logs. It hides every
+  credential form redis-py accepts: ``user:password@`` / ``:password@`` in the netloc,
+  ``?password=`` (and any other query key naming a password, e.g. ``ssl_password``), and
+  whatever a stray ``#`` or ``?`` inside an unquoted password split off. The user name
+  stays. ``redact_text`` applies it to every Redis URL inside a text (the one-line user
+  errors go through it: ``recsys.errors.user_message``).
+- ``strip_password(url)`` is the URL as it may be saved (a run's ``config.toml``, every
+  checkpoint's ``meta.json``): the same URL without its password.
+- A URL without a password gets it from ``password_for``: the job's ``*_password_file``
+  key (a file holding the password), else the ``REDIS_PASSWORD`` environment variable. A
+  URL with its own password uses that one (for the connection only: it is never saved).
+  ``connect`` and ``client_options`` apply this to every client.
+
 A URL names either a single Redis or any node of a Redis Cluster; ``connect`` asks the
 server which (``INFO cluster``) and returns the matching redis-py client.
 """
 
 from __future__ import annotations
 
+import os
 import re
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
-__all__ = ["redact", "glob_escape", "connect", "is_cluster_info"]
+__all__ = ["redact", "redact_text", "strip_password", "has_password", "password_for", "client_options",
+           "glob_escape", "check_url", "connect", "is_cluster_info", "PASSWORD_ENV"]
 
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
+PASSWORD_ENV = "REDIS_PASSWORD"
+"""The environment variable a URL without a password takes it from (after a ``*_password_file``)."""
+_MASK = "***"
+_QUERY_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_URL_IN_TEXT = re.compile(r"(?:rediss?|unix)://[^\s'\"<>]*")
+
+
+def _secret_key(key: str) -> bool:
+    return "password" in key.lower() or not _QUERY_KEY.fullmatch(key)
+
+
+def _rewrite(url: str, mask: str | None) -> str:
+    """Return ``url`` with every credential replaced by ``mask`` (None: removed); ValueError if unparsable."""
+    parts = urlsplit(url)
+    parts.port  # noqa: B018 - raises ValueError for a bad port, as redis-py would
+    host = parts.netloc.rpartition("@")[2]
+    user = parts.username or ""
+    if parts.password is not None and mask is not None:
+        user = f"{user}:{mask}"
+    netloc = f"{user}@{host}" if user else host
+    query = []
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if _secret_key(key):
+            if mask is not None:
+                query.append((key if _QUERY_KEY.fullmatch(key) else mask, mask))
+        else:
+            query.append((key, value))
+    # redis-py ignores a fragment; after an unquoted '#' in a password it holds the password's rest
+    fragment = mask if parts.fragment and mask is not None else ""
+    query_text = urlencode(query, safe="/:*")
+    # by hand, not urlunsplit: that drops the '//' of unix:///path
+    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query_text}" if query_text else "")
+            + (f"#{fragment}" if fragment else ""))
 
 
 def redact(url: str) -> str:
-    """Return ``url`` without its password."""
+    """Return ``url`` for a message or a log line: every password replaced by ``***``."""
     try:
-        parts = urlsplit(url)
+        return _rewrite(url, _MASK)
     except ValueError:
         return "<unparsable url>"
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    user = f"{parts.username}:***@" if parts.username else ":***@"
-    return urlunsplit((parts.scheme, user + host, parts.path, parts.query, parts.fragment))
+
+
+def redact_text(text: str) -> str:
+    """Return ``text`` with every Redis URL in it redacted (``redact``)."""
+    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
+
+
+def strip_password(url: str) -> str:
+    """Return ``url`` as it may be saved: without any password (``ValueError`` if unparsable)."""
+    return _rewrite(url, None)
+
+
+def has_password(url: str) -> bool:
+    """Return whether ``url`` carries a password itself (in its netloc or its query)."""
+    try:
+        return _rewrite(url, _MASK) != _rewrite(url, None)
+    except ValueError:
+        return False
+
+
+def password_for(url: str, password_file: str = "", where: str = "redis") -> str | None:
+    """Return the password to send for ``url`` when it has none of its own: the contents of
+    ``password_file`` (one line), else ``$REDIS_PASSWORD``; None when the URL has its own
+    password or no source gives one. ``where`` names the setting in errors (``UserError``)."""
+    if has_password(url):
+        return None
+    if password_file:
+        from recsys.errors import UserError
+
+        try:
+            with open(password_file, encoding="utf-8") as fh:
+                password = fh.read().strip("\r\n")
+        except (OSError, UnicodeDecodeError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+            raise UserError(f"{where}: cannot read the Redis password file {password_file}: {why}") from None
+        if not password or "\n" in password:
+            raise UserError(f"{where}: the Redis password file {password_file} must hold one non-empty line")
+        return password
+    return os.environ.get(PASSWORD_ENV) or None
+
+
+def client_options(url: str, password_file: str = "", where: str = "redis") -> dict:
+    """Return the extra redis-py keyword arguments for ``url``: its password, when it comes
+    from ``password_file`` or the environment (``password_for``)."""
+    password = password_for(url, password_file, where)
+    return {} if password is None else {"password": password}
 
 
 def glob_escape(text: str) -> str:
@@ -36,10 +126,16 @@ def glob_escape(text: str) -> str:
 
 
 def check_url(url: str, where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` unless ``url`` is a Redis URL."""
+    """Raise ``ValueError`` naming ``where`` unless ``url`` is a Redis URL (the message shows it redacted)."""
     if not url.startswith(URL_SCHEMES):
         raise ValueError(f"{where}: expected a Redis URL starting with one of {list(URL_SCHEMES)}, "
                          f"found {redact(url)!r}")
+    try:
+        strip_password(url)
+    except ValueError:  # redis-py could not parse it either; the parser's words may quote a password
+        raise ValueError(f"{where}: not a valid Redis URL: {redact(url)!r} (expected a numeric port and a "
+                         "bracketed IPv6 address; a password with '#', '?', '/' or '@' must be percent-encoded)"
+                         ) from None
 
 
 def is_cluster_info(info: dict) -> bool:
@@ -47,13 +143,16 @@ def is_cluster_info(info: dict) -> bool:
     return str(info.get("cluster_enabled", 0)) == "1"
 
 
-def connect(url: str, timeout_s: float = 5.0, **kwargs):
-    """Return a synchronous client for ``url``: ``redis.Redis`` or ``redis.cluster.RedisCluster``."""
+def connect(url: str, timeout_s: float = 5.0, password_file: str = "", where: str = "redis url", **kwargs):
+    """Return a synchronous client for ``url``: ``redis.Redis`` or ``redis.cluster.RedisCluster``.
+
+    The password is the URL's, else ``password_file``'s, else ``$REDIS_PASSWORD`` (``password_for``)."""
     import redis
     from redis.cluster import RedisCluster
 
-    check_url(url, "redis url")
-    opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s, **kwargs)
+    check_url(url, where)
+    opts = dict(socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                **client_options(url, password_file, where), **kwargs)
     probe = redis.Redis.from_url(url, **opts)
     try:
         cluster = not url.startswith("unix://") and is_cluster_info(probe.info("cluster"))

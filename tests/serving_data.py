@@ -109,19 +109,22 @@ def eval_wide(checkpoint: Path, path: Path) -> tuple[list[str], np.ndarray, np.n
 
 
 class LiveServer:
-    """A uvicorn server for ``app`` on a free loopback port, in a thread."""
+    """A uvicorn server for ``app`` on a free loopback port, in a thread; ``tls``: uvicorn's
+    TLS arguments (``embedding_server.app.uvicorn_tls``), served as https."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, tls: dict | None = None) -> None:
         import uvicorn
 
         self.port = free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self.scheme = "https" if tls else "http"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on",
+                                **(tls or {}))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{self.scheme}://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "LiveServer":
         self.thread.start()

@@ -17,6 +17,7 @@ from serving_data import LiveServer
 @pytest.fixture(scope="module")
 def server(tiny_run):
     with LiveServer(create_app(ServeSettings(checkpoint=str(tiny_run), max_ids=100, max_body_bytes=4096))) as s:
+        s.tiny_run = tiny_run
         yield s
 
 
@@ -59,6 +60,41 @@ def test_batch_limits_count_every_lookup(server):
     assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "lookups", 1, "ids", 0]
 
 
+def test_batch_limits_count_lookups_without_ids(tiny_run):
+    """Empty lookups cost no id but each is resolved and read: ~150 k of them fit in 4 MiB."""
+    settings = ServeSettings(checkpoint=str(tiny_run))  # the defaults: 4 MiB, 1000 lookups
+    empty = {"feature": "c1", "ids": []}
+    with LiveServer(create_app(settings)) as s:
+        r = httpx.post(s.url + "/v1/lookup/batch", json={"lookups": [empty] * (settings.max_lookups + 1)}, timeout=60)
+        assert r.status_code == 413, r.text[:300]
+        assert r.json()["detail"] == [{"loc": ["body", "lookups"], "type": "too_many_lookups",
+                                       "msg": "1001 lookups in one request, at most 1000 allowed"}]
+        r = httpx.post(s.url + "/v1/lookup/batch", json={"lookups": [empty] * settings.max_lookups}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["results"]) == settings.max_lookups
+
+
+@pytest.mark.parametrize("path", ["/v1/lookup", "/v1/lookup/batch", "/v1/dense"])
+def test_non_utf8_and_deeply_nested_bodies_are_a_422(server, path):
+    nested = b'{"values": {"i1": ' + b"[" * 100_000 + b"]" * 100_000 + b"}}"  # 200 kB, under a 4 MiB limit
+    bodies = {"non-UTF-8": b'{"values": {"i\xff\xfe1": [1.0]}, "feature": "\xc3\x28", "lookups": []}',
+              "a non-UTF-8 first byte": b"\xff{}", "deeply nested": nested}
+    with LiveServer(create_app(ServeSettings(checkpoint=str(server.tiny_run)))) as big:
+        for what, body in bodies.items():
+            r = httpx.post(big.url + path, content=body, headers={"content-type": "application/json"}, timeout=60)
+            assert r.status_code == 422, (what, r.status_code, r.text[:300])
+            (item,) = r.json()["detail"]
+            assert item["loc"] == ["body"] and item["type"] == "json_invalid", (what, item)
+            assert "line 1 column" in item["msg"], (what, item)  # names where
+
+
+def test_dense_lists_a_few_unknown_columns_not_all(server):
+    body = {"values": {**{f"i{j}": [1.0] for j in range(1, 14)}, **{f"x{j}": [] for j in range(300)}}}
+    r = httpx.post(server.url + "/v1/dense", json=body, timeout=30)
+    assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "values"]
+    msg = r.json()["detail"][0]["msg"]
+    assert "'x0'" in msg and "and 290 more" in msg and "'x299'" not in msg and len(msg) < 400, msg
+
+
 def test_body_limits(server):
     big = b'{"feature": "c3", "ids": ["' + b"x" * 5000 + b'"]}'
     r = httpx.post(server.url + "/v1/lookup", content=big, headers={"content-type": "application/json"})
@@ -90,7 +126,13 @@ def test_token_auth(tiny_run, tmp_path):
         ok = {"authorization": "Bearer s3cret-token"}
         assert httpx.post(s.url + "/v1/lookup", json=body, headers=ok).status_code == 200
         assert httpx.get(s.url + "/healthz").status_code == 200  # probes stay open
-        assert httpx.get(s.url + "/readyz").status_code == 200
+        r = httpx.get(s.url + "/readyz")
+        # the probe answers, but where the rows come from (a path, a Redis URL) only with the token
+        assert r.status_code == 200 and r.json() == {"ready": True} and str(tiny_run) not in r.text
+        r = httpx.get(s.url + "/readyz", headers={"authorization": "Bearer wrong"})
+        assert r.json() == {"ready": True}
+        r = httpx.get(s.url + "/readyz", headers=ok)
+        assert r.status_code == 200 and str(tiny_run) in r.json()["detail"] and r.json()["backend"] == "embedded"
 
 
 def test_empty_token_file_is_refused(tiny_run, tmp_path):
@@ -102,7 +144,7 @@ def test_empty_token_file_is_refused(tiny_run, tmp_path):
 # ------------------------------------------------------------------ fuzz over the OpenAPI schema
 
 
-@pytest.mark.parametrize("path, method", [("/v1/lookup", "POST"), ("/v1/lookup/batch", "POST"),
+@pytest.mark.parametrize("path, method", [("/v1/lookup", "POST"), ("/v1/lookup/batch", "POST"), ("/v1/dense", "POST"),
                                           ("/v1/tables", "GET"), ("/readyz", "GET"), ("/metrics", "GET")])
 def test_fuzz_never_a_server_error(tiny_run, path, method):
     """Requests generated from the OpenAPI schema (valid and invalid bodies) never get a 5xx."""

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from recsys.redis_util import URL_SCHEMES as SPILL_SCHEMES  # one list of Redis URL forms
+from recsys.redis_util import check_url
 
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam", "sgd")
 DTYPES = ("float32", "float16")
@@ -87,7 +87,13 @@ class StoreConfig:
     table and shard gets a device cache: its whole capacity when every table fits, else a
     share of the budget in proportion to its capacity. Exclusive with ``device_cache_rows``."""
     spill_url: str = ""
-    """Redis URL of the spill tier keeping evicted rows, e.g. ``redis://host:6379/0`` ("": none)."""
+    """Redis URL of the spill tier keeping evicted rows, e.g. ``redis://host:6379/0`` ("": none).
+    A password in the URL is used but never saved (the run's ``config.toml`` and checkpoints
+    keep the URL without it): a resumed run takes it from ``spill_password_file`` or
+    ``$REDIS_PASSWORD``."""
+    spill_password_file: str = ""
+    """File holding the spill Redis's password, for a ``spill_url`` without one (else
+    ``$REDIS_PASSWORD``; neither: no password)."""
     spill_namespace: str = ""
     """Prefix of spill keys: ``<namespace>:spill:<table>:<key as 16 hex digits>``.
 
@@ -161,11 +167,8 @@ class StoreConfig:
         if self.device_memory_gb and self.device_cache_rows:
             raise ValueError("set device_cache_rows (rows per table) or device_memory_gb (a budget for all "
                              f"tables), not both; found {self.device_cache_rows} and {self.device_memory_gb}")
-        if self.spill_url and not self.spill_url.startswith(SPILL_SCHEMES):
-            raise ValueError(
-                f"spill_url must start with one of {list(SPILL_SCHEMES)} (or be empty: no spill tier), "
-                f"found {self.spill_url!r}"
-            )
+        if self.spill_url:
+            check_url(self.spill_url, "spill_url (or empty: no spill tier)")
         if any(ch.isspace() for ch in self.spill_namespace) or any(ch in self.spill_namespace for ch in "*?[]\\"):
             raise ValueError(
                 "spill_namespace must have no whitespace and no glob characters (* ? [ ] \\), "

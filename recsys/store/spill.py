@@ -99,6 +99,7 @@ from redis.retry import Retry
 
 from recsys.errors import UserError
 from recsys.hashing import _fmix
+from recsys.redis_util import client_options as _client_options
 from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
 from recsys.store import optim
@@ -309,6 +310,7 @@ class SpillTier:
             socket_connect_timeout=cfg.spill_timeout_s,
             retry=Retry(NoBackoff(), 0),  # the retries are ours (bounded, with backoff)
             health_check_interval=0,
+            **_client_options(cfg.spill_url, cfg.spill_password_file, "store.spill_password_file"),
         )
         self._cond = threading.Condition()  # re-entrant
         self._pending: dict[int, bytes | None] = {}  # newest wanted state per key, not yet taken

@@ -51,7 +51,11 @@ class PublishConfig:
     """Live pushes of fresh rows to the serving tier while training (off unless ``redis`` is set)."""
 
     redis: str = ""
-    """Redis (or Redis Cluster) URL to push live rows to; empty: no live pushes."""
+    """Redis (or Redis Cluster) URL to push live rows to; empty: no live pushes. A password in
+    the URL is used but never saved (``config.toml`` and checkpoints keep the URL without
+    it): a resumed run takes it from ``redis_password_file`` or ``$REDIS_PASSWORD``."""
+    redis_password_file: str = ""
+    """File holding the password of ``redis``, for a URL without one (else ``$REDIS_PASSWORD``)."""
     every_s: float = 5.0
     """Seconds between snapshots of the touched rows (per rank)."""
     namespace: str = "live"
@@ -138,7 +142,7 @@ class LivePublisher:
         self.cfg, self.rank, self.read_rows, self.clock = cfg, rank, read_rows, clock
         self.member = member if member is not None else str(rank)
         self.writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s,
-                                           group=group, member=self.member)
+                                           group=group, member=self.member, password_file=cfg.redis_password_file)
         if writer is None:
             self.writer.register()  # the trainer then waits for every rank's (see LiveWriter.register)
         self._touched: dict[str, list[np.ndarray]] = {}
@@ -376,7 +380,8 @@ def claim(cfg: PublishConfig, manifest: dict, writer=None) -> bool:
     from recsys.errors import UserError
     from recsys.redis_util import redact
 
-    writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s)
+    writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s,
+                                  password_file=cfg.redis_password_file)
     where = f"live namespace {cfg.namespace!r} at {redact(cfg.redis)}"
     try:
         try:

@@ -1,0 +1,239 @@
+"""Secrets: no Redis password on disk or in a message.
+
+- ``redact`` (messages, logs) hides every credential form redis-py accepts; ``strip_password``
+  (what is saved) drops them and keeps everything else redis-py reads.
+- A job's ``config.toml`` and checkpoints keep its Redis URLs without the password; a resumed
+  run takes it from ``*_password_file`` or ``$REDIS_PASSWORD`` and connects (a real
+  redis-server with ``--requirepass``), as does ``recsys serve``.
+- The messages that showed a raw URL (a bad spill_url scheme, an unreadable live manifest
+  and the takeover warning) show it redacted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+from redis.connection import parse_url
+
+from conftest import start_redis
+from recsys.redis_util import (PASSWORD_ENV, check_url, client_options, has_password, password_for, redact,
+                               redact_text, strip_password)
+from serving_data import JOB, LiveServer
+
+PASSWORD = "s3cr3t-Pa55"
+SECRET_FORMS = [  # (url with the password, what redact keeps of it)
+    (f"redis://:{PASSWORD}@127.0.0.1:6379/0", "redis://:***@127.0.0.1:6379/0"),
+    (f"redis://alice:{PASSWORD}@cache.internal:6380/2", "redis://alice:***@cache.internal:6380/2"),
+    (f"rediss://alice:{PASSWORD}@[::1]:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem",
+     "rediss://alice:***@[::1]:6380/0?ssl_cert_reqs=required&ssl_ca_certs=/etc/ca.pem"),
+    (f"unix://:{PASSWORD}@/run/redis.sock?db=3", "unix://:***@/run/redis.sock?db=3"),
+    (f"unix:///run/redis.sock?db=3&password={PASSWORD}", "unix:///run/redis.sock?db=3&password=***"),
+    (f"redis://cache:6379/0?username=alice&password={PASSWORD}", "redis://cache:6379/0?username=alice&password=***"),
+    (f"rediss://cache/0?ssl_password={PASSWORD}&ssl_keyfile=/k.pem", "rediss://cache/0?ssl_password=***&ssl_keyfile=/k.pem"),
+    (f"redis://:{PASSWORD}@cache/0#{PASSWORD}", "redis://:***@cache/0#***"),
+    (f"redis://:p%40{PASSWORD}%23x@cache:1/0", "redis://:***@cache:1/0"),  # percent-encoded '@' and '#'
+]
+PLAIN = ["redis://127.0.0.1:6379/0", "rediss://alice@cache:6380/0?ssl_cert_reqs=none", "unix:///run/redis.sock?db=1",
+         "redis://cache/0?username=alice", "redis://[::1]:6379"]
+
+
+# ------------------------------------------------------------------ the one redaction
+
+
+@pytest.mark.parametrize("url, shown", SECRET_FORMS)
+def test_redact_hides_every_password_form_redis_py_reads(url, shown):
+    options = parse_url(url)
+    assert PASSWORD in str(options.get("password", "")) + str(options.get("ssl_password", ""))
+    assert redact(url) == shown and PASSWORD not in redact(url)
+    assert redact_text(f"Redis at {url} failed; retry {url!r}") == f"Redis at {shown} failed; retry {shown!r}"
+    saved = strip_password(url)
+    assert PASSWORD not in saved and "***" not in saved and has_password(url) and not has_password(saved)
+    kept = parse_url(saved)  # everything redis-py reads but the password is still there
+    assert kept == {k: v for k, v in options.items() if k not in ("password", "ssl_password")}
+
+
+@pytest.mark.parametrize("url", PLAIN)
+def test_urls_without_a_password_are_unchanged(url):
+    assert redact(url) == strip_password(url) == url and not has_password(url)
+
+
+@pytest.mark.parametrize("url", [f"redis://:{PASSWORD[:4]}#{PASSWORD[4:]}@cache:6379/0",
+                                 f"redis://:{PASSWORD[:4]}?{PASSWORD[4:]}@cache/0",
+                                 f"redis://:{PASSWORD}@[::1/0"])
+def test_an_unparsable_url_shows_nothing_of_its_password(url):
+    """An unquoted '#' or '?' cuts the password in two; redis-py cannot parse it either."""
+    assert redact(url) == "<unparsable url>"
+    with pytest.raises(ValueError, match="store.spill_url: not a valid Redis URL") as err:
+        check_url(url, "store.spill_url")
+    assert PASSWORD[:4] not in str(err.value) and PASSWORD[4:] not in str(err.value)
+
+
+def test_a_bad_spill_scheme_is_named_without_the_password():
+    from recsys.store.config import StoreConfig
+
+    with pytest.raises(ValueError, match="spill_url") as err:
+        StoreConfig(spill_url=f"http://:{PASSWORD}@cache:6379/0")
+    assert PASSWORD not in str(err.value) and "http://:***@cache:6379/0" in str(err.value)
+
+
+def test_user_errors_redact_any_url_they_quote():
+    from recsys.config import ConfigError, JobConfig, apply_overrides
+    from recsys.errors import user_message
+
+    with pytest.raises(ConfigError) as err:  # a typo in the key: the message quotes the whole override
+        apply_overrides({}, [f"store.spil_url='redis://:{PASSWORD}@cache:6379/0'"], JobConfig)
+    message = user_message(err.value)
+    assert "spil_url" in message and PASSWORD not in message and "redis://:***@cache:6379/0" in message
+
+
+# ------------------------------------------------------------------ where the password comes from
+
+
+def test_password_sources_in_order(tmp_path, monkeypatch):
+    monkeypatch.setenv(PASSWORD_ENV, "from-env")
+    (tmp_path / "pw").write_text("from-file\n")
+    url = "redis://cache:6379/0"
+    assert password_for("redis://:from-url@cache:6379/0", str(tmp_path / "pw")) is None  # the URL's own wins
+    assert password_for(url, str(tmp_path / "pw")) == "from-file"
+    assert client_options(url, str(tmp_path / "pw")) == {"password": "from-file"}
+    assert password_for(url) == "from-env" and client_options(url) == {"password": "from-env"}
+    monkeypatch.delenv(PASSWORD_ENV)
+    assert password_for(url) is None and client_options(url) == {}
+    with pytest.raises(ValueError, match=r"store.spill_password_file: cannot read the Redis password file .*nope"):
+        password_for(url, str(tmp_path / "nope"), "store.spill_password_file")
+    (tmp_path / "empty").write_text("\n")
+    with pytest.raises(ValueError, match="publish.redis_password_file: .*empty must hold one non-empty line"):
+        password_for(url, str(tmp_path / "empty"), "publish.redis_password_file")
+
+
+def test_a_saved_job_holds_no_password(tmp_path):
+    from recsys.config import JobConfig, dumps, from_dict, write_resolved
+    from recsys.store.config import StoreConfig
+    from recsys.train.publish import PublishConfig
+
+    job = JobConfig(store=StoreConfig(spill_url=f"redis://:{PASSWORD}@cache:6379/0"),
+                    publish=PublishConfig(redis=f"rediss://alice:{PASSWORD}@cache:6380/1?ssl_ca_certs=/ca.pem"))
+    text = dumps(job)
+    path = write_resolved(job, tmp_path)
+    for saved in (text, path.read_text()):
+        assert PASSWORD not in saved
+        assert 'spill_url = "redis://cache:6379/0"' in saved
+        assert 'redis = "rediss://alice@cache:6380/1?ssl_ca_certs=/ca.pem"' in saved
+    import tomllib
+
+    again = from_dict(JobConfig, tomllib.loads(text))  # still a job file
+    assert again.store.spill_url == "redis://cache:6379/0" and job.store.spill_url.endswith("@cache:6379/0")
+
+
+# ------------------------------------------------------------------ with a real password-protected Redis
+
+
+@pytest.fixture
+def locked_redis(tmp_path):
+    server = start_redis(tmp_path / "redis", "--requirepass", PASSWORD)
+    yield server
+    server.stop()
+
+
+def _client(server):
+    import redis
+
+    return redis.Redis(host=server.host, port=server.port, password=PASSWORD)
+
+
+@pytest.mark.redis
+def test_an_unreadable_live_manifest_is_named_without_the_password(locked_redis, caplog):
+    from embedding_server.live import LiveWriter, manifest_key
+    from recsys.errors import UserError
+    from recsys.train.publish import PublishConfig, claim
+
+    url = f"redis://:{PASSWORD}@{locked_redis.host}:{locked_redis.port}/0"
+    client = _client(locked_redis)
+    client.set(manifest_key("live"), b"not json")
+    with pytest.raises(ValueError) as err:
+        LiveWriter(url, "live").read_manifest()
+    assert PASSWORD not in str(err.value) and ":***@" in str(err.value)
+    manifest = {"run": "this-run"}
+    with pytest.raises(UserError) as err:
+        claim(PublishConfig(redis=url), manifest)
+    assert "unreadable manifest" in str(err.value) and PASSWORD not in str(err.value)
+    with caplog.at_level(logging.WARNING, logger="recsys.train.publish"):
+        assert claim(PublishConfig(redis=url, takeover=True), manifest)
+    assert "took over" in caplog.text and "unreadable manifest" in caplog.text and PASSWORD not in caplog.text
+    assert json.loads(client.get(manifest_key("live")))["run"] == "this-run"
+    client.close()
+
+
+def _train(run_dir: Path, config: Path, env: dict, *sets: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(config), "--run-dir", str(run_dir),
+           "--set", "train.progress='none'", *(a for s in sets for a in ("--set", s))]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+
+def _files_holding(root: Path, secret: str) -> list[str]:
+    return [str(p) for p in root.rglob("*") if p.is_file() and secret.encode() in p.read_bytes()]
+
+
+@pytest.mark.redis
+def test_a_resumed_run_takes_the_password_from_the_environment(locked_redis, tiny_data, tmp_path):
+    """Run 1 has the password in its URLs; its run directory and checkpoints do not. Run 2
+    resumes from the saved config.toml: without the password it stops with one line naming
+    Redis; with ``REDIS_PASSWORD`` it connects (spill tier and live pushes) and finishes."""
+    from embedding_server.live import head_key
+
+    where = f"{locked_redis.host}:{locked_redis.port}/0"
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != PASSWORD_ENV}
+    first = _train(run_dir, JOB, env, f"data.train.paths=['{tiny_data / 'train'}']",
+                   f"data.eval.paths=['{tiny_data / 'eval'}']", "train.max_steps=6", "schema.tables.c1.capacity=150",
+                   f"store.spill_url='redis://:{PASSWORD}@{where}'", f"publish.redis='redis://:{PASSWORD}@{where}'",
+                   "publish.namespace='secrets'", "publish.every_s=0.05")
+    assert first.returncode == 0, first.stderr[-2000:]
+    saved = (run_dir / "config.toml").read_text()
+    assert f'spill_url = "redis://{where}"' in saved and f'redis = "redis://{where}"' in saved
+    assert (run_dir / "checkpoints" / "step-00000006" / "meta.json").is_file()
+    assert _files_holding(run_dir, PASSWORD) == [] and PASSWORD not in first.stdout + first.stderr
+    client = _client(locked_redis)
+    assert any(client.scan_iter(match="*:spill:c1:*"))  # c1 rows past 150 went to Redis
+
+    more = ("train.max_steps=12",)
+    refused = _train(run_dir, run_dir / "config.toml", env, *more)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-2000:]
+    assert f"redis://{where}" in refused.stderr and PASSWORD not in refused.stderr + refused.stdout
+
+    resumed = _train(run_dir, run_dir / "config.toml", {**env, PASSWORD_ENV: PASSWORD}, *more)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((run_dir / "result.json").read_text())["step"] == 12
+    heads = {k.decode(): json.loads(v)["step"] for k, v in client.hgetall(head_key("secrets")).items()}
+    assert heads and max(heads.values()) == 12, heads  # the live pushes of the resumed run reached Redis
+    assert _files_holding(run_dir, PASSWORD) == [] and PASSWORD not in resumed.stdout + resumed.stderr
+    client.close()
+
+
+@pytest.mark.redis
+def test_export_and_serve_take_the_password_from_a_file_or_the_environment(locked_redis, tiny_run, tmp_path,
+                                                                           monkeypatch):
+    from embedding_server import publish
+    from embedding_server.app import create_app
+    from embedding_server.settings import ServeSettings
+
+    url = f"redis://{locked_redis.host}:{locked_redis.port}/0"  # no password in it
+    monkeypatch.setenv(PASSWORD_ENV, PASSWORD)
+    assert publish.export(tiny_run, url, publish.ExportSettings(version="env"), progress=False)["rows"] > 1000
+    monkeypatch.delenv(PASSWORD_ENV)
+    (tmp_path / "pw").write_text(PASSWORD + "\n")
+    settings = ServeSettings(redis=url, redis_password_file=str(tmp_path / "pw"))
+    assert PASSWORD not in json.dumps(settings.to_env())
+    with LiveServer(create_app(settings)) as live:  # plain redis://: rows come through the RESP pool
+        r = httpx.post(live.url + "/v1/lookup", json={"feature": "c1", "ids": [1, 2]}, timeout=30)
+        assert r.status_code == 200 and r.json()["version"] == "env", r.text
+    with LiveServer(create_app(ServeSettings(redis=url))) as live:  # no password anywhere: 503, not a crash
+        r = httpx.post(live.url + "/v1/lookup", json={"feature": "c1", "ids": [1]}, timeout=30)
+        assert r.status_code == 503 and "redis://" in r.text
