@@ -225,7 +225,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_bench(args: argparse.Namespace) -> int:
     from recsys.bench import run
 
-    result = run(args.target, json_out=args.json, quick=args.quick, data=args.data)
+    target = args.target
+    if args.device == "cuda":  # the GPU variant of a benchmark: its own module
+        if target != "train":
+            raise UserError(f"bench {target}: --device cuda is for `recsys bench train` only")
+        target = "train_gpu"
+    result = run(target, json_out=args.json, quick=args.quick, data=args.data)
     return 0 if result.get("passed", True) else 1  # a scenario bench (faults) fails when one scenario does
 
 
@@ -413,6 +418,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", type=Path, help="write results here")
     p.add_argument("--quick", action="store_true", help="small variant (at most about a minute)")
     p.add_argument("--data", type=Path, help="data directory to use instead of the default")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="train only: cuda runs the GPU training benchmark (recsys/bench/train_gpu.py; default cpu)")
     p.set_defaults(func=_cmd_bench)
     return parser
 
