@@ -37,8 +37,7 @@ $(VENV_CUDA)/.installed: pyproject.toml Makefile
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VENV_CUDA)/bin/python -m pip install --quiet torch==2.13.0 fbgemm-gpu==1.8.0
 	$(VENV_CUDA)/bin/python -m pip install --quiet -e '.[test,cuda]'
 	$(VENV_CUDA)/bin/python -m pip install --quiet --no-deps torchrec==1.8.0
-	$(VENV_CUDA)/bin/python -c "import torch, fbgemm_gpu, torchrec; assert torch.version.cuda, torch.__version__; \
-		print('torch', torch.__version__, 'CUDA', torch.version.cuda, '| GPUs visible:', torch.cuda.device_count())"
+	$(VENV_CUDA)/bin/python scripts/check_cuda_env.py
 	@touch $@
 
 # redis-server backs the spill tier and the lookup service; tests start their own instances.
