@@ -90,3 +90,45 @@ def test_train_bench_two_processes(tmp_path, monkeypatch, tiny_data):
     assert scaling["ours"] == two["samples_per_s"]
     assert scaling["baseline"] == saved["details"]["ours"]["samples_per_s"]
     assert math.isfinite(scaling["ratio"])
+
+
+# --------------------------------------------------------------------------- the quick bench's sizing
+
+
+def test_the_quick_settings_fit_the_quick_data_a_fresh_checkout_generates(tmp_path, monkeypatch):
+    """`recsys bench train --quick` on a fresh checkout generates its data set, then checks that
+    each of the 2 processes surely has data for every step: that check passes on it."""
+    monkeypatch.setattr(train, "QUICK_DATA", tmp_path / "train-quick")
+    root = train.ensure_data(True, None)
+    assert root == tmp_path / "train-quick" and (root / "oracle.json").exists()
+    train._check_rank_data(root, train.QUICK)  # raises if a rank may run out of data
+    assert train._train_rows(root) // train.QUICK.batch_size >= train.QUICK.steps  # the 1-process run's batches
+    preset = train._quick_preset()
+    assert train.steps_each_rank_surely_has(preset.train_rows, preset.row_group_size,
+                                            train.QUICK.batch_size) >= train.QUICK.steps
+
+
+def test_a_misconfigured_bench_is_one_line_through_the_cli(tiny_data, capsys):
+    """The quick sizes on a set too small for them: exit code 2 and one line naming the set,
+    no traceback, nothing trained."""
+    from recsys.cli import main
+
+    assert main(["bench", "train", "--quick", "--data", str(tiny_data)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err, captured.err
+    assert lines[0].startswith(f"recsys bench: error: bench train: {tiny_data}: {train.QUICK.steps} steps of "
+                               f"{train.QUICK.batch_size // 2} rows per rank may run a rank out of data"), lines[0]
+    assert "ratio" not in captured.out  # no table: it stopped before measuring
+
+
+@pytest.mark.slow  # the whole quick bench (3 sides, 31 steps of 4,096 rows, then 2 processes): minutes here
+def test_the_quick_bench_runs_end_to_end_through_the_cli(tmp_path, monkeypatch, capsys):
+    from recsys.cli import main
+
+    monkeypatch.setattr(train, "QUICK_DATA", tmp_path / "train-quick")
+    out = tmp_path / "quick.json"
+    assert main(["bench", "train", "--quick", "--json", str(out)]) == 0
+    saved = json.loads(out.read_text())
+    _check_common(saved, saved, train.QUICK)
+    assert saved["details"]["two_processes"]["timed_rows"] == train.QUICK.timed_steps * train.QUICK.batch_size

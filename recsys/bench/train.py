@@ -67,6 +67,7 @@ import numpy as np
 
 from recsys.bench import comparison, paired, passive_omp, quiet_fbgemm, versions
 from recsys.bench.reader import ensure_data as ensure_small_data
+from recsys.errors import UserError
 from recsys.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,7 +116,8 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(chunk=6, timed_chunks=4, lr_warmup_steps=0)
+QUICK = Settings(chunk=5, timed_chunks=4, lr_warmup_steps=0)
+"""31 steps: each of 2 ranks surely has data for 35 of the quick set (``steps_each_rank_surely_has``)."""
 
 
 def _quick_preset():
@@ -548,15 +550,19 @@ def _largest_row_group(root: Path) -> int:
     return max(sizes)
 
 
+def steps_each_rank_surely_has(train_rows: int, largest_row_group: int, batch_size: int, world: int = 2) -> int:
+    """Return the steps of ``batch_size // world`` rows every rank of ``world`` surely has data
+    for: units are dealt by rows, so ranks differ by at most one row group."""
+    return (train_rows - largest_row_group) // world // (batch_size // world)
+
+
 def _check_rank_data(root: Path, s: Settings, world: int = 2) -> None:
-    """Fail unless every rank of ``world`` surely has data for all steps (a rank out of data
-    would feed empty batches: not the steady state to measure). Units are dealt by rows,
-    so ranks differ by at most one row group."""
-    per_rank = s.batch_size // world
-    surely = (_train_rows(root) - _largest_row_group(root)) // world // per_rank
+    """Fail (one line) unless every rank of ``world`` surely has data for all steps (a rank
+    out of data would feed empty batches: not the steady state to measure)."""
+    surely = steps_each_rank_surely_has(_train_rows(root), _largest_row_group(root), s.batch_size, world)
     if s.steps > surely:
-        raise ValueError(f"{root}: {s.steps} steps of {per_rank} rows per rank may run a rank out of "
-                         f"data (each surely has {surely}); use fewer steps or more data")
+        raise UserError(f"bench train: {root}: {s.steps} steps of {s.batch_size // world} rows per rank may "
+                        f"run a rank out of data (each surely has {surely}); use fewer steps or more data")
 
 
 def _two_processes(root: Path, s: Settings, run_dir: Path) -> dict:
@@ -616,6 +622,8 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
     """Return the four comparisons (``settings`` overrides the preset sizes)."""
     s = settings if settings is not None else (QUICK if quick else FULL)
     root = ensure_data(quick, data)
+    if s.scaling:
+        _check_rank_data(root, s)  # before any work: a bench too big for its data is one line
     omp, restore = passive_omp()
     try:
         with quiet_fbgemm():
@@ -636,15 +644,15 @@ def _measure_all(root: Path, s: Settings) -> dict:
 
     seconds: dict[str, float] = {}
     job = load_bench_job(root, s)
-    if s.scaling:
-        _check_rank_data(root, s)
     oracle = json.loads((root / "oracle.json").read_text()) if (root / "oracle.json").exists() else {}
     with tempfile.TemporaryDirectory(prefix="recsys-bench-train-") as tmp:
         t0 = time.perf_counter()
         reader = ParquetReader(job.data.train, job.schema)
         available = reader.stats["rows_per_epoch"] // s.batch_size
         if available < s.steps:
-            raise ValueError(f"{root}: {available} full batches of {s.batch_size} rows; the run needs {s.steps}")
+            reader.close()
+            raise UserError(f"bench train: {root}: {available} full batches of {s.batch_size} rows; "
+                            f"the run needs {s.steps}")
         pause_at = {s.warmup_steps + i * s.chunk for i in range(s.timed_chunks + 1)}
         source = PausingSource(reader, pause_at, on_pause=None)
         # ours first: its store is built before the peer's process group exists, as in a
