@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+from recsys.redaction import redact_text
+
 
 class UserError(ValueError):
     """Bad input: the message says where (file, column, row group, key) and what was expected."""
@@ -15,7 +17,7 @@ def user_message(exc: BaseException) -> str | None:
     Input errors: ``UserError`` (config errors, the reader's ``ReadError``...), an ``OSError``
     (a path that is missing, a directory, unreadable, a full disk...), a file that is not
     UTF-8 or not JSON. Anything else is a bug and keeps its traceback. Every Redis URL in the
-    message is redacted (``recsys.redis_util.redact_text``).
+    message is redacted (``recsys.redaction.redact_text``).
     """
     if isinstance(exc, UserError):
         text = str(exc)
@@ -27,7 +29,5 @@ def user_message(exc: BaseException) -> str | None:
         text = f"invalid JSON: {exc}"
     else:
         return None
-    from recsys.redis_util import redact_text
-
     # the last line of defence: a Redis URL quoted anywhere (an override, a path) loses its password
     return redact_text(" ".join(text.split())) or type(exc).__name__

@@ -9,7 +9,8 @@ No torch here.
   ``?password=`` (and any other query key naming a password, e.g. ``ssl_password``), and
   whatever a stray ``#`` or ``?`` inside an unquoted password split off. The user name
   stays. ``redact_text`` applies it to every Redis URL inside a text (the one-line user
-  errors go through it: ``recsys.errors.user_message``).
+  errors go through it: ``recsys.errors.user_message``). Both live in ``recsys.redaction``
+  (which ``recsys.errors``, below this module, imports).
 - ``strip_password(url)`` is the URL as it may be saved (a run's ``config.toml``, every
   checkpoint's ``meta.json``): the same URL without its password.
 - A URL without a password gets it from ``password_for``: the job's ``*_password_file``
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import os
 import re
-from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from recsys.errors import UserError
+from recsys.redaction import has_password, redact, redact_text, strip_password
 
 __all__ = ["redact", "redact_text", "strip_password", "has_password", "password_for", "client_options",
            "glob_escape", "check_url", "connect", "is_cluster_info", "PASSWORD_ENV"]
@@ -33,63 +36,6 @@ __all__ = ["redact", "redact_text", "strip_password", "has_password", "password_
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
 PASSWORD_ENV = "REDIS_PASSWORD"
 """The environment variable a URL without a password takes it from (after a ``*_password_file``)."""
-_MASK = "***"
-_QUERY_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_URL_IN_TEXT = re.compile(r"(?:rediss?|unix)://[^\s'\"<>]*")
-
-
-def _secret_key(key: str) -> bool:
-    return "password" in key.lower() or not _QUERY_KEY.fullmatch(key)
-
-
-def _rewrite(url: str, mask: str | None) -> str:
-    """Return ``url`` with every credential replaced by ``mask`` (None: removed); ValueError if unparsable."""
-    parts = urlsplit(url)
-    parts.port  # noqa: B018 - raises ValueError for a bad port, as redis-py would
-    host = parts.netloc.rpartition("@")[2]
-    user = parts.username or ""
-    if parts.password is not None and mask is not None:
-        user = f"{user}:{mask}"
-    netloc = f"{user}@{host}" if user else host
-    query = []
-    for key, value in parse_qsl(parts.query, keep_blank_values=True):
-        if _secret_key(key):
-            if mask is not None:
-                query.append((key if _QUERY_KEY.fullmatch(key) else mask, mask))
-        else:
-            query.append((key, value))
-    # redis-py ignores a fragment; after an unquoted '#' in a password it holds the password's rest
-    fragment = mask if parts.fragment and mask is not None else ""
-    query_text = urlencode(query, safe="/:*")
-    # by hand, not urlunsplit: that drops the '//' of unix:///path
-    return (f"{parts.scheme}://{netloc}{parts.path}" + (f"?{query_text}" if query_text else "")
-            + (f"#{fragment}" if fragment else ""))
-
-
-def redact(url: str) -> str:
-    """Return ``url`` for a message or a log line: every password replaced by ``***``."""
-    try:
-        return _rewrite(url, _MASK)
-    except ValueError:
-        return "<unparsable url>"
-
-
-def redact_text(text: str) -> str:
-    """Return ``text`` with every Redis URL in it redacted (``redact``)."""
-    return _URL_IN_TEXT.sub(lambda m: redact(m.group(0)), text)
-
-
-def strip_password(url: str) -> str:
-    """Return ``url`` as it may be saved: without any password (``ValueError`` if unparsable)."""
-    return _rewrite(url, None)
-
-
-def has_password(url: str) -> bool:
-    """Return whether ``url`` carries a password itself (in its netloc or its query)."""
-    try:
-        return _rewrite(url, _MASK) != _rewrite(url, None)
-    except ValueError:
-        return False
 
 
 def password_for(url: str, password_file: str = "", where: str = "redis") -> str | None:
@@ -99,8 +45,6 @@ def password_for(url: str, password_file: str = "", where: str = "redis") -> str
     if has_password(url):
         return None
     if password_file:
-        from recsys.errors import UserError
-
         try:
             with open(password_file, encoding="utf-8") as fh:
                 password = fh.read().strip("\r\n")
