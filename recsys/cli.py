@@ -105,6 +105,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return launch(args)
 
 
+def _cmd_tune(args: argparse.Namespace) -> int:
+    from recsys.tune.run import DEFAULT_SPACE, TuneOptions, tune
+
+    summary = tune(TuneOptions(config=str(args.config), out=str(args.out), space=str(args.space or DEFAULT_SPACE),
+                               sets=args.set, trials=args.trials, timeout_s=args.timeout, jobs=args.jobs,
+                               storage=args.storage or "", study=args.study or "", pruner=args.pruner,
+                               prune_startup=args.prune_startup, prune_warmup=args.prune_warmup, seed=args.seed,
+                               progress=not args.no_progress))
+    return 130 if summary.get("interrupted") else 0
+
+
 def _read_oracle(path: Path) -> dict:
     """Return the ``eval`` figures of a synthetic data set's oracle.json (UserError naming the file)."""
     try:
@@ -310,6 +321,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                    help="debug logging, torchrun's logs and tracebacks for user errors (as `recsys -v train`)")
     p.set_defaults(func=_cmd_train)
+
+    p = sub.add_parser(
+        "tune",
+        help="search a job's hyperparameters with Optuna (each trial a training run with early stopping)",
+        description="Train the job once per trial with values drawn from the space (TPE), pruning trials whose "
+        "validation evaluations fall behind (median pruner); the objective is the validation metric of "
+        "train.keep_best. Writes DIR/best.toml, DIR/trials.csv and plots; the study persists in --storage "
+        "(default DIR/study.journal), so the same command continues it. Details: docs/tuning.md.",
+    )
+    p.add_argument("--config", required=True, type=Path, help="job file (TOML)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a job setting")
+    p.add_argument("--space", type=Path, help="search space (TOML; default jobs/spaces/ctr.toml)")
+    p.add_argument("--out", required=True, type=Path, help="output directory: trials/<number>/, best.toml, ...")
+    p.add_argument("--trials", type=int, default=20, help="trials this command runs (default 20)")
+    p.add_argument("--timeout", type=float, default=0.0, help="start no trial after this many seconds (0: none)")
+    p.add_argument("--jobs", type=int, default=1, help="trials at once on this machine (worker processes; default 1)")
+    p.add_argument("--storage", help="the study's storage shared by machines: redis://... (a journal; password "
+                   "from the URL or $REDIS_PASSWORD, never written) or a database URL (sqlite:///..., "
+                   "postgresql://...); default: DIR/study.journal")
+    p.add_argument("--study", help="study name (default: the job's name)")
+    p.add_argument("--pruner", choices=("median", "none"), default="median", help="default median")
+    p.add_argument("--prune-startup", type=int, default=3, help="complete trials before any pruning (default 3)")
+    p.add_argument("--prune-warmup", type=int, default=1,
+                   help="a trial's first N validation evaluations are never pruned (default 1)")
+    p.add_argument("--seed", type=int, help="seed of the sampler (one worker: the same trials every time)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the per-trial lines stay)")
+    p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser(
         "eval",

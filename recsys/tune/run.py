@@ -1,0 +1,424 @@
+"""``recsys tune``: the study, its storage, the trials and the workers that run them.
+
+Every trial is a real training run of the job with the trial's values set (``Trainer``, in
+the worker's process, one process per trial as ``recsys train`` without ``--nproc``), in
+``DIR/trials/<number>``, with validation-driven early stopping as the job asks. The
+objective is the job's ``train.keep_best`` metric on the validation split (the run's best
+periodic evaluation), never the eval split. Each periodic evaluation is reported to the
+study's pruner through the trainer's ``after_validation`` hook (Optuna's step: the
+evaluation's number, 1, 2, ...); a pruned trial stops as early stopping does, its run
+directory kept with ``"stopped": "pruned"`` in its ``result.json``.
+
+The study lives in its storage: a journal file ``DIR/study.journal`` by default, Optuna's
+journal on Redis (``redis://``), or a database (``sqlite:///``, ``postgresql://``...). The
+same command again continues it; several machines with the same ``--storage`` share it.
+``--jobs K`` runs K worker processes on this machine, each taking its share of ``--trials``.
+Ctrl-C: the running trials end as failed, the study is kept, and the outputs are written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import traceback
+import uuid
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from recsys.errors import UserError, user_message
+
+DEFAULT_SPACE = Path(__file__).resolve().parents[2] / "jobs" / "spaces" / "ctr.toml"
+WORKER_ENV = "RECSYS_TUNE_WORKER"
+"""Set for the workers of ``--jobs K``: their index."""
+MAX_FAILURES_IN_ROW = 3
+"""A worker stops after this many trials in a row failed (a broken job, not an unlucky draw)."""
+
+
+@dataclass
+class TuneOptions:
+    """What ``recsys tune`` was asked (the CLI's arguments)."""
+
+    config: str
+    out: str
+    space: str = str(DEFAULT_SPACE)
+    sets: list[str] = dataclasses.field(default_factory=list)
+    trials: int = 20
+    """Trials this command runs (over all its workers); the study keeps earlier ones."""
+    timeout_s: float = 0.0
+    """No new trial starts after this many seconds (0: no limit)."""
+    jobs: int = 1
+    storage: str = ""
+    """"" (a journal file in ``out``), ``redis://...`` or a database URL. Never written anywhere."""
+    study: str = ""
+    """Study name (default: the job's name)."""
+    pruner: str = "median"
+    prune_startup: int = 3
+    """Completed trials before the pruner prunes anything."""
+    prune_warmup: int = 1
+    """A trial's first this many evaluations are never pruned."""
+    seed: int | None = None
+    progress: bool = True
+    enqueue: list[dict] = dataclasses.field(default_factory=list)
+    """Parameter values to try first (Optuna's ``enqueue_trial``; the API and tests only)."""
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class Context:
+    """A worker's view of the tuning: options, space, storage, study."""
+
+    opts: TuneOptions
+    space: object
+    metric: str
+    storage: object
+    study: object
+    run_id: str
+
+
+def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
+    """Load and check the job, the space and the storage; create or load the study."""
+    import optuna
+
+    from recsys.config import JobConfig, apply_overrides, from_dict, read_toml
+    from recsys.tune.space import load_space
+
+    if opts.trials < 0 or opts.jobs < 1 or opts.timeout_s < 0:
+        raise UserError("tune: --trials must be >= 0, --jobs >= 1 and --timeout >= 0")
+    if opts.pruner not in ("median", "none"):
+        raise UserError(f"tune: --pruner must be median or none, found {opts.pruner!r}")
+    base = apply_overrides(read_toml(opts.config), list(opts.sets), JobConfig)
+    job = from_dict(JobConfig, base, str(opts.config))
+    metric = check_job(job, opts.config)
+    if os.environ.get(WORKER_ENV) is None:  # what `recsys train` checks first: the data, the output directory
+        from recsys.train.launch import preflight
+
+        preflight(job, None, Path(opts.out))
+    space = load_space(opts.space, base)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines say what happened
+    storage = open_storage(opts.storage, Path(opts.out))
+    direction = "maximize" if metric == "auc" else "minimize"
+    name = opts.study or job.name
+    sampler = optuna.samplers.TPESampler(seed=None if opts.seed is None else opts.seed
+                                         + int(os.environ.get(WORKER_ENV, "0")))
+    pruner = (optuna.pruners.MedianPruner(n_startup_trials=opts.prune_startup, n_warmup_steps=opts.prune_warmup + 1)
+              if opts.pruner == "median" else optuna.pruners.NopPruner())
+    try:
+        study = optuna.create_study(storage=storage, sampler=sampler, pruner=pruner, study_name=name,
+                                    direction=direction, load_if_exists=True)
+    except Exception as exc:  # noqa: BLE001 - the storage's own errors (Redis, SQL) become one line
+        raise UserError(f"tune: cannot open study {name!r} in {_where(opts)}: {type(exc).__name__}: {exc}") from None
+    known = study.user_attrs.get("metric")
+    if study.direction.name.lower() != direction or known not in (None, metric):
+        raise UserError(f"tune: study {name!r} in {_where(opts)} optimizes {known or study.direction.name.lower()}, "
+                        f"this job's train.keep_best is {metric!r}: give another --study")
+    if known is None:
+        study.set_user_attr("metric", metric)
+    return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12])
+
+
+def check_job(job, where) -> str:
+    """Return the objective's metric (``train.keep_best``); ``UserError`` unless the job
+    evaluates a validation split periodically."""
+    tc = job.train
+    if not tc.keep_best:
+        raise UserError(f"tune: {where}: the objective is the validation metric of train.keep_best: set it "
+                        "(e.g. --set train.keep_best='\"auc\"') with train.eval_every or train.eval_every_epochs")
+    if not (tc.validation_fraction or job.data.validation.paths):
+        raise UserError(f"tune: {where}: the job has no validation split (the objective is never the eval split): "
+                        "set train.validation_fraction or data.validation.paths")
+    return tc.keep_best
+
+
+def open_storage(url: str, out: Path):
+    """Return the Optuna storage of ``url``: a journal file in ``out`` when empty, a journal on
+    Redis for ``redis://`` (the password from the URL or ``$REDIS_PASSWORD``), else a database."""
+    import optuna
+    from optuna.storages.journal import JournalFileBackend, JournalRedisBackend, JournalStorage
+
+    from recsys.redis_util import URL_SCHEMES, check_url, client_options, redact
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        if not url:
+            out.mkdir(parents=True, exist_ok=True)
+            return JournalStorage(JournalFileBackend(str(out / "study.journal")))
+        if url.startswith(URL_SCHEMES):
+            import redis
+
+            try:
+                check_url(url, "--storage")
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            backend = JournalRedisBackend(url, prefix="recsys-tune")
+            options = client_options(url, where="--storage")
+            if options:  # the password of $REDIS_PASSWORD: the backend's client takes only the URL's
+                backend._redis = redis.Redis.from_url(url, **options)
+            try:
+                return JournalStorage(backend)
+            except redis.RedisError as exc:
+                raise UserError(f"tune: --storage {redact(url)}: {type(exc).__name__}: {exc}") from None
+        if "://" not in url:
+            raise UserError(f"tune: --storage {url!r}: expected redis://..., rediss://... or a database URL "
+                            "(sqlite:///path, postgresql://...)")
+        try:
+            return optuna.storages.RDBStorage(url)
+        except Exception as exc:  # noqa: BLE001 - SQLAlchemy's errors
+            raise UserError(f"tune: --storage {redact(url)}: {type(exc).__name__}: {exc}") from None
+
+
+def _where(opts: TuneOptions) -> str:
+    from recsys.redis_util import redact
+
+    return redact(opts.storage) if opts.storage else str(Path(opts.out) / "study.journal")
+
+
+# --------------------------------------------------------------------------- one trial
+
+
+def objective(ctx: Context, trial) -> float:
+    """Train the job with ``trial``'s values; return its best validation metric."""
+    import optuna
+    import psutil
+
+    run_dir = Path(ctx.opts.out) / "trials" / str(trial.number)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise UserError(f"{run_dir} already holds a run (of another study in the same --out?)")
+    me = psutil.Process()
+    for key, value in (("host", socket.gethostname()), ("pid", me.pid), ("pid_started", me.create_time()),
+                       ("tune_run", ctx.run_id), ("run_dir", str(run_dir))):
+        trial.set_user_attr(key, value)
+    try:
+        values = ctx.space.suggest(trial)
+        trial.set_user_attr("values", values)
+        result, evaluations = _train(ctx, trial, values, run_dir)
+    except KeyboardInterrupt:
+        trial.set_user_attr("error", "interrupted")
+        raise
+    except Exception as exc:
+        message = user_message(exc) or f"{type(exc).__name__}: {exc}"
+        trial.set_user_attr("error", message)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "error.txt").write_text("".join(traceback.format_exception(exc)))
+        raise
+    best = result.get("best")
+    trial.set_user_attr("steps", result["step"])
+    trial.set_user_attr("evaluations", evaluations)
+    if best is not None:
+        trial.set_user_attr("best_step", best["step"])
+    if result.get("stopped") == "pruned":
+        raise optuna.TrialPruned(f"pruned at evaluation {evaluations} (step {result['step']})")
+    if best is None:
+        raise UserError(f"trial {trial.number}: the run made no validation evaluation of {ctx.metric} "
+                        "(train.eval_every / eval_every_epochs beyond its steps?)")
+    return float(best["value"])
+
+
+def _train(ctx: Context, trial, values: dict, run_dir: Path) -> tuple[dict, int]:
+    """Run the trial's training in this process (as ``python -m recsys.train`` does)."""
+    from recsys.config import write_resolved
+    from recsys.train.loop import Trainer, setup_env
+
+    trial_only = {"train.progress": "none", "publish.redis": ""}  # no bar per trial; no live pushes
+    if ctx.opts.jobs > 1 and not ctx.space.job(values, "").train.threads:
+        trial_only["train.threads"] = max(1, (os.cpu_count() or 1) // ctx.opts.jobs)
+    job = ctx.space.job({**values, **trial_only}, f"trial {trial.number}")
+    env = setup_env(job.train.device, job.train.collective_timeout_s)
+    write_resolved(job, run_dir)
+    trainer = Trainer(job, run_dir, env)
+    evaluations = 0
+
+    def report(step: int, result: dict) -> bool:
+        nonlocal evaluations
+        evaluations += 1
+        if ctx.metric not in result:
+            return False
+        trial.report(float(result[ctx.metric]), evaluations)
+        return trial.should_prune()
+
+    trainer.after_validation = report
+    try:
+        result = trainer.train()
+    finally:
+        trainer.close()
+    (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+    if result.get("stopped") == "SIGTERM":  # asked to stop: the trial is interrupted, not finished
+        raise KeyboardInterrupt
+    return result, evaluations
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def fail_dead_trials(ctx: Context) -> list[int]:
+    """Mark failed the running trials of this host whose process is gone (killed): a journal
+    has no heartbeat. Returns their numbers."""
+    import psutil
+    from optuna.trial import TrialState
+
+    host, dead = socket.gethostname(), []
+    for t in ctx.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        attrs = t.user_attrs
+        if attrs.get("host") != host or "pid" not in attrs:
+            continue
+        try:
+            alive = psutil.Process(attrs["pid"]).create_time() == attrs.get("pid_started")
+        except psutil.Error:
+            alive = False
+        if not alive:
+            ctx.storage.set_trial_user_attr(t._trial_id, "error", "its process ended before it finished")
+            ctx.storage.set_trial_state_values(t._trial_id, TrialState.FAIL)
+            dead.append(t.number)
+    return dead
+
+
+def run_trials(ctx: Context, n: int, timeout_s: float, on_trial=None) -> None:
+    """Run ``n`` trials of the study in this process (fewer when ``timeout_s`` passes or
+    ``MAX_FAILURES_IN_ROW`` fail in a row); ``on_trial(frozen_trial)`` after each."""
+    from optuna.trial import TrialState
+
+    failures = [0]
+
+    def after(study, frozen) -> None:
+        failures[0] = failures[0] + 1 if frozen.state == TrialState.FAIL else 0
+        if on_trial is not None:
+            on_trial(frozen)
+        if failures[0] >= MAX_FAILURES_IN_ROW:
+            study.stop()
+
+    for params in ctx.opts.enqueue:
+        ctx.study.enqueue_trial(params)
+    if n:
+        ctx.study.optimize(lambda trial: objective(ctx, trial), n_trials=n, timeout=timeout_s or None,
+                           catch=(Exception,), callbacks=[after], gc_after_trial=True)
+    if failures[0] >= MAX_FAILURES_IN_ROW:
+        raise UserError(f"tune: {MAX_FAILURES_IN_ROW} trials in a row failed; the last one's error is in "
+                        "its run directory's error.txt")
+
+
+def _shares(n: int, k: int) -> list[int]:
+    return [n // k + (i < n % k) for i in range(k)]
+
+
+def worker_main() -> int:
+    """``python -m recsys.tune.worker``: one of ``--jobs K``'s workers; its options (the
+    storage URL included, which is never written anywhere) come as JSON on stdin."""
+    spec = json.loads(sys.stdin.read())
+    opts = TuneOptions(**spec["opts"])
+    ctx = prepare(opts, spec["run_id"])
+    try:
+        run_trials(ctx, spec["trials"], opts.timeout_s)
+    except KeyboardInterrupt:
+        return 130
+    except UserError as exc:
+        print(f"recsys tune worker: error: {user_message(exc)}", file=sys.stderr)
+        return 2
+    return 0
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def tune(opts: TuneOptions, log=print) -> dict:
+    """Run ``recsys tune``; return the summary (also written as ``DIR/summary.json``)."""
+    from recsys.tune import report
+
+    out = Path(opts.out)
+    ctx = prepare(opts)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_record(opts, ctx)
+    for number in fail_dead_trials(ctx):
+        log(f"trial {number}: its process ended before it finished (marked failed)")
+    before = len(ctx.study.trials)
+    log(f"study {ctx.study.study_name!r} in {_where(opts)}: {before} earlier trial(s); running {opts.trials} more "
+        f"({opts.jobs} at a time); objective: validation {ctx.metric} ({ctx.study.direction.name.lower()})")
+    bar = report.ProgressBar(ctx, opts.trials, enabled=opts.progress, log=log)
+    interrupted, error = False, None
+    # SIGTERM as Ctrl-C (a running trial's trainer takes it first: it checkpoints and stops)
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if opts.jobs == 1:
+            run_trials(ctx, opts.trials, opts.timeout_s, bar.finished)
+        else:
+            _run_workers(ctx, bar)
+    except KeyboardInterrupt:
+        interrupted = True
+    except UserError as exc:  # trials failed: what the study has is written all the same
+        error = exc
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        bar.close()
+    summary = report.write_outputs(ctx, log=log)
+    if interrupted:
+        log(f"interrupted: the study is kept in {_where(opts)}; the same command continues it")
+        summary["interrupted"] = True
+    if error is not None:
+        raise error
+    return summary
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def _write_record(opts: TuneOptions, ctx: Context) -> None:
+    """``DIR/tune.json``: what was tuned, against which study (the storage without its password)."""
+    from recsys.redis_util import redact_text
+
+    record = {"config": str(Path(opts.config).resolve()), "space": str(Path(opts.space).resolve()),
+              "set": list(opts.sets), "study": ctx.study.study_name, "storage": _where(opts), "metric": ctx.metric,
+              "direction": ctx.study.direction.name.lower()}
+    # an override may quote a Redis URL too (the job's spill or publish URL)
+    (Path(opts.out) / "tune.json").write_text(redact_text(json.dumps(record, indent=1)) + "\n")
+
+
+def _run_workers(ctx: Context, bar) -> None:
+    """Run ``--jobs K`` worker processes, each with its share of the trials; follow the study."""
+    opts = ctx.opts
+    logs = Path(opts.out) / "workers"
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for i, n in enumerate(_shares(opts.trials, opts.jobs)):
+        if not n:
+            continue
+        spec = {"opts": {**dataclasses.asdict(opts), "enqueue": opts.enqueue if i == 0 else []},
+                "run_id": ctx.run_id, "trials": n}
+        with open(logs / f"worker-{i}.log", "ab") as fh:
+            proc = subprocess.Popen([sys.executable, "-m", "recsys.tune.worker"], stdin=subprocess.PIPE,
+                                    stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, WORKER_ENV: str(i)})
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
+        procs.append((i, proc))
+    try:
+        while any(p.poll() is None for _, p in procs):
+            bar.follow()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        for _, p in procs:  # Ctrl-C in a terminal reached them already; a signal to this process alone did not
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for _, p in procs:
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        raise
+    finally:
+        bar.follow()
+    failed = [(i, p.returncode) for i, p in procs if p.returncode]
+    if failed:
+        tails = "; ".join(f"worker {i} exited {rc}: {_tail(logs / f'worker-{i}.log')}" for i, rc in failed)
+        raise UserError(f"tune: {tails} (logs in {logs})")
+
+
+def _tail(path: Path) -> str:
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"

@@ -1,0 +1,164 @@
+"""``recsys tune``: trials are real training runs on the tiny synthetic set, a bad trial is
+pruned at its first validation evaluation, a restarted study continues its numbering, two
+processes share one study through a real Redis, and the space file is checked."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "jobs" / "synthetic_tiny.toml"
+SECRET = "s3cret-pw"
+
+SPACE = """
+[params]
+"store.lr" = { low = 0.01, high = 0.2, log = true }
+"train.lr" = { low = 1e-4, high = 1e-2, log = true }
+"model.top_mlp" = { choices = [[64, 1], [32, 16, 1]] }
+"""
+
+
+def job_sets(data: Path) -> list[str]:
+    """A handful of steps with a validation evaluation every 4 (tiny: ~19 steps an epoch)."""
+    return [f"data.train.paths=['{data / 'train'}']", f"data.eval.paths=['{data / 'eval'}']",
+            "train.validation_fraction=0.25", "train.eval_every=4", "train.keep_best='auc'", "train.max_steps=8",
+            "train.warmup_steps=0", "train.log_every=4",
+            # a password in the job must reach none of tune's files (trials push nothing live)
+            f"publish.redis='redis://:{SECRET}@127.0.0.1:9/0'"]
+
+
+@pytest.fixture
+def space(tmp_path) -> Path:
+    path = tmp_path / "space.toml"
+    path.write_text(SPACE)
+    return path
+
+
+def _validation_evals(run_dir: Path) -> list[dict]:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if r.get("event") == "eval" and r.get("split") == "validation"]
+
+
+def test_a_bad_trial_is_pruned_and_a_restart_continues_the_study(tiny_data, space, tmp_path):
+    from recsys.config import load_job
+    from recsys.tune.run import TuneOptions, tune
+
+    out = tmp_path / "tuned"
+    good = {"store.lr": 0.2, "train.lr": 0.01, "model.top_mlp": "[64, 1]"}
+    bad = {"store.lr": 0.01, "train.lr": 1e-4, "model.top_mlp": "[64, 1]"}
+    opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=2,
+                       prune_startup=1, prune_warmup=0, seed=0, progress=False, enqueue=[good, bad])
+    lines: list[str] = []
+    summary = tune(opts, log=lines.append)
+    assert (summary["complete"], summary["pruned"]) == (1, 1), lines
+
+    # the good trial: a whole run; its objective is its best *validation* evaluation
+    good_run, bad_run = out / "trials" / "0", out / "trials" / "1"
+    evals = _validation_evals(good_run)
+    assert len(evals) == 2 and summary["best"]["number"] == 0
+    assert summary["best"]["value"] == max(e["auc"] for e in evals)
+    final = json.loads((good_run / "result.json").read_text())
+    assert final["step"] == 8 and "stopped" not in final
+    assert final["auc"] != summary["best"]["value"]  # the eval split's figure is not the objective
+
+    # the bad one stopped cleanly at its first evaluation, its run directory kept
+    result = json.loads((bad_run / "result.json").read_text())
+    assert result["stopped"] == "pruned" and result["step"] == 4
+    assert len(_validation_evals(bad_run)) == 1 and (bad_run / "checkpoints").is_dir()
+
+    # best.toml trains the good trial's job; no password anywhere
+    best = load_job(out / "best.toml")
+    assert (best.store.lr, best.train.lr, best.model.top_mlp) == (0.2, 0.01, [64, 1])
+    assert best.train.keep_best == "auc" and best.publish.redis == "redis://127.0.0.1:9/0"
+    for name in ("best.toml", "trials.csv", "summary.json", "tune.json"):
+        assert SECRET not in (out / name).read_text(), name
+    with open(out / "trials.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [(r["number"], r["state"]) for r in rows] == [("0", "complete"), ("1", "pruned")]
+    assert (out / "history.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "evaluations.png").read_bytes()[:4] == b"\x89PNG"
+
+    # the same command again continues the study (its journal in DIR): trial 2, the earlier two kept
+    again = tune(TuneOptions(**{**opts.__dict__, "trials": 1, "enqueue": []}), log=lines.append)
+    assert again["trials"] == 3 and (out / "trials" / "2" / "result.json").exists()
+    assert again["complete"] + again["pruned"] == 3
+
+
+def test_two_processes_share_one_study_through_redis(tiny_data, space, tmp_path, redis_server):
+    """`recsys tune --jobs 2 --storage redis://...`: two worker processes, each opening the
+    study from the URL as another machine would, run a trial each; the trials are numbered
+    once across both, and the outputs cover the whole study."""
+    import optuna
+    from optuna.storages.journal import JournalRedisBackend, JournalStorage
+
+    out = tmp_path / "tuned"
+    sets = [a for s in job_sets(tiny_data) for a in ("--set", s)]
+    proc = subprocess.run([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), *sets,
+                           "--space", str(space), "--out", str(out), "--storage", redis_server.url,
+                           "--study", "shared", "--pruner", "none", "--no-progress", "--trials", "2", "--jobs", "2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout
+
+    with warnings.catch_warnings():  # the Redis journal is "experimental" in Optuna
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        backend = JournalRedisBackend(redis_server.url, prefix="recsys-tune")
+    study = optuna.load_study(study_name="shared", storage=JournalStorage(backend))
+    assert sorted(t.number for t in study.trials) == [0, 1]
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+    assert len({t.user_attrs["pid"] for t in study.trials}) == 2  # one trial in each worker
+    assert sorted(p.name for p in (out / "trials").iterdir()) == ["0", "1"]
+    assert f"trial {study.best_trial.number}, validation auc" in (out / "best.toml").read_text()
+    assert "trial 0 complete" in proc.stdout and "trial 1 complete" in proc.stdout
+    assert redis_server.url in proc.stdout and SECRET not in proc.stdout
+
+
+def test_the_space_file_is_checked(tiny_data, tmp_path):
+    from recsys.config import ConfigError, apply_overrides, read_toml, JobConfig
+    from recsys.tune.space import load_space
+
+    base = apply_overrides(read_toml(JOB), job_sets(tiny_data), JobConfig)
+    path = tmp_path / "space.toml"
+
+    def error(text: str) -> str:
+        path.write_text(text)
+        with pytest.raises(ConfigError) as exc:
+            load_space(path, base)
+        return str(exc.value)
+
+    msg = error('[params]\n"store.lrate" = { low = 0.01, high = 0.1 }\n')
+    assert "store.lrate" in msg and "unknown key 'lrate'" in msg and "'initial_accumulator'" in msg
+    assert "needs a number setting" in error('[params]\n"model.arch" = { low = 1, high = 2 }\n')
+    msg = error('[params]\n"model.arch" = { choices = ["dlrm", "transformer"] }\n')
+    assert 'params."model.arch"' in msg and "expected one of ['dlrm', 'dcn', 'deepfm']" in msg
+    assert "must be an int" in error('[params]\n"data.train.batch_size" = { low = 64.5, high = 512 }\n')
+    assert "log = true needs low > 0" in error('[params]\n"train.weight_decay" = { low = 0, high = 1, log = true }\n')
+    assert "objective" in error('[params]\n"train.keep_best" = { choices = ["auc", "log_loss"] }\n')
+    assert "unknown section(s) ['param']" in error('[param]\n"store.lr" = { low = 0.01, high = 0.1 }\n')
+
+    # the shipped default space fits a CTR job; '*' sets every table's dim
+    from recsys.tune.run import DEFAULT_SPACE
+
+    space = load_space(DEFAULT_SPACE, base)
+    group = next(p for p in space.params if p.name == "embedding")
+    values = next(iter(group.choices.values()))
+    assert {k for k in values if k.startswith("schema.tables.")} == {f"schema.tables.{t}.dim" for t in
+                                                                     base["schema"]["tables"]}
+
+
+def test_the_job_must_have_a_validation_split_and_a_metric(tiny_data, space, tmp_path):
+    from recsys.errors import UserError
+    from recsys.tune.run import TuneOptions, prepare
+
+    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.validation_fraction")]
+    with pytest.raises(UserError, match="no validation split"):
+        prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
+    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.keep_best")]
+    with pytest.raises(UserError, match="train.keep_best"):
+        prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
