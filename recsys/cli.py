@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the job in --config. With --nproc > 1 (or --max-restarts > 0) the "
         "processes are launched by torchrun; a restarted run resumes from its latest checkpoint.",
     )
-    from recsys.train.launch import add_job_arguments, add_multinode_arguments
+    from recsys.train.job_args import add_job_arguments
+    from recsys.train.launch import add_multinode_arguments
 
     add_job_arguments(p)
     p.add_argument("--nproc", type=int, default=1, help="training processes on this machine (default 1)")

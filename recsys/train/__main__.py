@@ -23,8 +23,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from recsys.train.launch import (LAUNCH_DIR_ENV, LEFT_BEHIND_EXIT, NNODES_ENV, add_job_arguments, check_resume,
-                                 load_job_args, run_dir_for)
+from recsys.train.job_args import (LAUNCH_DIR_ENV, LEFT_BEHIND_EXIT, NNODES_ENV, add_job_arguments, check_resume,
+                                   load_job_args, run_dir_for)
 
 
 def main(argv: list[str] | None = None) -> int:
