@@ -17,7 +17,8 @@ from recsys import hashing
 from recsys.schema import TableSpec
 from recsys.store import optim
 from recsys.store.config import StoreConfig
-from recsys.store.table import COUNTERS, EmbeddingTable, init_vectors, to_float16, to_float32
+from recsys.store.float16 import to_float16, to_float32
+from recsys.store.table import COUNTERS, EmbeddingTable, init_vectors
 
 MASK = (1 << 64) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1

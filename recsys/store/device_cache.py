@@ -46,7 +46,8 @@ import torch
 
 from recsys.store import optim
 from recsys.store.keymap import KeyMap, as_keys
-from recsys.store.table import EmbeddingTable, RowBlock, check_push
+from recsys.store.rowblock import RowBlock
+from recsys.store.table import EmbeddingTable, check_push
 
 __all__ = ["DeviceArena", "DeviceCache", "CACHE_COUNTERS", "apply_update_torch"]
 

@@ -104,8 +104,9 @@ from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
 from recsys.store import optim
 from recsys.store.config import StoreConfig
+from recsys.store.float16 import to_float16
 from recsys.store.keymap import as_keys
-from recsys.store.table import RowBlock, _int64_column, _matrix_column, _vector_column, to_float16
+from recsys.store.rowblock import RowBlock, int64_column, matrix_column, vector_column
 
 __all__ = ["SpillTier", "SpillError", "spill_key", "spill_prefix", "owner_key", "value_dtype", "clear_tables",
            "FORMAT_VERSION"]
@@ -646,12 +647,12 @@ class SpillTier:
 
     def _from_arrow(self, rows: pa.Table) -> RowBlock:
         where = f"spill tier of table {self.table!r}: rows to put"
-        emb = _matrix_column(rows, "embedding", self.dim, where, (np.float32, np.float16))
+        emb = matrix_column(rows, "embedding", self.dim, where, (np.float32, np.float16))
         states = {}
         for c in self._columns:
-            states[c.name] = (_matrix_column(rows, c.name, self.dim, where, (c.dtype,)) if c.per_dim
-                              else _vector_column(rows, c.name, where, c.dtype))
-        return RowBlock(_int64_column(rows, "key", where), emb, states, _int64_column(rows, "last_seen", where))
+            states[c.name] = (matrix_column(rows, c.name, self.dim, where, (c.dtype,)) if c.per_dim
+                              else vector_column(rows, c.name, where, c.dtype))
+        return RowBlock(int64_column(rows, "key", where), emb, states, int64_column(rows, "last_seen", where))
 
     # ------------------------------------------------------------------ Redis
 

@@ -59,7 +59,6 @@ was before the call; a key that might be in Redis is never initialized instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -69,12 +68,14 @@ from numba import njit
 from recsys.schema import TableSpec
 from recsys.store import optim, pages
 from recsys.store.config import StoreConfig
+from recsys.store.float16 import f16_lut, gather_f16_kernel, scatter_f16_kernel, to_float32
 from recsys.store.init import init_kernel as _init_kernel
 from recsys.store.init import init_salt, init_vectors
 from recsys.store.keymap import FrequencySketch, KeyMap, as_keys, commit_pages
 from recsys.store.prefetch import ROWS_AHEAD, prefetch
+from recsys.store.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column
 
-__all__ = ["EmbeddingTable", "RowBlock", "init_vectors", "COUNTERS", "to_float16", "to_float32"]
+__all__ = ["EmbeddingTable", "init_vectors", "COUNTERS"]
 
 
 COUNTERS = (
@@ -91,42 +92,6 @@ COUNTERS = (
 )
 
 
-@dataclass(slots=True)
-class RowBlock:
-    """Rows with everything a table keeps of them (``state_dict`` columns as numpy arrays)."""
-
-    keys: np.ndarray
-    """int64 [N]."""
-    emb: np.ndarray
-    """[N, D] in the table's storage dtype (float32 or float16)."""
-    states: dict[str, np.ndarray]
-    """Optimizer state per ``optim.state_columns`` name: [N, D] or [N]."""
-    last_seen: np.ndarray
-    """int64 [N]: step of each row's last access."""
-
-    @property
-    def num_rows(self) -> int:
-        """Return N."""
-        return int(self.keys.shape[0])
-
-    def take(self, idx) -> "RowBlock":
-        """Return the rows at ``idx`` (an index array or a boolean mask), copied."""
-        return RowBlock(self.keys[idx], self.emb[idx], {k: v[idx] for k, v in self.states.items()},
-                        self.last_seen[idx])
-
-    @staticmethod
-    def concat(blocks: "list[RowBlock]") -> "RowBlock":
-        """Return the rows of ``blocks`` (at least one) one after another."""
-        if len(blocks) == 1:
-            return blocks[0]
-        return RowBlock(
-            np.concatenate([b.keys for b in blocks]),
-            np.concatenate([b.emb for b in blocks]),
-            {k: np.concatenate([b.states[k] for b in blocks]) for k in blocks[0].states},
-            np.concatenate([b.last_seen for b in blocks]),
-        )
-
-
 # --------------------------------------------------------------------------- initial rows
 
 
@@ -134,63 +99,6 @@ class RowBlock:
 def _fill_rows_kernel(arr, rows, value):
     for i in range(rows.shape[0]):
         arr[rows[i]] = value
-
-
-# --------------------------------------------------------------------------- float16 rows
-# numba has no float16 type and numpy converts float16 in software (~8x slower than these
-# loops), so float16 rows are moved as uint16 bit patterns and converted here: IEEE
-# binary16, round to nearest even, overflow to inf, subnormals kept; NaN becomes a quiet NaN.
-
-
-@njit(inline="always")
-def _f32_to_f16_bits(x):
-    sign = (x >> np.uint32(16)) & np.uint32(0x8000)
-    a = x & np.uint32(0x7FFFFFFF)
-    if a > np.uint32(0x7F800000):  # NaN
-        return np.uint16(sign | np.uint32(0x7E00))
-    if a >= np.uint32(0x477FF000):  # >= 65520 rounds past the largest half, 65504
-        return np.uint16(sign | np.uint32(0x7C00))
-    if a < np.uint32(0x38800000):  # below 2^-14: a subnormal half (or zero)
-        if a <= np.uint32(0x33000000):  # <= 2^-25: the tie at 2^-25 goes to even, zero
-            return np.uint16(sign)
-        e = a >> np.uint32(23)
-        m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-        shift = np.uint32(126) - e  # value / 2^-24 = m >> shift, 14 <= shift <= 24
-        q = m >> shift
-        rem = m & ((np.uint32(1) << shift) - np.uint32(1))
-        halfway = np.uint32(1) << (shift - np.uint32(1))
-    else:
-        q = (a - np.uint32(0x38000000)) >> np.uint32(13)  # rebias 127 -> 15, keep 10 bits
-        rem = a & np.uint32(0x1FFF)
-        halfway = np.uint32(0x1000)
-    if rem > halfway or (rem == halfway and (q & np.uint32(1))):
-        q += np.uint32(1)  # a carry into the exponent is the right answer
-    return np.uint16(sign | q)
-
-
-@njit(inline="always")
-def _f16_bits_to_f32_bits(h):
-    h32 = np.uint32(h)
-    sign = (h32 & np.uint32(0x8000)) << np.uint32(16)
-    e = (h32 >> np.uint32(10)) & np.uint32(0x1F)
-    m = h32 & np.uint32(0x3FF)
-    if e == np.uint32(0):
-        if m == np.uint32(0):
-            return sign
-        e32 = np.uint32(113)
-        while (m & np.uint32(0x400)) == np.uint32(0):
-            m <<= np.uint32(1)
-            e32 -= np.uint32(1)
-        return sign | (e32 << np.uint32(23)) | ((m & np.uint32(0x3FF)) << np.uint32(13))
-    if e == np.uint32(31):
-        return sign | np.uint32(0x7F800000) | (m << np.uint32(13))
-    return sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
-
-
-@njit(nogil=True, cache=True)
-def _f16_table_kernel(out_u32):
-    for h in range(out_u32.shape[0]):
-        out_u32[h] = _f16_bits_to_f32_bits(np.uint16(h))
 
 
 @njit(nogil=True, cache=True)
@@ -209,57 +117,6 @@ def _gather_kernel(w, rows, out):
         else:
             for d in range(out.shape[1]):
                 out[i, d] = w[r, d]
-
-
-@njit(nogil=True, cache=True)
-def _gather_f16_kernel(w16, rows, lut_u32, out_u32):
-    """``out[i] = float32(w[rows[i]])`` via the 64k-entry table, zeros where ``rows[i] < 0``."""
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        if r < 0:
-            out_u32[i, :] = 0
-        else:
-            for d in range(out_u32.shape[1]):
-                out_u32[i, d] = lut_u32[w16[r, d]]
-
-
-_F16_LUT = None
-
-
-def _f16_lut() -> np.ndarray:
-    """Return float32 bit patterns of all 65536 float16 values (built on first use: 256 KiB)."""
-    global _F16_LUT
-    if _F16_LUT is None:
-        lut = np.empty(1 << 16, dtype=np.uint32)
-        _f16_table_kernel(lut)
-        _F16_LUT = lut
-    return _F16_LUT
-
-
-@njit(nogil=True, cache=True)
-def _scatter_f16_kernel(in_u32, w16, rows):
-    """``w[rows[i]] = float16(in[i])`` for ``rows[i] >= 0``."""
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        if r >= 0:
-            for d in range(in_u32.shape[1]):
-                w16[r, d] = _f32_to_f16_bits(in_u32[i, d])
-
-
-def to_float16(values: np.ndarray) -> np.ndarray:
-    """Return float32 ``values`` [N, D] rounded to float16 by this module's kernel."""
-    src = np.ascontiguousarray(values, dtype=np.float32)
-    out = np.empty(src.shape, dtype=np.float16)
-    _scatter_f16_kernel(src.view(np.uint32), out.view(np.uint16), np.arange(src.shape[0]))
-    return out
-
-
-def to_float32(values: np.ndarray) -> np.ndarray:
-    """Return float16 ``values`` [N, D] widened to float32 by this module's kernel."""
-    src = np.ascontiguousarray(values, dtype=np.float16)
-    out = np.empty(src.shape, dtype=np.float32)
-    _gather_f16_kernel(src.view(np.uint16), np.arange(src.shape[0]), _f16_lut(), out.view(np.uint32))
-    return out
 
 
 def check_push(name: str, dim: int, keys: np.ndarray, grads_shape: tuple, step: int, clock: int | None) -> None:
@@ -511,7 +368,7 @@ class EmbeddingTable:
         else:  # float32 math on a gathered copy, rounded back to float16
             w32 = self._gather(slots)
             optim.apply_update(self.cfg, w32, np.arange(slots.shape[0]), self._state, slots, grads)
-            _scatter_f16_kernel(w32.view(np.uint32), self._w16, slots)
+            scatter_f16_kernel(w32.view(np.uint32), self._w16, slots)
 
     # ------------------------------------------------------------------ rows in and out
 
@@ -657,7 +514,7 @@ class EmbeddingTable:
             _init_kernel(keys_M, slots_M, self._salt, self._bound, self.weights_CD)
         else:
             w32 = init_vectors(keys_M, self.dim, self.name, self.cfg.seed, self._bound)
-            _scatter_f16_kernel(w32.view(np.uint32), self._w16, slots_M)
+            scatter_f16_kernel(w32.view(np.uint32), self._w16, slots_M)
         for name, arr in self._state.items():
             _fill_rows_kernel(arr, slots_M, arr.dtype.type(self._state_init[name]))
 
@@ -666,7 +523,7 @@ class EmbeddingTable:
         if out is None:
             out = np.empty((slots_U.shape[0], self.dim), dtype=np.float32)
         if self._w16 is not None:
-            _gather_f16_kernel(self._w16, slots_U, _f16_lut(), out.view(np.uint32))
+            gather_f16_kernel(self._w16, slots_U, f16_lut(), out.view(np.uint32))
         else:
             _gather_kernel(self.weights_CD, np.ascontiguousarray(slots_U, dtype=np.int64), out)
         return out
@@ -702,7 +559,7 @@ class EmbeddingTable:
         """Write ``block``'s embeddings and optimizer state into ``slots``."""
         emb = block.emb
         if self._w16 is not None and emb.dtype == np.float32:
-            _scatter_f16_kernel(np.ascontiguousarray(emb).view(np.uint32), self._w16, slots)
+            scatter_f16_kernel(np.ascontiguousarray(emb).view(np.uint32), self._w16, slots)
         else:
             self.weights_CD[slots] = emb
         for name, values in block.states.items():
@@ -734,10 +591,10 @@ class EmbeddingTable:
         )
 
     def _block_table(self, block: RowBlock) -> pa.Table:
-        cols = [pa.array(block.keys), _fixed_list(block.emb, self.dim)]
+        cols = [pa.array(block.keys), fixed_list(block.emb, self.dim)]
         for c in self._columns:
             values = block.states[c.name]
-            cols.append(_fixed_list(values, self.dim) if c.per_dim else pa.array(values))
+            cols.append(fixed_list(values, self.dim) if c.per_dim else pa.array(values))
         cols.append(pa.array(block.last_seen))
         return pa.Table.from_arrays(cols, schema=self.schema)
 
@@ -767,17 +624,17 @@ class EmbeddingTable:
                 f"{where}: columns {rows.column_names} do not match this table's "
                 f"({self.cfg.optimizer}, dim {self.dim}): expected {expected}"
             )
-        keys = _int64_column(rows, "key", where)
+        keys = int64_column(rows, "key", where)
         if np.unique(keys).shape[0] != keys.shape[0]:
             raise ValueError(f"{where}: column 'key' repeats keys")
-        last_seen = _int64_column(rows, "last_seen", where)
-        emb = _matrix_column(rows, "embedding", self.dim, where, (np.float32, np.float16))
+        last_seen = int64_column(rows, "last_seen", where)
+        emb = matrix_column(rows, "embedding", self.dim, where, (np.float32, np.float16))
         states = {}
         for c in self._columns:
             if c.per_dim:
-                states[c.name] = _matrix_column(rows, c.name, self.dim, where, (c.dtype,))
+                states[c.name] = matrix_column(rows, c.name, self.dim, where, (c.dtype,))
             else:
-                states[c.name] = _vector_column(rows, c.name, where, c.dtype)
+                states[c.name] = vector_column(rows, c.name, where, c.dtype)
         if keys.shape[0] > self.capacity and self.spill is None:
             raise ValueError(f"{where}: {keys.shape[0]} rows exceed the capacity {self.capacity}")
         return keys, emb, states, last_seen
@@ -790,43 +647,5 @@ def _positions(needles: np.ndarray, haystack: np.ndarray) -> np.ndarray:
 
 
 def _as_float32(values: np.ndarray) -> np.ndarray:
-    """Return float16 or float32 rows as float32 (float16 through this module's kernel)."""
+    """Return float16 or float32 rows as float32 (float16 through ``recsys.store.float16``'s kernel)."""
     return to_float32(values) if values.dtype == np.float16 else np.asarray(values, dtype=np.float32)
-
-
-# --------------------------------------------------------------------------- Arrow helpers
-
-
-def _fixed_list(values_ND: np.ndarray, dim: int) -> pa.Array:
-    flat = pa.array(np.ascontiguousarray(values_ND).reshape(-1))
-    return pa.FixedSizeListArray.from_arrays(flat, dim)
-
-
-def _column(rows: pa.Table, name: str, where: str) -> pa.Array:
-    col = rows.column(name)
-    arr = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
-    if arr.null_count:
-        raise ValueError(f"{where}: column {name!r} has {arr.null_count} null value(s)")
-    return arr
-
-
-def _vector_column(rows: pa.Table, name: str, where: str, dtype) -> np.ndarray:
-    arr = _column(rows, name, where)
-    if arr.type != pa.from_numpy_dtype(dtype):
-        raise ValueError(f"{where}: column {name!r} has type {arr.type}, expected {pa.from_numpy_dtype(dtype)}")
-    return arr.to_numpy(zero_copy_only=False)
-
-
-def _int64_column(rows: pa.Table, name: str, where: str) -> np.ndarray:
-    return _vector_column(rows, name, where, np.int64)
-
-
-def _matrix_column(rows: pa.Table, name: str, dim: int, where: str, dtypes) -> np.ndarray:
-    arr = _column(rows, name, where)
-    allowed = [pa.list_(pa.from_numpy_dtype(d), dim) for d in dtypes]
-    if arr.type not in allowed:
-        raise ValueError(f"{where}: column {name!r} has type {arr.type}, expected one of {allowed}")
-    flat = arr.flatten()  # honours slicing, unlike .values
-    if flat.null_count:
-        raise ValueError(f"{where}: column {name!r} has {flat.null_count} null element(s)")
-    return flat.to_numpy(zero_copy_only=False).reshape(-1, dim)
