@@ -51,7 +51,9 @@ _MASK = (1 << 64) - 1
 
 
 @njit(inline="always")
-def _fmix(k):
+def fmix(k):
+    """``fmix64`` for numba kernels (inlined): the mix every hash here and the store's own
+    (key map, sketch, dedup, initial vectors, spill index) are built on."""
     k ^= k >> _S33
     k *= _M1
     k ^= k >> _S33
@@ -63,7 +65,7 @@ def _fmix(k):
 @njit(nogil=True, cache=True)
 def _hash_int_kernel(values_u64, salt, out_u64):
     for i in range(values_u64.shape[0]):
-        out_u64[i] = _fmix(values_u64[i] ^ salt)
+        out_u64[i] = fmix(values_u64[i] ^ salt)
 
 
 @njit(nogil=True, cache=True)
@@ -78,14 +80,14 @@ def _hash_str_kernel(offsets, data, salt, out_u64):
             w = np.uint64(0)
             for b in range(8):
                 w |= np.uint64(data[p + b]) << np.uint64(8 * b)
-            h = _fmix(h ^ w)
+            h = fmix(h ^ w)
             p += 8
         if p < end:
             w = np.uint64(0)
             for b in range(end - p):
                 w |= np.uint64(data[p + b]) << np.uint64(8 * b)
-            h = _fmix(h ^ w)
-        out_u64[i] = _fmix(h ^ _STR_TAG)
+            h = fmix(h ^ w)
+        out_u64[i] = fmix(h ^ _STR_TAG)
 
 
 @njit(nogil=True, cache=True)
@@ -97,7 +99,7 @@ def _fold_kernel(keys_u64, num_rows, out_i64):
 @njit(nogil=True, cache=True)
 def _owner_kernel(keys_u64, world_size, out_i64):
     for i in range(keys_u64.shape[0]):
-        out_i64[i] = np.int64(_fmix(keys_u64[i] ^ _OWNER_TAG) % world_size)
+        out_i64[i] = np.int64(fmix(keys_u64[i] ^ _OWNER_TAG) % world_size)
 
 
 # --------------------------------------------------------------------------- public API

@@ -11,14 +11,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from recsys.hashing import _fmix
+from recsys.hashing import fmix
 
 
 @njit(inline="always")
 def _dedup(h_row, mask, key, uniq, n):
     """Return (row of ``key``, rows so far): ``key``'s row in ``uniq`` if ``h_row`` (open
     addressing, -1 = empty, ``mask`` = its size - 1) has it, else ``n`` after adding it."""
-    h = np.int64(_fmix(np.uint64(key)) & mask)
+    h = np.int64(fmix(np.uint64(key)) & mask)
     while True:
         r = h_row[h]
         if r < 0:

@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from recsys import hashing
-from recsys.hashing import _fmix
+from recsys.hashing import fmix
 
 __all__ = ["init_salt", "init_vectors", "init_kernel"]
 
@@ -27,10 +27,10 @@ def init_kernel(keys, rows, salt, bound, out):
     """Write the initial vector of ``keys[i]`` into ``out[rows[i]]`` (float32)."""
     D = out.shape[1]
     for i in range(keys.shape[0]):
-        base = _fmix(np.uint64(keys[i]) ^ salt)
+        base = fmix(np.uint64(keys[i]) ^ salt)
         r = rows[i]
         for d in range(D):
-            h = _fmix(base + np.uint64(d + 1) * _GOLDEN)
+            h = fmix(base + np.uint64(d + 1) * _GOLDEN)
             k = np.float64(h >> np.uint64(40))  # 24 uniform bits
             out[r, d] = np.float32(bound * ((2.0 * k + 1.0) * (1.0 / 16777216.0) - 1.0))
 

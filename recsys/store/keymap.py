@@ -58,7 +58,7 @@ import numpy as np
 from numba import njit
 
 # The numba-callable murmur3 finalizer of THE hashing module (one definition of the mixer).
-from recsys.hashing import _fmix
+from recsys.hashing import fmix
 from recsys.store import pages
 from recsys.store.prefetch import KEYS_AHEAD, prefetch
 
@@ -94,7 +94,7 @@ class MapUpdate(NamedTuple):
 
 @njit(inline="always")
 def _home(key, mask_u):
-    return np.int64(_fmix(np.uint64(key) ^ _MAP_TAG) & mask_u)
+    return np.int64(fmix(np.uint64(key) ^ _MAP_TAG) & mask_u)
 
 
 @njit(inline="always")
@@ -559,7 +559,7 @@ def _sketch_kernel(cells, keys, cap, commit, out):
     depth = cells.shape[0]
     mask_u = np.uint64(cells.shape[1] - 1)
     for i in range(keys.shape[0]):
-        h = _fmix(np.uint64(keys[i]) ^ _SKETCH_TAG)
+        h = fmix(np.uint64(keys[i]) ^ _SKETCH_TAG)
         h1 = h & np.uint64(0xFFFFFFFF)
         h2 = (h >> np.uint64(32)) | np.uint64(1)
         est = np.int64(255)

@@ -98,7 +98,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from recsys.errors import UserError
-from recsys.hashing import _fmix
+from recsys.hashing import fmix
 from recsys.redis_util import client_options as _client_options
 from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
@@ -175,7 +175,7 @@ _INDEX_TAG = np.uint64(0x2545F4914F6CDD1D)
 def _slot_of(table, state, k):
     """Return (slot holding k, or the slot to insert k at; whether k is there)."""
     mask = np.uint64(table.shape[0] - 1)
-    j = np.int64(_fmix(np.uint64(k) ^ _INDEX_TAG) & mask)
+    j = np.int64(fmix(np.uint64(k) ^ _INDEX_TAG) & mask)
     free = np.int64(-1)
     while True:
         s = state[j]
