@@ -1,8 +1,8 @@
 """Reading checkpoints without torch: find one from any path a user gives, its meta, its rows.
 
 The layout is written by ``recsys.train.checkpoint`` (see its module picture). This half
-needs only pyarrow, so the lookup service and ``recsys export`` read checkpoints without
-torch. Every command that takes a checkpoint resolves it with ``resolve``, which accepts:
+needs only pyarrow (``load_dense`` alone imports torch, when called), so the lookup service
+and ``recsys export`` read checkpoints without torch. Every command that takes a checkpoint resolves it with ``resolve``, which accepts:
 
     RUN_DIR                          a run directory      → its checkpoints/latest
     RUN_DIR/checkpoints              a checkpoints/ dir   → its latest
@@ -162,3 +162,11 @@ def load_sparse(path: str | os.PathLike, tables: list[str] | None = None) -> dic
     root = Path(path) / "sparse"
     names = tables if tables is not None else sorted(p.name for p in root.iterdir() if p.is_dir())
     return {name: pa.concat_tables(pq.read_table(f) for f in sparse_files(path, name)) for name in names}
+
+
+def load_dense(path: str | os.PathLike) -> dict[str, Any]:
+    """Return the dense state (tensors and plain data only; no code is unpickled). The one
+    reader here that needs torch (imported on call): the trainer's restore and ``recsys eval``."""
+    import torch
+
+    return torch.load(Path(path) / "dense.pt", map_location="cpu", weights_only=True)

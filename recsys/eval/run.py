@@ -49,7 +49,7 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
     from recsys.store import wide
     from recsys.store.wide import table_names
     from recsys.store.sharded import ShardedEmbeddingStore
-    from recsys.train import checkpoint as ckpt
+    from recsys import checkpoint_files as ckpt
 
     path = ckpt.resolve(checkpoint)
     meta = ckpt.load_meta(path)

@@ -62,9 +62,9 @@ import pyarrow.parquet as pq
 import torch
 import torch.distributed as dist
 
-# the read side needs no torch (the lookup service and `recsys export` use it)
-from recsys.checkpoint_files import (FORMAT_VERSION, MARKER, incomplete, latest, load_meta,  # noqa: F401
-                                    load_sparse, resolve)
+# the read side (no torch but for load_dense; the lookup service, `recsys export` and `recsys eval` use it)
+from recsys.checkpoint_files import (FORMAT_VERSION, MARKER, incomplete, latest, load_dense,  # noqa: F401
+                                    load_meta, load_sparse, resolve)
 from recsys.durable import fsync_dir as _fsync_dir
 from recsys.durable import fsync_file
 from recsys.durable import fsync_tree as _fsync_tree
@@ -218,8 +218,3 @@ def _prune(root: Path, keep_last: int, keep: str, fault: str | None = None) -> N
             _discard(old, fault)
     for stale in [*root.glob(".tmp-step-*"), *root.glob(".del-step-*")]:
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def load_dense(path: str | os.PathLike) -> dict[str, Any]:
-    """Return the dense state (tensors and plain data only; no code is unpickled)."""
-    return torch.load(Path(path) / "dense.pt", map_location="cpu", weights_only=True)
