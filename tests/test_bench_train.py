@@ -70,6 +70,7 @@ def _check_common(result: dict, saved: dict, s: train.Settings) -> dict:
     return by_name
 
 
+@pytest.mark.slow  # every check but the 3-row table is test_train_bench_two_processes' too (it runs this and more)
 def test_train_bench_quick_writes_json(tmp_path, monkeypatch, capsys, tiny_data):
     result, saved = _run(tmp_path, monkeypatch, tiny_data, TINY)
     by_name = _check_common(result, saved, TINY)
@@ -79,10 +80,11 @@ def test_train_bench_quick_writes_json(tmp_path, monkeypatch, capsys, tiny_data)
 
 
 @pytest.mark.multiproc
-def test_train_bench_two_processes(tmp_path, monkeypatch, tiny_data):
+def test_train_bench_two_processes(tmp_path, monkeypatch, capsys, tiny_data):
     s = train.Settings(**{**TINY.__dict__, "scaling": True})
     result, saved = _run(tmp_path, monkeypatch, tiny_data, s)
     by_name = _check_common(result, saved, s)
+    assert "ratio" in capsys.readouterr().out
     two, scaling = saved["details"]["two_processes"], by_name["2 processes vs 1 (ours)"]
     assert two["timed_rows"] == s.timed_steps * s.batch_size  # the same global batches
     assert two["batch_per_rank"] == s.batch_size // 2
