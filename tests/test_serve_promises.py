@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import uuid
 
 import numpy as np
 import psutil
 import pytest
 
 from conftest import wait_until
-from embedding_server import live
 from embedding_server.backends import RedisBackend
 from recsys.spawn import free_port
-from test_serve_live import KEYS, FakeClock, guard_redis, row_of, salts  # noqa: F401 - guard_redis: a fixture
+from test_serve_live import KEYS, FakeClock, guard_redis, new_namespace, row_of  # noqa: F401 - guard_redis: a fixture
 
 pytestmark = pytest.mark.redis
 
@@ -69,11 +67,9 @@ def test_a_served_row_is_at_most_every_s_plus_the_ttl_behind_the_trainer(guard_r
     and the worst seen comes within a step of the bound."""
     from recsys.train.publish import LivePublisher, PublishConfig
 
-    ns = f"fresh-{uuid.uuid4().hex[:8]}"
+    ns, (writer,) = new_namespace(guard_redis.url, 1)  # table "t" of the published version, 8 buckets
     clock = FakeClock()
     trainer = Trainer(clock)
-    writer = live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt", member="0")
-    writer.write_manifest(live.manifest("fresh-run", "float32", 8, {"t": 4}, salts(["t"])))
     cfg = PublishConfig(redis=guard_redis.url, every_s=every_s, namespace=ns, buckets=8, backoff_s=0.0)
     pub = LivePublisher(cfg, 0, trainer.read_rows, writer=writer, clock=clock)
     backend = RedisBackend(guard_redis.url, "pub", cache_bytes=1 << 20, follow=ns, live_ttl_s=ttl_s, clock=clock)
