@@ -15,7 +15,7 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError, user_message
 
-BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert", "quality")
+BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert", "quality", "scale")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
