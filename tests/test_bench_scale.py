@@ -76,4 +76,4 @@ def test_quick_through_the_cli(tmp_path):
         assert c["ours"] > 0 and c["baseline"] > 0 and math.isclose(c["ratio"], c["ours"] / c["baseline"])
     assert sizes[0]["ratio_to_first"] == 1.0
     model = r["cost_model_1b"]
-    assert model["ids"] == 10**9 and model["nodes"] >= 1 and model["all_to_all"]
+    assert model["ids"] == 10**9 and model["nodes"] >= 1 and model["all_to_all_bytes_per_step_per_rank"]

@@ -563,27 +563,43 @@ def _label(n: int) -> str:
 # --------------------------------------------------------------------------- the cost model
 
 
-def cost_model(sizes: list[dict], ids: int = 10**9, node_memory_gib: float = 24.0) -> dict:
-    """Return the extrapolation to ``ids`` rows from the measured per-row costs (the largest
-    in-memory size's marginal bytes per row, else its bytes per row): rows per node and nodes needed at ``node_memory_gib`` (80 % for the
-    store), and the all-to-all bytes per step and rank (keys out, rows back, gradients out;
-    ``(W - 1) / W`` of them leave the node) from the unique keys per step measured at the
-    largest size."""
+def unique_keys_per_step(s: Settings, n: int, batches: int = 5) -> float:
+    """Return the mean distinct keys of one batch (all tables) at ``n`` ids, drawn from the
+    bench's id law (no store involved: a property of the data)."""
+    unis = universes(n)
+    return float(np.mean([sum(np.unique(_ranks(dataclasses.replace(s, seed=s.seed + 1 + k), t, u, s.batch)).shape[0]
+                              for t, u in enumerate(unis)) for k in range(batches)]))
+
+
+def cost_model(s: Settings, sizes: list[dict], ids: int = 10**9, node_memory_gib: float = 24.0) -> dict:
+    """Return the extrapolation to ``ids`` rows from the per-row costs measured at the largest
+    in-memory size: its marginal bytes per row (else its bytes per row) for the store, and its
+    peak resident bytes per id (the checkpoint and restore hold a copy of every row), each
+    against 80 % of ``node_memory_gib`` per node; the checkpoint's bytes on disk; and the
+    all-to-all bytes per step and rank (a key out, its row back, its gradient out, float32;
+    ``(W - 1) / W`` of them leave the node) at the distinct keys per batch the id law gives at
+    ``ids`` (``unique_keys_per_step``), next to those measured."""
     mem = [r for r in sizes if r["mode"] == "memory"] or sizes
     ref = max(mem, key=lambda r: r["distinct_ids"])
-    largest = max(sizes, key=lambda r: r["distinct_ids"])
     bpr = ref.get("marginal_bytes_per_row", ref["bytes_per_row"])
-    rows_per_node = int(node_memory_gib * 2**30 * 0.8 / bpr)
-    nodes = math.ceil(ids / rows_per_node)
-    unique = largest["unique_keys_per_step"]  # one rank's batch, every table
-    per_key = 8 + 2 * ref["dim"] * 4  # key out; row back and its gradient out, float32
-    out = {"ids": ids, "bytes_per_row": bpr, "from_size": ref["distinct_ids"], "rows_per_node": rows_per_node,
-           "nodes": nodes, "store_memory_gib_per_node": ids / nodes * bpr / 2**30,
-           "checkpoint_bytes": ids * ref["checkpoint_bytes_per_id"],
-           "unique_keys_per_step_per_rank": unique, "all_to_all": {}}
-    for w in sorted({nodes, 2 * nodes, 4 * nodes}):
-        out["all_to_all"][w] = {"bytes_per_step_per_rank": unique * per_key * (w - 1) / w}
-    return out
+    peak = ref["peak_bytes_per_id_over_start"]
+    usable = node_memory_gib * 2**30 * 0.8
+    nodes_store, nodes_peak = math.ceil(ids * bpr / usable), math.ceil(ids * peak / usable)
+    unique = unique_keys_per_step(s, ids)
+    per_key = 8 + 2 * ref["dim"] * 4
+    nodes = max(nodes_store, nodes_peak)
+    return {
+        "ids": ids, "from_size": ref["distinct_ids"], "node_memory_gib": node_memory_gib,
+        "bytes_per_row": bpr, "peak_bytes_per_id": peak,
+        "nodes_for_the_store": nodes_store, "nodes_for_checkpoints": nodes_peak, "nodes": nodes,
+        "rows_per_node": math.ceil(ids / nodes), "store_gib_per_node": ids / nodes * bpr / 2**30,
+        "peak_gib_per_node": ids / nodes * peak / 2**30,
+        "checkpoint_bytes": ids * ref["checkpoint_bytes_per_id"],
+        "unique_keys_per_step_measured": {r["distinct_ids"]: r["unique_keys_per_step"] for r in sizes},
+        "unique_keys_per_step": unique, "bytes_per_key": per_key,
+        "all_to_all_bytes_per_step_per_rank": {w: unique * per_key * (w - 1) / w
+                                               for w in sorted({nodes, 2 * nodes, 4 * nodes})},
+    }
 
 
 # --------------------------------------------------------------------------- entry
@@ -787,7 +803,7 @@ def _report(s: Settings, done: list[dict], plans: list[dict], stopped: str, redi
         "sizes": done,
         "plans": plans,
         "stopped": stopped,
-        "cost_model_1b": cost_model(done) if done else None,
+        "cost_model_1b": cost_model(s, done) if done else None,
         "settings": {**dataclasses.asdict(s), "steps": s.steps, "job": str(JOB), "redis": redis,
                      "tables": len(CRITEO_CARDINALITIES), "features": len(CRITEO_CARDINALITIES),
                      "source": "SyntheticIds: in-memory batches (no Parquet decode, no raw-id hashing in the timed steps)"},
