@@ -5,11 +5,12 @@
 - ``backends``  where rows come from: a checkpoint in memory, or published versions in Redis
 - ``catalog``   a version's tables and features; raw ids → keys; the unseen-key vector
 - ``cache``     the row cache (the store's key map, exact LRU, bytes-bounded)
-- ``layout``    key names, values and manifests of published versions in Redis
 - ``publish``   ``recsys export``: write, verify, flip the alias, keep K, gc
 - ``resp``      a lean MGET client for a single Redis
 - ``wire``      the binary response format
 - ``metrics``   Prometheus metrics
 
+What lies in Redis (the protocol the trainer and ``recsys export`` write and this package
+reads): ``recsys.redis_layout`` (published versions) and ``recsys.live_protocol`` (live rows).
 The design: docs/serving.md.
 """

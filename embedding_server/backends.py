@@ -33,11 +33,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from embedding_server import layout, live, overlay
+from embedding_server import overlay
 from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
 from embedding_server.resp import RespPool
 from recsys import checkpoint_files
+from recsys import live_protocol as live
+from recsys import redis_layout as layout
 from recsys.redis_util import client_options, is_cluster_info, redact
 
 log = logging.getLogger(__name__)

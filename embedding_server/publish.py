@@ -14,7 +14,7 @@ Legend: ``N`` rows of a chunk, ``B`` buckets per table.
 
 An export that fails midway marks its version ``failed`` (or, if the process died, leaves
 it ``writing`` with a heartbeat that stops): ``current`` is untouched, and ``gc`` removes
-it (``writing`` ones once their heartbeat is older than ``grace_s``). Layout: ``layout``.
+it (``writing`` ones once their heartbeat is older than ``grace_s``). Layout: ``recsys.redis_layout``.
 
 No served row goes missing:
 
@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
-from embedding_server import layout
 from embedding_server.catalog import Catalog
 from recsys import checkpoint_files
+from recsys import redis_layout as layout
 from recsys.redis_util import connect, redact
 
 log = logging.getLogger(__name__)
@@ -363,24 +363,10 @@ def gc(url: str, namespace: str = "recsys", keep: int = 3, grace_s: float = 60.0
             if client.get(layout.current_key(namespace)) == v.encode():  # flipped to meanwhile: keep it
                 _swap(client, namespace, v, json.dumps(taken), states[v])
                 continue
-            removed[v] = _unlink_version(client, namespace, v)
+            removed[v] = layout.unlink_version(client, namespace, v)
             client.delete(layout.manifest_key(namespace, v))
             _swap(client, namespace, v, json.dumps(taken), None)
         return {"current": current, "removed": removed, "kept": sorted(set(states) - set(removed))}
     finally:
         if own:
             client.close()
-
-
-def _unlink_version(client, ns: str, version: str, batch: int = 1000) -> int:
-    """Delete every row key of ``version`` with SCAN + UNLINK (never KEYS); return how many."""
-    n = 0
-    names = []
-    for name in client.scan_iter(match=layout.version_pattern(ns, version), count=batch):
-        names.append(name)
-        if len(names) >= batch:
-            n += client.unlink(*names)
-            names = []
-    if names:
-        n += client.unlink(*names)
-    return n

@@ -17,7 +17,7 @@ import os
 import typing
 from dataclasses import dataclass
 
-from embedding_server import layout
+from recsys import redis_layout as layout
 from recsys.redis_util import check_url
 
 ENV_PREFIX = "RECSYS_SERVE_"

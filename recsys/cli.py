@@ -211,7 +211,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         "versions)")
     try:
         if args.follow is not None:  # an explicit empty name is an error, not "no --follow"
-            from embedding_server.layout import check_name
+            from recsys.redis_layout import check_name
 
             check_name(args.follow, "--follow")
         settings = ServeSettings(checkpoint=str(args.checkpoint or ""), redis=args.redis or "",

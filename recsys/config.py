@@ -270,8 +270,7 @@ from recsys.io.config import ReaderConfig  # noqa: E402  (component configs, tor
 from recsys.model.config import ModelConfig  # noqa: E402
 from recsys.schema import Schema  # noqa: E402
 from recsys.store.config import StoreConfig  # noqa: E402
-from recsys.train.config import TrainConfig  # noqa: E402
-from recsys.train.publish import PublishConfig  # noqa: E402
+from recsys.train.config import PublishConfig, TrainConfig  # noqa: E402
 
 
 @dataclass(kw_only=True, slots=True)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import redis
 
-from embedding_server import layout, publish
+from embedding_server import publish
 from recsys import checkpoint_files
+from recsys import redis_layout as layout
 from recsys.redis_util import connect
 from serving_data import start_cluster
 

@@ -26,8 +26,9 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from embedding_server import live
+from recsys import live_protocol as live
 from recsys.bench.faults import final_rows, records
+from recsys.train.live_writer import LiveWriter
 from test_train import build, overrides
 
 DIM = 16  # the tiny job's tables (their wide tables, <table>.wide: 1)
@@ -39,7 +40,7 @@ def _publish(redis_url: str, *extra: str) -> list[str]:
 
 def _live_rows(url: str, rows: dict[str, dict[int, bytes]], ns: str = "live") -> dict[str, tuple]:
     """{table: (found, steps, rows, wanted rows)} of the live namespace for the keys of ``rows``."""
-    w = live.LiveWriter(url, ns)
+    w = LiveWriter(url, ns)
     out = {}
     try:
         for table, kv in rows.items():
@@ -70,13 +71,13 @@ def _train(data: Path, run_dir: Path, *extra: str) -> dict:
 def _record_writes(monkeypatch) -> list[tuple[int, list]]:
     """Return the list every live write appends to: (step, [(table, keys, rows)]), copied."""
     written: list[tuple[int, list]] = []
-    real_write = live.LiveWriter.write
+    real_write = LiveWriter.write
 
     def recording(self, parts, step, dtype):
         written.append((step, [(t, k.copy(), r.copy()) for t, k, r in parts]))
         return real_write(self, parts, step, dtype)
 
-    monkeypatch.setattr(live.LiveWriter, "write", recording)
+    monkeypatch.setattr(LiveWriter, "write", recording)
     return written
 
 
@@ -149,7 +150,7 @@ def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_d
     final = final_rows(run_dir)
     assert len([t for t in final if t.endswith(".wide")]) == 28
     _assert_live_equals_final(redis_server.url, run_dir, 12)  # every table, the wide ones too
-    w = live.LiveWriter(redis_server.url, "live")
+    w = LiveWriter(redis_server.url, "live")
     try:
         manifest = w.read_manifest()
         assert manifest["tables"]["c3.wide"] == {"dim": 1} and manifest["tables"]["c3"] == {"dim": DIM}
@@ -208,7 +209,7 @@ def test_two_ranks_publish_their_own_shards(tiny_data, tmp_path, redis_server):
     assert out.returncode == 0, out.stderr[-3000:]
     final = json.loads((run_dir / "result.json").read_text())["step"]
     _assert_live_equals_final(redis_server.url, run_dir, final)
-    w = live.LiveWriter(redis_server.url, "live")
+    w = LiveWriter(redis_server.url, "live")
     assert {r: h["step"] for r, h in w.read_head().items()} == {"0": final, "1": final}
     assert w.read_manifest()["run"] == run_namespace(run_dir, "synthetic_tiny")
     # the two ranks are one fence group (one attempt, disjoint keys): neither rank's steps
@@ -342,7 +343,8 @@ class Rows:
 
 
 def _publisher(writer, every_s=1.0, **kw):
-    from recsys.train.publish import LivePublisher, PublishConfig
+    from recsys.train.config import PublishConfig
+    from recsys.train.publish import LivePublisher
 
     clock = [0.0]
     rows = Rows()
@@ -489,8 +491,6 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
 def test_close_interrupts_a_write_stuck_on_a_paused_redis(redis_server):
     """No push thread outlives its publisher: close() shuts the stuck socket down and joins.
     (A connection being opened to an unresponsive Redis is bounded by publish.timeout_s instead.)"""
-    from embedding_server.live import LiveWriter
-
     writer = LiveWriter(redis_server.url, "live", timeout_s=600)
     pub, clock, rows = _publisher(writer, every_s=1.0)
     clock[0] += 1.0

@@ -116,7 +116,7 @@ def test_password_sources_in_order(tmp_path, monkeypatch):
 def test_a_saved_job_holds_no_password(tmp_path):
     from recsys.config import JobConfig, dumps, from_dict, write_resolved
     from recsys.store.config import StoreConfig
-    from recsys.train.publish import PublishConfig
+    from recsys.train.config import PublishConfig
 
     job = JobConfig(store=StoreConfig(spill_url=f"redis://:{PASSWORD}@cache:6379/0"),
                     publish=PublishConfig(redis=f"rediss://alice:{PASSWORD}@cache:6380/1?ssl_ca_certs=/ca.pem"))
@@ -150,9 +150,11 @@ def _client(server):
 
 @pytest.mark.redis
 def test_an_unreadable_live_manifest_is_named_without_the_password(locked_redis, caplog):
-    from embedding_server.live import LiveWriter, manifest_key
+    from recsys.live_protocol import manifest_key
+    from recsys.train.config import PublishConfig
+    from recsys.train.live_writer import LiveWriter
     from recsys.errors import UserError
-    from recsys.train.publish import PublishConfig, claim
+    from recsys.train.publish import claim
 
     url = f"redis://:{PASSWORD}@{locked_redis.host}:{locked_redis.port}/0"
     client = _client(locked_redis)
@@ -186,7 +188,7 @@ def test_a_resumed_run_takes_the_password_from_the_environment(locked_redis, tin
     """Run 1 has the password in its URLs; its run directory and checkpoints do not. Run 2
     resumes from the saved config.toml: without the password it stops with one line naming
     Redis; with ``REDIS_PASSWORD`` it connects (spill tier and live pushes) and finishes."""
-    from embedding_server.live import head_key
+    from recsys.live_protocol import head_key
 
     where = f"{locked_redis.host}:{locked_redis.port}/0"
     run_dir = tmp_path / "run"

@@ -1,4 +1,4 @@
-"""recsys serve --follow: live rows a training job pushes (embedding_server.live) overlaid on the
+"""recsys serve --follow: live rows a training job pushes (recsys.live_protocol) overlaid on the
 published version, the version string naming the newest live step served, the TTL bound of
 the live row cache, the step guard under interleaved writers, incompatible live manifests,
 a Redis Cluster, and the flags' errors."""
@@ -22,12 +22,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import start_redis, wait_until
-from embedding_server import layout, live, publish, wire
+from embedding_server import publish, wire
 from embedding_server.app import create_app
 from embedding_server.backends import RedisBackend
 from embedding_server.cache import LiveTableCache
 from embedding_server.catalog import Catalog, FeatureInfo, TableInfo
 from embedding_server.settings import ServeSettings
+from recsys import live_protocol as live
+from recsys import redis_layout as layout
+from recsys.train.live_writer import LiveWriter
 from recsys import checkpoint_files, hashing
 from serving_data import UNSEEN_INT, UNSEEN_STR, LiveServer, start_cluster
 
@@ -51,9 +54,9 @@ def salts(tables) -> dict[str, str]:
     return {n: f"{hashing.table_salt(n):016x}" for n in tables}
 
 
-def writer_for(url: str, dtype: str = "float32", tables=("c1", "c3"), ns: str = LIVE_NS) -> live.LiveWriter:
+def writer_for(url: str, dtype: str = "float32", tables=("c1", "c3"), ns: str = LIVE_NS) -> LiveWriter:
     """Return a LiveWriter of ``ns`` whose manifest (run "test-run") is written."""
-    w = live.LiveWriter(url, ns, buckets=8)
+    w = LiveWriter(url, ns, buckets=8)
     w.write_manifest(live.manifest("test-run", dtype, 8, {t: DIM for t in tables}, salts(tables)))
     return w
 
@@ -310,7 +313,7 @@ def final_check(url: str, ns: str, writes) -> None:
     for _, key_idx, step in writes:
         for i in key_idx:
             newest[i] = max(newest.get(i, -1), step)
-    reader = live.LiveWriter(url, ns, buckets=8)
+    reader = LiveWriter(url, ns, buckets=8)
     found, steps, rows = reader.read("t", KEYS, 4, "float32")
     reader.close()
     for i in range(KEYS.shape[0]):
@@ -326,14 +329,14 @@ writes_strategy = st.lists(st.tuples(st.integers(0, 2),  # the writer
                            min_size=1, max_size=20)
 
 
-def new_namespace(url: str, writers: int) -> tuple[str, list[live.LiveWriter]]:
+def new_namespace(url: str, writers: int) -> tuple[str, list[LiveWriter]]:
     ns = f"guard{next(_namespaces)}"
-    ws = [live.LiveWriter(url, ns, buckets=8) for _ in range(writers)]
+    ws = [LiveWriter(url, ns, buckets=8) for _ in range(writers)]
     ws[0].write_manifest(live.manifest("guard-run", "float32", 8, {"t": 4}, salts(["t"])))
     return ns, ws
 
 
-def push(w: live.LiveWriter, key_idx: list[int], step: int) -> None:
+def push(w: LiveWriter, key_idx: list[int], step: int) -> None:
     idx = np.array(key_idx)
     w.write([("t", KEYS[idx], np.stack([row_of(i, step) for i in key_idx]))], step, "float32")
 
@@ -383,8 +386,8 @@ def test_an_attempts_ranks_and_a_zombie_writer_never_take_a_row_back(guard_redis
     (another group, any keys); steps in any order. Redis ends with each key's newest row, and
     a reader between the writes never sees a step decrease, whichever path each write took."""
     ns = f"guard{next(_namespaces)}"
-    writers = [live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt", member=str(r)) for r in range(2)]
-    writers.append(live.LiveWriter(guard_redis.url, ns, buckets=8, group="zombie"))
+    writers = [LiveWriter(guard_redis.url, ns, buckets=8, group="attempt", member=str(r)) for r in range(2)]
+    writers.append(LiveWriter(guard_redis.url, ns, buckets=8, group="zombie"))
     writers[0].write_manifest(live.manifest("guard-run", "float32", 8, {"t": 4}, salts(["t"])))
     owned = [[i for i in key_idx if writer == 2 or i % 2 == writer] for writer, key_idx, _ in writes]
     writes = [(writer, keys, step) for (writer, _, step), keys in zip(writes, owned) if keys]
@@ -410,7 +413,7 @@ def test_an_attempts_ranks_and_a_zombie_writer_never_take_a_row_back(guard_redis
 def push_after_first_watch(monkeypatch, writer, slots, version) -> list:
     """Patch LiveWriter's exchange so that right after the first WATCH (a fence read) any
     writer sends, ``writer`` pushes ``slots`` at ``version``; return the list that records it."""
-    exchange = live.LiveWriter._exchange
+    exchange = LiveWriter._exchange
     hits = []
 
     def exchange_then_write(conn, packed):
@@ -420,7 +423,7 @@ def push_after_first_watch(monkeypatch, writer, slots, version) -> list:
             push(writer, slots, version)
         return replies
 
-    monkeypatch.setattr(live.LiveWriter, "_exchange", staticmethod(exchange_then_write))
+    monkeypatch.setattr(LiveWriter, "_exchange", staticmethod(exchange_then_write))
     return hits
 
 
@@ -447,7 +450,7 @@ def test_a_group_member_joining_aborts_no_transaction_once_registered(guard_redi
     publisher does before the trainer's barrier), it changes nothing the transaction watches
     and every row goes plain; unregistered, its entering the registry aborts the transaction."""
     ns = f"guard{next(_namespaces)}"
-    w, mate = (live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt", member=m) for m in ("0", "1"))
+    w, mate = (LiveWriter(guard_redis.url, ns, buckets=8, group="attempt", member=m) for m in ("0", "1"))
     if registered:
         w.register()
         mate.register()
@@ -469,11 +472,11 @@ def test_a_resumed_attempt_writes_guarded_until_it_passes_the_earlier_attempts_s
     (a new group). Its pushes at steps 60 and 100 cannot replace the dead attempt's rows (the
     guard), a key only it has is written; from step 101 on it writes plain MSETs again."""
     ns = f"guard{next(_namespaces)}"
-    dead = live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt0", member="0")
+    dead = LiveWriter(guard_redis.url, ns, buckets=8, group="attempt0", member="0")
     push(dead, [0, 1], 90)
     push(dead, [0], 100)
     assert dead.counters["rows_plain"] == 3
-    resumed = live.LiveWriter(guard_redis.url, ns, buckets=8, group="attempt1", member="0")
+    resumed = LiveWriter(guard_redis.url, ns, buckets=8, group="attempt1", member="0")
     assert resumed.write([("t", KEYS[[0, 1, 2]], np.stack([row_of(i, 60) for i in (0, 1, 2)]))], 60, "float32") == 1
     push(resumed, [0, 1], 100)
     assert resumed.counters == {"rows_plain": 0, "rows_guarded": 5, "fence_conflicts": 0}
@@ -664,7 +667,7 @@ def test_the_reason_is_logged_once_and_a_missing_manifest_serves_published(tiny_
 def cluster_push(url: str, table: str, keys: np.ndarray, rows: np.ndarray, step: int, buckets: int = 8) -> int:
     """Write live rows with the trainer's LiveWriter (the Lua guard, one call per bucket, each
     sent to the node of its hash slot); return how many replaced an older row."""
-    w = live.LiveWriter(url, LIVE_NS, buckets=buckets)
+    w = LiveWriter(url, LIVE_NS, buckets=buckets)
     try:
         return w.write([(table, keys, rows)], step, "float32")
     finally:

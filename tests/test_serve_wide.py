@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 import redis
 
-from embedding_server import layout, publish
+from embedding_server import publish
 from embedding_server.app import create_app
 from embedding_server.settings import ServeSettings
 from recsys import checkpoint_files, hashing
+from recsys import redis_layout as layout
 from serving_data import JOB, UNSEEN_INT, UNSEEN_STR, LiveServer, eval_wide, probe_file, train_tiny
 from test_serve import lookup
 

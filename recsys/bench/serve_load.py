@@ -92,7 +92,7 @@ async def _run(spec: dict) -> dict:
     else:
         import redis.asyncio as aredis
 
-        from embedding_server import layout
+        from recsys import redis_layout as layout
         from recsys import hashing
 
         keys = hashing.hash_int64(ids.reshape(-1), spec["table"]).reshape(n, per)

@@ -1,4 +1,4 @@
-"""Settings of the trainer (no torch here)."""
+"""Settings of the trainer and of its live pushes (``[train]``, ``[publish]``; no torch here)."""
 
 from __future__ import annotations
 
@@ -117,3 +117,68 @@ class TrainConfig:
             raise ValueError(f"validation_fraction must be in [0, 1), found {self.validation_fraction}")
         if self.checkpoint_every_minutes < 0 or self.clip_grad_norm < 0:
             raise ValueError("checkpoint_every_minutes and clip_grad_norm must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class PublishConfig:
+    """Live pushes of fresh rows to the serving tier while training (off unless ``redis`` is set)."""
+
+    redis: str = ""
+    """Redis (or Redis Cluster) URL to push live rows to; empty: no live pushes. A password in
+    the URL is used but never saved (``config.toml`` and checkpoints keep the URL without
+    it): a resumed run takes it from ``redis_password_file`` or ``$REDIS_PASSWORD``."""
+    redis_password_file: str = ""
+    """File holding the password of ``redis``, for a URL without one (else ``$REDIS_PASSWORD``)."""
+    every_s: float = 5.0
+    """Seconds between snapshots of the touched rows (per rank)."""
+    namespace: str = "live"
+    """Live namespace (``recsys serve --follow NAMESPACE`` overlays it)."""
+    dtype: str = "float32"
+    """Stored row type: ``float32`` or ``float16`` (half the bytes; served as float32)."""
+    max_rows_per_push: int = 1_000_000
+    """Most rows one snapshot writes (per rank); the rest stay touched for the next one."""
+    buckets: int = 64
+    """Hash-slot buckets per table (a Redis Cluster spreads a table over this many slots)."""
+    queue_snapshots: int = 2
+    """Snapshots waiting for the push thread; when full, pushes coalesce."""
+    retries: int = 3
+    """Attempts of one snapshot's write before it is dropped (its keys are published later)."""
+    backoff_s: float = 0.2
+    """First retry delay (doubles per attempt)."""
+    timeout_s: float = 5.0
+    """Socket timeout of one Redis call."""
+    final_timeout_s: float = 60.0
+    """How long the end of training waits for the last snapshot to be written."""
+    nice: int = 0
+    """Raise the push thread's nice value to this (Linux; 0..19), so packing and sending rows
+    take less of the CPU the training step wants. Off by default: on the 2-core bench host
+    nice 10 showed no throughput gain within the noise, and a starved push thread pushes
+    later (freshness)."""
+    takeover: bool = False
+    """Start even when the namespace holds another run's live rows: delete them first (the
+    step guard would otherwise refuse this run's rows until its steps passed the old ones)."""
+
+    def __post_init__(self) -> None:
+        from recsys import redis_layout as layout  # numpy and numba: not at the job config's import
+
+        if self.redis:
+            from recsys.redis_util import check_url
+
+            check_url(self.redis, "publish.redis")
+        layout.check_name(self.namespace, "publish.namespace")
+        if self.dtype not in layout.DTYPES:
+            raise ValueError(f"publish.dtype must be one of {sorted(layout.DTYPES)}, found {self.dtype!r}")
+        if not self.every_s > 0:
+            raise ValueError(f"publish.every_s must be > 0, found {self.every_s}")
+        for name in ("max_rows_per_push", "buckets", "queue_snapshots", "retries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"publish.{name} must be >= 1, found {getattr(self, name)}")
+        if not 0 <= self.nice <= 19:
+            raise ValueError(f"publish.nice must be in 0..19, found {self.nice}")
+        for name in ("backoff_s", "timeout_s", "final_timeout_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"publish.{name} must be >= 0, found {getattr(self, name)}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.redis)

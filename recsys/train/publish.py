@@ -8,7 +8,7 @@ hold (model-parallel by owner: no row is published twice, none is missed):
   since the last snapshot, the current rows of every touched key are copied (a gather: no
   Redis, no lock, nothing changed) and handed to the push thread as one snapshot tagged
   with step t. Those rows are exactly the trainer's rows after the optimizer step t.
-- **On the push thread**: each snapshot is written with ``embedding_server.live.LiveWriter``
+- **On the push thread**: each snapshot is written with ``recsys.train.live_writer.LiveWriter``
   (Redis never replaces a row with one of an earlier step: plain MSETs checked against the
   namespace's fence in one transaction, a Lua guard when the fence says an earlier attempt
   may hold later steps), then the rank's head ``{"step", "time", "rows"}``. The ranks of one
@@ -43,72 +43,9 @@ from typing import Callable
 
 import numpy as np
 
+from recsys.train.config import PublishConfig
+
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True, slots=True)
-class PublishConfig:
-    """Live pushes of fresh rows to the serving tier while training (off unless ``redis`` is set)."""
-
-    redis: str = ""
-    """Redis (or Redis Cluster) URL to push live rows to; empty: no live pushes. A password in
-    the URL is used but never saved (``config.toml`` and checkpoints keep the URL without
-    it): a resumed run takes it from ``redis_password_file`` or ``$REDIS_PASSWORD``."""
-    redis_password_file: str = ""
-    """File holding the password of ``redis``, for a URL without one (else ``$REDIS_PASSWORD``)."""
-    every_s: float = 5.0
-    """Seconds between snapshots of the touched rows (per rank)."""
-    namespace: str = "live"
-    """Live namespace (``recsys serve --follow NAMESPACE`` overlays it)."""
-    dtype: str = "float32"
-    """Stored row type: ``float32`` or ``float16`` (half the bytes; served as float32)."""
-    max_rows_per_push: int = 1_000_000
-    """Most rows one snapshot writes (per rank); the rest stay touched for the next one."""
-    buckets: int = 64
-    """Hash-slot buckets per table (a Redis Cluster spreads a table over this many slots)."""
-    queue_snapshots: int = 2
-    """Snapshots waiting for the push thread; when full, pushes coalesce."""
-    retries: int = 3
-    """Attempts of one snapshot's write before it is dropped (its keys are published later)."""
-    backoff_s: float = 0.2
-    """First retry delay (doubles per attempt)."""
-    timeout_s: float = 5.0
-    """Socket timeout of one Redis call."""
-    final_timeout_s: float = 60.0
-    """How long the end of training waits for the last snapshot to be written."""
-    nice: int = 0
-    """Raise the push thread's nice value to this (Linux; 0..19), so packing and sending rows
-    take less of the CPU the training step wants. Off by default: on the 2-core bench host
-    nice 10 showed no throughput gain within the noise, and a starved push thread pushes
-    later (freshness)."""
-    takeover: bool = False
-    """Start even when the namespace holds another run's live rows: delete them first (the
-    step guard would otherwise refuse this run's rows until its steps passed the old ones)."""
-
-    def __post_init__(self) -> None:
-        from embedding_server import layout
-
-        if self.redis:
-            from recsys.redis_util import check_url
-
-            check_url(self.redis, "publish.redis")
-        layout.check_name(self.namespace, "publish.namespace")
-        if self.dtype not in layout.DTYPES:
-            raise ValueError(f"publish.dtype must be one of {sorted(layout.DTYPES)}, found {self.dtype!r}")
-        if not self.every_s > 0:
-            raise ValueError(f"publish.every_s must be > 0, found {self.every_s}")
-        for name in ("max_rows_per_push", "buckets", "queue_snapshots", "retries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"publish.{name} must be >= 1, found {getattr(self, name)}")
-        if not 0 <= self.nice <= 19:
-            raise ValueError(f"publish.nice must be in 0..19, found {self.nice}")
-        for name in ("backoff_s", "timeout_s", "final_timeout_s"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"publish.{name} must be >= 0, found {getattr(self, name)}")
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.redis)
 
 
 @dataclass(slots=True)
@@ -137,7 +74,7 @@ class LivePublisher:
                  member: str | None = None) -> None:
         """``member``: the writer's name in its fence group and its field of the head hash
         (default: the rank; ``<rank>.wide`` for the wide arm's publisher)."""
-        from embedding_server.live import LiveWriter
+        from recsys.train.live_writer import LiveWriter
 
         self.cfg, self.rank, self.read_rows, self.clock = cfg, rank, read_rows, clock
         self.member = member if member is not None else str(rank)
@@ -355,8 +292,7 @@ def live_manifest(cfg: PublishConfig, run: str, schema, wide: bool = False) -> d
     """Return the live namespace's manifest for a job of ``schema`` in the run ``run``; with
     ``wide`` (``model.wide``) the wide arm's dim-1 tables too, whose keys are hashed with
     their embedding table's salt (the trainer looks both up with the same keys)."""
-    from embedding_server import live
-    from recsys import hashing
+    from recsys import hashing, live_protocol
     from recsys.store.wide import wide_table
 
     dims = {n: t.dim for n, t in schema.tables.items()}
@@ -364,7 +300,7 @@ def live_manifest(cfg: PublishConfig, run: str, schema, wide: bool = False) -> d
     if wide:
         dims.update({wide_table(n): 1 for n in schema.tables})
         salts.update({wide_table(n): salts[n] for n in schema.tables})
-    return live.manifest(run, cfg.dtype, cfg.buckets, dims, salts)
+    return live_protocol.manifest(run, cfg.dtype, cfg.buckets, dims, salts)
 
 
 def claim(cfg: PublishConfig, manifest: dict, writer=None) -> bool:
@@ -376,9 +312,9 @@ def claim(cfg: PublishConfig, manifest: dict, writer=None) -> bool:
     """
     import redis
 
-    from embedding_server.live import LiveWriter
     from recsys.errors import UserError
     from recsys.redis_util import redact
+    from recsys.train.live_writer import LiveWriter
 
     writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s,
                                   password_file=cfg.redis_password_file)

@@ -1,5 +1,8 @@
 """How published versions lie in Redis: key names, row values, manifests and the alias.
 
+The protocol between what writes rows to Redis (``recsys export``) and what reads them (the
+lookup service); live rows (``recsys.live_protocol``) use its row keys too. No torch here.
+
 Legend: ``N`` rows of a call, ``D`` dim, ``B`` buckets per table.
 
 Keys (``ns`` the namespace, default ``recsys``; ``v`` the version; names are restricted to
@@ -160,3 +163,18 @@ def checksum(keys_N: np.ndarray, values: list[bytes]) -> int:
     row_hash = hashing.hash_strings(offsets, data, 0) ^ hashing.hash_int64(keys_N, 0x5EED)
     mixed = hashing.hash_int64(row_hash, 0).view(np.uint64)
     return int(mixed.sum(dtype=np.uint64))
+
+
+def unlink_version(client, ns: str, version: str, batch: int = 1000) -> int:
+    """Delete every row key of ``version`` with SCAN + UNLINK (never KEYS); return how many.
+    ``recsys export --gc`` removes versions with it, a live namespace's takeover its rows."""
+    n = 0
+    names = []
+    for name in client.scan_iter(match=version_pattern(ns, version), count=batch):
+        names.append(name)
+        if len(names) >= batch:
+            n += client.unlink(*names)
+            names = []
+    if names:
+        n += client.unlink(*names)
+    return n
