@@ -200,8 +200,9 @@ class DeviceCache:
         grads = torch.as_tensor(grads_UD, dtype=torch.float32)  # host or device: a device's stay there
         sel, slots = self.gradient_slots(keys_U, grads, step)
         if sel.shape[0]:
-            g = grads if sel.shape[0] == grads.shape[0] else grads.index_select(0, torch.from_numpy(sel).to(grads.device))
-            _update_rows(self.cfg, self._w, self._state, slots, g.to(self.device))
+            if sel.shape[0] < grads.shape[0]:
+                grads = grads.index_select(0, torch.from_numpy(sel).to(grads.device))
+            _update_rows(self.cfg, self._w, self._state, slots, grads.to(self.device))
 
     def gradient_slots(self, keys_U: np.ndarray, grads_UD: torch.Tensor, step: int) -> tuple[np.ndarray, np.ndarray]:
         """Do ``apply_gradients``'s work but the device update: apply the host's optimizer to

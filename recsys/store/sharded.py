@@ -468,7 +468,8 @@ class ShardedEmbeddingStore:
         self._table_columns = {t: np.isin(np.arange(len(schema.sparse)), self._features_of[t]) for t in self.table_names}
         # per-table work on several threads: plain host tables only (a spill tier's Redis
         # client and a device cache stay on the worker thread)
-        plain = table_factory is None and not cfg.spill_url and not self._device_budget_rows and cfg.device_cache_rows == 0
+        cached = bool(self._device_budget_rows) or cfg.device_cache_rows > 0
+        plain = table_factory is None and not cfg.spill_url and not cached
         lanes = (cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
         self._board = _Board() if threaded and cfg.waiter_helps and plain and self.device.type == "cpu" else None
         self._lanes = _Lanes(lanes, self._board)
@@ -1196,8 +1197,9 @@ class ShardedEmbeddingStore:
                 positions.append(p.base + sel)
         if rows:
             pos = np.concatenate(positions)
-            g = grads if pos.shape[0] == grads.shape[0] else grads.index_select(0, torch.from_numpy(pos).to(grads.device))
-            arena.update(np.concatenate(rows), g)
+            if pos.shape[0] < grads.shape[0]:
+                grads = grads.index_select(0, torch.from_numpy(pos).to(grads.device))
+            arena.update(np.concatenate(rows), grads)
 
     def _apply(self, part: _TablePart, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
         table = self.tables[part.name]
