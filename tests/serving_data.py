@@ -15,7 +15,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import RedisServer, start_redis, wait_until
+from conftest import wait_until
+from recsys.harness import RedisServer, start_redis
 from recsys.spawn import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

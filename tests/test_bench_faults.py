@@ -18,6 +18,7 @@ import pytest
 import test_train as tt
 from recsys import checkpoint_files
 from recsys.bench import faults
+from recsys.harness import records
 
 
 class FakeJob:
@@ -36,7 +37,7 @@ class FakeJob:
         return self.log[-chars:]
 
     def records(self) -> list[dict]:
-        return faults.records(self.run_dir)
+        return records(self.run_dir)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import wait_until
+from recsys.harness import kill_tagged, records, tagged
 from test_faults import assert_same_end
 from test_train import JOB, ROOT, overrides
 
@@ -212,16 +213,7 @@ def _log(run_dir: Path) -> str:
     return (run_dir.parent / f"{run_dir.name}.log").read_text()
 
 
-def _records(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def _finish(proc: subprocess.Popen, run_dir: Path, tag: str, timeout: float = 240) -> int:
-    from test_faults import _kill_tagged
-
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -229,13 +221,11 @@ def _finish(proc: subprocess.Popen, run_dir: Path, tag: str, timeout: float = 24
         proc.wait()
         pytest.fail(f"the job did not end in {timeout}s:\n" + _log(run_dir)[-4000:])
     finally:
-        _kill_tagged(tag)
+        kill_tagged(tag)
 
 
 @pytest.mark.multiproc
 def test_sigterm_to_the_launcher_checkpoints_and_the_same_command_resumes_exactly(tiny, tmp_path):
-    from test_faults import _tagged
-
     reference = tmp_path / "reference"
     tag = uuid.uuid4().hex
     assert _finish(_launch(tiny, reference, tag), reference, tag) == 0, _log(reference)[-4000:]
@@ -243,7 +233,7 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_same_command_resumes_exactl
     run_dir = tmp_path / "preempted"
     tag = uuid.uuid4().hex
     proc = _launch(tiny, run_dir, tag)
-    steps = lambda: [r["step"] for r in _records(run_dir) if "loss/train" in r]  # noqa: E731
+    steps = lambda: [r["step"] for r in records(run_dir) if "loss/train" in r]  # noqa: E731
     try:
         wait_until(lambda: len(steps()) >= 10 or proc.poll() is not None, 180, "10 training steps")
         assert proc.poll() is None, "the job ended before SIGTERM:\n" + _log(run_dir)[-4000:]
@@ -255,15 +245,15 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_same_command_resumes_exactl
     took = time.monotonic() - sent
     assert code == 0, _log(run_dir)[-4000:]
     assert took < 30, f"{took:.1f}s from SIGTERM to exit"  # the agent kills workers after 30 s
-    assert not _tagged(tag), "processes outlived the launcher"
+    assert not tagged(tag), "processes outlived the launcher"
     assert "every worker saved a checkpoint" in _log(run_dir)
     stopped_at = max(steps())
     assert 10 <= stopped_at < 48, stopped_at  # 6,000 rows / (2 ranks x 64): stopped mid-epoch
     assert json.loads((run_dir / "result.json").read_text()) == {"step": stopped_at, "stopped": "SIGTERM"}
-    assert [r["step"] for r in _records(run_dir) if r.get("event") == "checkpoint"] == [stopped_at]
+    assert [r["step"] for r in records(run_dir) if r.get("event") == "checkpoint"] == [stopped_at]
 
     tag = uuid.uuid4().hex
     assert _finish(_launch(tiny, run_dir, tag), run_dir, tag) == 0, _log(run_dir)[-4000:]
-    resumed = [r for r in _records(run_dir) if r.get("event") == "resumed"]
+    resumed = [r for r in records(run_dir) if r.get("event") == "resumed"]
     assert [r["step"] for r in resumed] == [stopped_at]
     assert_same_end(reference, run_dir)

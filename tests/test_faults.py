@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from recsys.bench.faults import (EPOCHS, EVERY, STEPS_PER_EPOCH, TrainJob, compare_runs, environ_of, job_overrides,
-                                 kill_tagged, last_step, records, tagged, train_row_ids, workers)
+from recsys.bench.faults import EPOCHS, EVERY, STEPS_PER_EPOCH, compare_runs, job_overrides, train_row_ids
+from recsys.harness import TrainJob, environ_of, kill_tagged, last_step, records, tagged, workers
 from dist_utils import run_distributed
 from test_train import JOB, ROOT, final_rows, losses, overrides
 

@@ -165,6 +165,12 @@ def test_recsys_imports_the_service_only_from_its_commands():
     assert not bad, "\n".join(bad)
 
 
+def test_only_the_benchmarks_import_the_harness():
+    """recsys.harness (processes, servers, waits for tests and benchmarks) is no part of the product."""
+    bad = _violations(import_graph(), PACKAGES, ("recsys.harness",), allowed=("recsys.harness", "recsys.bench"))
+    assert not bad, "\n".join(bad)
+
+
 def test_train_and_eval_point_one_way():
     """The trainer may use offline evaluation's code; evaluation never imports the trainer."""
     bad = _violations(import_graph(), ("recsys.eval",), ("recsys.train",))

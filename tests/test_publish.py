@@ -27,7 +27,7 @@ import pytest
 
 from conftest import wait_until
 from recsys import live_protocol as live
-from recsys.bench.faults import final_rows, records
+from recsys.harness import final_rows, records
 from recsys.train.live_writer import LiveWriter
 from test_train import build, overrides
 
@@ -436,7 +436,7 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
     import pyarrow.parquet as pq
 
     from embedding_server import publish
-    from recsys.bench.serve import _start_service, _stop
+    from recsys.harness import start_service, stop_process
 
     _train(tiny_data, tmp_path / "published", "train.max_steps=1")
     version = publish.export(tmp_path / "published", redis_server.url, progress=False)["version"]
@@ -444,7 +444,7 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
     ids = pq.read_table(first, columns=["c1"]).column("c1").to_numpy()
     values, counts = np.unique(ids, return_counts=True)
     raw = int(values[counts.argmax()])  # the most frequent id: updated by almost every step
-    service, url = _start_service(["--redis", redis_server.url, "--follow", "live", "--live-ttl-s", "0",
+    service, url = start_service(["--redis", redis_server.url, "--follow", "live", "--live-ttl-s", "0",
                                    "--refresh-s", "0.1"], tmp_path / "serve.log")
     seen: list[tuple[str, tuple]] = []
     done = threading.Event()
@@ -477,7 +477,7 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
     finally:
         done.set()
         poller.join(timeout=30)
-        _stop(service)
+        stop_process(service)
     live_steps = [int(v.rsplit("@", 1)[1]) for v, _ in during if "+live@" in v]
     assert len(set(live_steps)) >= 3 and live_steps == sorted(live_steps), during[:5]
     assert len({vec for v, vec in during if "+live@" in v}) >= 3  # the vector itself changed

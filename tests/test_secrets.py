@@ -22,7 +22,7 @@ import httpx
 import pytest
 from redis.connection import parse_url
 
-from conftest import start_redis
+from recsys.harness import start_redis
 from recsys.redis_util import (PASSWORD_ENV, check_url, client_options, has_password, password_for, redact,
                                redact_text, strip_password)
 from serving_data import JOB, LiveServer

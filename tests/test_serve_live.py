@@ -21,17 +21,18 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import start_redis, wait_until
+from conftest import wait_until
 from embedding_server import publish, wire
 from embedding_server.app import create_app
 from embedding_server.backends import RedisBackend
 from embedding_server.cache import LiveTableCache
 from embedding_server.catalog import Catalog, FeatureInfo, TableInfo
 from embedding_server.settings import ServeSettings
+from recsys import checkpoint_files, hashing
 from recsys import live_protocol as live
 from recsys import redis_layout as layout
+from recsys.harness import start_redis
 from recsys.train.live_writer import LiveWriter
-from recsys import checkpoint_files, hashing
 from serving_data import UNSEEN_INT, UNSEEN_STR, LiveServer, start_cluster
 
 pytestmark = pytest.mark.redis

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import redis
 
-from conftest import start_redis
 from embedding_server.resp import RespPool
+from recsys.harness import start_redis
 
 pytestmark = pytest.mark.redis
 

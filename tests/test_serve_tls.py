@@ -12,10 +12,10 @@ import sys
 import httpx
 import pytest
 
-from conftest import start_redis
 from embedding_server import publish
 from embedding_server.app import create_app, uvicorn_tls
 from embedding_server.settings import ServeSettings
+from recsys.harness import start_redis
 from serving_data import LiveServer
 
 pytestmark = pytest.mark.redis

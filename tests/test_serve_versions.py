@@ -14,11 +14,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import start_redis, wait_until
+from conftest import wait_until
 from embedding_server import publish, wire
 from embedding_server.app import create_app
 from embedding_server.settings import ServeSettings
 from recsys import checkpoint_files
+from recsys.harness import start_redis
 from serving_data import LiveServer
 
 pytestmark = pytest.mark.redis

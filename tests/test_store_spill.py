@@ -17,8 +17,9 @@ import pytest
 import redis
 import torch
 
-from conftest import RedisServer, wait_until
+from conftest import wait_until
 from recsys import hashing
+from recsys.harness import RedisServer
 from recsys.schema import TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded import ShardedEmbeddingStore

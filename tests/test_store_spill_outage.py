@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 
-from conftest import RedisServer, start_redis, wait_until
+from conftest import wait_until
+from recsys.harness import RedisServer, start_redis
 from recsys.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded import ShardedEmbeddingStore

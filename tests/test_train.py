@@ -15,9 +15,8 @@ import torch
 
 from conftest import wait_until
 from dist_utils import run_distributed
+from recsys.harness import JOB, ROOT, losses
 
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "jobs" / "synthetic_tiny.toml"
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_losses.json"
 
 
@@ -49,15 +48,6 @@ def run(data: Path, run_dir: Path, *extra: str, resume=None, source=None) -> dic
         return trainer.train()
     finally:
         trainer.close()
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "loss/train" in rec:
-            out[rec["step"]] = rec["loss/train"]
-    return out
 
 
 def final_rows(run_dir: Path) -> dict[str, dict[int, np.ndarray]]:

@@ -54,102 +54,21 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import uuid
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-JOB = ROOT / "jobs" / "synthetic_tiny.toml"
-TAG_ENV = "RECSYS_TEST_TAG"
-"""Environment variable marking every process of one launched job (found through /proc)."""
+from recsys.harness import (DEADLINE_S, ROOT, TrainJob, environ_of, final_rows, kill_tagged, last_step, losses,
+                            records, start_redis, tagged, wait_for)
+from recsys.spawn import free_port
 
-DEADLINE_S = 240.0
-"""Longest any one launched job may take before it is called hung."""
 EVERY = 10
 """Checkpoint interval (steps) of the scenario jobs."""
 EPOCHS = 2
 """Epochs of the scenario jobs (the tests' and the full bench's; --quick runs 1)."""
 STEPS_PER_EPOCH = 48  # tiny: 6,000 rows / (2 ranks x 64)
-
-
-# --------------------------------------------------------------------------- processes
-
-
-def environ_of(pid: int) -> dict[str, str]:
-    """Return the environment a process started with ({} if it is gone)."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(kv.decode(errors="replace").split("=", 1) for kv in raw.split(b"\0") if b"=" in kv)
-
-
-def tagged(tag: str) -> list[int]:
-    """Return the pids of live processes started with ``RECSYS_TEST_TAG=tag`` (orphans included)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and environ_of(int(entry.name)).get(TAG_ENV) == tag:
-            out.append(int(entry.name))
-    return out
-
-
-def kill_tagged(tag: str) -> None:
-    """SIGKILL every live process of the job tagged ``tag``."""
-    for pid in tagged(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def workers(tag: str) -> tuple[int, dict[int, int]]:
-    """Return the newest torchrun attempt and ``{rank: pid}`` of its ``recsys.train`` workers."""
-    found: dict[int, dict[int, int]] = {}
-    for pid in tagged(tag):
-        env = environ_of(pid)
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"recsys.train" in cmdline and "RANK" in env and state != "Z":
-            found.setdefault(int(env["TORCHELASTIC_RESTART_COUNT"]), {})[int(env["RANK"])] = pid
-    attempt = max(found, default=-1)
-    return attempt, found.get(attempt, {})
-
-
-def records(run_dir: Path) -> list[dict]:
-    """Return the run's ``metrics.jsonl`` records (a torn last line is left for later)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
-
-
-def last_step(recs: list[dict]) -> int:
-    return max((r["step"] for r in recs if "loss/train" in r), default=0)
-
-
-def wait_for(predicate, timeout: float, what: str, interval: float = 0.05):
-    """Poll ``predicate`` until it returns something true; raise ``TimeoutError`` naming ``what``."""
-    end = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > end:
-            raise TimeoutError(f"gave up after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def job_overrides(data: Path, *extra: str, epochs: int = EPOCHS) -> list[str]:
@@ -171,97 +90,6 @@ def job_overrides(data: Path, *extra: str, epochs: int = EPOCHS) -> list[str]:
     ]
 
 
-@dataclass
-class TrainJob:
-    """One ``recsys train`` launched as a subprocess, its processes tagged."""
-
-    run_dir: Path
-    overrides: list[str]
-    nproc: int = 2
-    max_restarts: int = 2
-    tag: str = field(default_factory=lambda: uuid.uuid4().hex)
-    proc: subprocess.Popen | None = None
-    env: dict[str, str] = field(default_factory=dict)
-    """Extra environment of the launcher (and so of its workers)."""
-    name: str = ""
-    """Names the log when several launchers share a run directory (the nodes of one job)."""
-    launcher_args: list[str] = field(default_factory=list)
-    """Extra ``recsys train`` flags (the multi-node ones)."""
-
-    @property
-    def log_path(self) -> Path:
-        return self.run_dir.parent / f"{self.run_dir.name}{'-' + self.name if self.name else ''}.log"
-
-    def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--nproc", str(self.nproc),
-               "--max-restarts", str(self.max_restarts), "--run-dir", str(self.run_dir), *self.launcher_args]
-        for o in self.overrides:
-            cmd += ["--set", o]
-        return cmd
-
-    def start(self) -> "TrainJob":
-        self.run_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "a") as log:  # the child keeps its own copy of the descriptor
-            self.proc = subprocess.Popen(self.command(), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                         env={**os.environ, **self.env, TAG_ENV: self.tag})
-        return self
-
-    def wait(self, timeout: float = DEADLINE_S) -> int:
-        """Wait for the launcher; kill the job and raise ``TimeoutError`` if it takes longer."""
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise TimeoutError(f"the job did not finish in {timeout:.0f}s (hung?):\n{self.log_tail()}") from None
-        finally:
-            kill_tagged(self.tag)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        kill_tagged(self.tag)
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
-
-    def records(self) -> list[dict]:
-        return records(self.run_dir)
-
-    def wait_for_step(self, after: int, attempt: int, timeout: float = DEADLINE_S) -> dict[int, int]:
-        """Wait until ``attempt`` of the job wrote a checkpoint and reached step ``after``;
-        return its workers ``{rank: pid}``."""
-        def reached():
-            recs = self.records()
-            resumes = [i for i, r in enumerate(recs) if r.get("event") == "resumed"]
-            begin = resumes[attempt - 1] if attempt and len(resumes) >= attempt else (0 if not attempt else None)
-            if begin is None:
-                return self.proc.poll() is not None
-            ckpt = any(r.get("event") == "checkpoint" for r in recs[begin:])
-            return (ckpt and last_step(recs) >= after) or self.proc.poll() is not None
-
-        wait_for(reached, timeout, f"attempt {attempt}: a checkpoint and step {after}")
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"the job ended before the fault:\n{self.log_tail()}")
-        newest, pids = workers(self.tag)
-        if newest != attempt or sorted(pids) != list(range(self.nproc)):
-            raise RuntimeError(f"expected the {self.nproc} workers of attempt {attempt}, "
-                               f"found attempt {newest}: {pids}\n{self.log_tail()}")
-        return pids
-
-    def seconds_to_step_after_resume(self, resumes: int, since: float, timeout: float = DEADLINE_S) -> float:
-        """Poll until the ``resumes``-th ``resumed`` event is followed by a step; return the
-        seconds since ``since`` (a ``time.monotonic()``)."""
-        def stepped():
-            recs = self.records()
-            at = [i for i, r in enumerate(recs) if r.get("event") == "resumed"]
-            return len(at) >= resumes and any("loss/train" in r for r in recs[at[resumes - 1]:])
-
-        wait_for(lambda: stepped() or self.proc.poll() is not None, timeout, "the first step after the restart",
-                 interval=0.05)
-        return time.monotonic() - since
-
-
 # --------------------------------------------------------------------------- membership changes
 
 
@@ -274,14 +102,6 @@ def require(condition, message) -> None:
     called only on failure)."""
     if not condition:
         raise ScenarioFailed(message() if callable(message) else message)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def steps(run_dir: Path) -> list[int]:
@@ -419,11 +239,6 @@ def staged_reference(run_dir: Path, overrides: list[str], segments: list[tuple[i
         require(code == 0, lambda: f"stage {i} of the staged reference exited with {code}:\n{job.log_tail()}")
 
 
-def losses(run_dir: Path) -> dict[int, float]:
-    """``{step: training loss}``; a step logged again after a roll-back keeps its last value."""
-    return {r["step"]: r["loss/train"] for r in records(run_dir) if "loss/train" in r}
-
-
 def same_training(reference: Path, run_dir: Path) -> dict:
     """Compare a run whose world size changed with ``staged_reference``'s: the same loss at
     every step, the same final evaluation, bit-identical sparse rows."""
@@ -542,17 +357,6 @@ def train_row_ids_of(path: Path) -> np.ndarray:
     import pyarrow.parquet as pq
 
     return pq.read_table(path, columns=["row_id"]).column("row_id").to_numpy()
-
-
-def final_rows(run_dir: Path) -> dict[str, dict[int, bytes]]:
-    """Return ``{table: {key: embedding bytes}}`` of the run's latest checkpoint."""
-    from recsys import checkpoint_files
-
-    out = {}
-    for name, table in checkpoint_files.load_sparse(checkpoint_files.latest(Path(run_dir) / "checkpoints")).items():
-        emb = table.column("embedding").to_numpy(zero_copy_only=False)
-        out[name] = {k: np.asarray(e).tobytes() for k, e in zip(table.column("key").to_pylist(), emb)}
-    return out
 
 
 def compare_runs(reference: Path, run_dir: Path, exact: bool, auc_tolerance: float = 0.005) -> dict:
@@ -760,12 +564,11 @@ class Scenarios:
         resumes to exactly the end of the uninterrupted run, the one whose tables are large
         enough never to spill (a spilled row comes back bit-exact with its optimizer state)."""
         from recsys import checkpoint_files
-        from recsys.bench.serve import _start_redis
 
         workdir = self.out / "spill-redis"
         workdir.mkdir(parents=True, exist_ok=True)
-        server, url = _start_redis(workdir)
-        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        server = start_redis(workdir)
+        url, port = server.url, server.port
         small = [f"schema.tables.{t}.capacity={300 if t[0] == 'c' else 1000}"
                  for t in ("c3", "c4", "c7", "c10", "c12", "c15", "c16", "c21", "c24", "c26", "m1", "m2")]
         extra = [f"store.spill_url='{url}'", "store.spill_retries=2", "store.spill_backoff_s=0.02",
@@ -777,8 +580,8 @@ class Scenarios:
             try:
                 wait_for(lambda: checkpoint_files.latest(job.run_dir / "checkpoints") is not None
                          or job.proc.poll() is not None, DEADLINE_S, "the first checkpoint")
-                server.kill()
-                server.wait()
+                server.proc.kill()
+                server.proc.wait()
                 stopped = time.monotonic()
                 code = job.wait()
                 exit_s = time.monotonic() - stopped
@@ -789,7 +592,7 @@ class Scenarios:
             latest = checkpoint_files.latest(job.run_dir / "checkpoints")
             details.update(exit_code=code, output=lines[:3], latest=str(latest))
             one_line = code == 2 and len(lines) == 1 and latest is not None and str(latest) in lines[0]
-            server, _ = _start_redis(workdir, port)  # back, empty
+            server = start_redis(workdir, port=port)  # back, empty
             again = TrainJob(job.run_dir, job.overrides).start()
             code2 = again.wait()
             details["resume_exit_code"] = code2
@@ -801,8 +604,8 @@ class Scenarios:
             else:
                 details["log_tail"] = again.log_tail(1500)
         finally:
-            server.kill()
-            server.wait()
+            server.proc.kill()
+            server.proc.wait()
         return {"name": "spill_outage[fail, then resume]", "passed": one_line and exact,
                 "figure": {"redis_stop_to_exit_s": round(exit_s, 2)}, "details": details}
 

@@ -125,7 +125,7 @@ def _freshness(root: Path, work: Path, url: str, every_s: float, duration_s: flo
                probes: int) -> dict:
     from embedding_server import publish
     from recsys import hashing
-    from recsys.bench.serve import _start_service, _stop
+    from recsys.harness import start_service, stop_process
     from recsys.config import load_job
     from recsys.train.loop import Trainer, setup_env
 
@@ -143,8 +143,8 @@ def _freshness(root: Path, work: Path, url: str, every_s: float, duration_s: flo
     job = load_job(JOB, _job_sets(root, batch, "train.epochs=100", "train.log_every=50",
                                   f"publish.redis='{url}'", f"publish.every_s={every_s}",
                                   f"publish.namespace='{ns}'", "publish.takeover=true"))
-    service, http_url = _start_service(["--redis", url, "--namespace", f"pub-{ns}", "--follow", ns,
-                                        "--workers", "1"], work / f"serve-{ns}.log")
+    service, http_url = start_service(["--redis", url, "--namespace", f"pub-{ns}", "--follow", ns,
+                                       "--workers", "1"], work / f"serve-{ns}.log")
     ids = _probe_ids(root, probes)
     table = next(f.table for f in job.schema.sparse if f.name == FEATURE)
     keys = hashing.hash_int64(ids, table)  # the reader's key of each raw id (the table is not fixed-size)
@@ -179,7 +179,7 @@ def _freshness(root: Path, work: Path, url: str, every_s: float, duration_s: flo
         prober.stop.set()
         prober.join(timeout=30)
         trainer.close()
-        _stop(service)
+        stop_process(service)
     settle = t0 + 2 * every_s + 3.0  # the service sees the live manifest within its refresh
     samples = []
     for t, i, before, step in prober.changes:
@@ -222,7 +222,7 @@ def _cpu_s(pid: int) -> float:
 
 def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, window: int,
           redis_pid: int, every_s: float = 1.0, redis_nice: int = 0, omp_passive: bool = False) -> dict:
-    from recsys.bench.faults import records
+    from recsys.harness import records
 
     runs: dict[str, list[float]] = {"on": [], "off": []}
     redis_cpu: dict[str, list[float]] = {"on": [], "off": []}  # Redis CPU s per wall s of each run
@@ -257,34 +257,38 @@ def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, 
 
 
 def measure(quick: bool, data: Path | None) -> dict:
-    from recsys.bench.serve import _start_redis
     from recsys.bench.train import ensure_data
+    from recsys.harness import start_redis
 
     root = ensure_data(quick, data)
     work = Path(tempfile.mkdtemp(prefix="recsys-bench-live-"))
-    server, url = _start_redis(work)
+    server = start_redis(work)
+    url = server.url
     servers = [server]
     try:
         # the same Redis at nice 19 stands in for one on its own host: it gets only the CPU
         # the job leaves idle (the job's throughput then shows the trainer's own cost of pushing)
         (work / "niced").mkdir()
-        niced, niced_url = _start_redis(work / "niced", nice=NICED_REDIS)
+        niced = start_redis(work / "niced", nice=NICED_REDIS)
+        niced_url = niced.url
         servers.append(niced)
         batch = 1024 if quick else 4096
         shape = dict(pairs=3 if quick else 5, steps=400 if quick else 420, batch=batch, window=25 if quick else 60)
-        cost = [_cost(root, work, url, redis_pid=server.pid, every_s=every_s, **shape) for every_s in (1.0, 5.0)]
-        cost += [_cost(root, work, niced_url, redis_pid=niced.pid, every_s=every_s, redis_nice=NICED_REDIS, **shape)
+        cost = [_cost(root, work, url, redis_pid=server.proc.pid, every_s=every_s, **shape)
+                for every_s in (1.0, 5.0)]
+        cost += [_cost(root, work, niced_url, redis_pid=niced.proc.pid, every_s=every_s, redis_nice=NICED_REDIS,
+                       **shape)
                  for every_s in (1.0, 5.0)]
         # both sides with OpenMP workers that sleep when idle instead of spinning: what the
         # pushes cost when their CPU is not amplified by stalling a spinning 2-thread team
-        cost += [_cost(root, work, url, redis_pid=server.pid, every_s=every_s, omp_passive=True, **shape)
+        cost += [_cost(root, work, url, redis_pid=server.proc.pid, every_s=every_s, omp_passive=True, **shape)
                  for every_s in (1.0, 5.0)]
         fresh = [_freshness(root, work, url, every_s, duration_s=(25.0 if quick else 60.0) + 4 * every_s,
                             batch=batch, probes=16) for every_s in (1.0, 5.0)]
     finally:
-        for proc in servers:
-            proc.kill()
-            proc.wait()
+        for each in servers:
+            each.proc.kill()
+            each.proc.wait()
     comparisons = [comparison(f"training samples/s, live pushes on (every_s = {c['every_s']:g}) vs off"
                               + (f", Redis at nice {c['redis_nice']}" if c["redis_nice"] else "")
                               + (", OMP_WAIT_POLICY=PASSIVE" if c["omp_wait_policy"] == "PASSIVE" else ""),

@@ -612,10 +612,10 @@ def _start_redis_for(work: Path):
     url = os.environ.get(REDIS_ENV, "")
     if url:
         return None, url
-    from recsys.bench.serve import _start_redis
+    from recsys.harness import start_redis
 
-    (work / "redis").mkdir(parents=True, exist_ok=True)
-    return _start_redis(work / "redis")
+    server = start_redis(work / "redis")
+    return server.proc, server.url
 
 
 def _clear_redis(url: str, own: bool, namespace: str) -> None:

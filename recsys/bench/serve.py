@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from recsys.bench import comparison
-from recsys.spawn import free_port
+from recsys.harness import start_redis, start_service, stop_process
 
 DIM = 64
 TABLE = "item"
@@ -69,63 +69,6 @@ def _write_checkpoint(root: Path, rows: int) -> Path:
                      meta={"config": config_mod.dumps(job), "reader": {}}, keep_last=1)
 
 
-def _start_redis(workdir: Path, port: int | None = None, nice: int = 0) -> tuple[subprocess.Popen, str]:
-    """Start a redis-server without persistence on ``port`` (a free one by default), at nice
-    value ``nice`` above this process's."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        raise RuntimeError("this bench needs redis-server: `make test` installs it, or "
-                           "`sudo apt-get install -y redis-server`")
-    port = port or free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            preexec_fn=(lambda: os.nice(nice)) if nice else None)
-    url = f"redis://127.0.0.1:{port}/0"
-    import redis
-
-    deadline = time.monotonic() + 20
-    while True:
-        try:
-            redis.Redis.from_url(url).ping()
-            return proc, url
-        except redis.ConnectionError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError(f"redis-server did not start; see {workdir / 'redis.log'}") from None
-            time.sleep(0.05)
-
-
-def _start_service(args: list[str], log: Path) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "recsys.cli", "serve", *args, "--port", str(port)]
-    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while True:
-        try:
-            with urllib.request.urlopen(url + "/readyz", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        if time.monotonic() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise RuntimeError(f"the lookup service did not become ready; see {log}")
-        time.sleep(0.1)
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _load(spec: dict) -> dict:
     out = subprocess.run([sys.executable, "-m", "recsys.bench.serve_load", json.dumps(spec)],
                          capture_output=True, text=True, timeout=1800)
@@ -157,8 +100,9 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
     work = Path(tempfile.mkdtemp(prefix="recsys-bench-serve-", dir=data))
     procs = []
     try:
-        redis_proc, redis_url = _start_redis(work)
-        procs.append(redis_proc)
+        redis_server = start_redis(work)
+        redis_url = redis_server.url
+        procs.append(redis_server.proc)
         t0 = time.perf_counter()
         ckpt = _write_checkpoint(work, rows)
         build_s = time.perf_counter() - t0
@@ -171,7 +115,7 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
         for name, args in (("service", ["--redis", redis_url, "--workers", str(WORKERS)]),
                            ("service_1_worker", ["--redis", redis_url]),
                            ("embedded", ["--checkpoint", str(ckpt), "--workers", str(WORKERS)])):
-            proc, url = _start_service(args, work / f"{name}.log")
+            proc, url = start_service(args, work / f"{name}.log")
             procs.append(proc)
             services[name] = url
         base = {"requests": requests, "ids_per_request": IDS_PER_REQUEST, "concurrency": concurrency,
@@ -205,7 +149,7 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
                         for k in ("hits", "misses"))
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_process(proc)
         shutil.rmtree(work, ignore_errors=True)
     def paired(name):  # per-round ratios: both sides of a round ran back to back
         return _summary([s["keys_per_s"] / r["keys_per_s"] for s, r in zip(closed[name], closed["raw_redis"])])
