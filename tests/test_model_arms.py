@@ -4,6 +4,7 @@ embeddings (quantile buckets, piecewise-linear numeric embeddings) against hand 
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -22,8 +23,11 @@ def test_fm_term_equals_the_explicit_pairwise_sum():
 
 
 def test_deepfm_logit_is_the_deep_tower_plus_the_fm_term():
+    """``deepfm_dense = "vector"``: the bottom MLP's vector joins the FM term and the deep tower
+    (the paper's form, ``raw``, is pinned to a reference in test_deepfm_reference.py)."""
     torch.manual_seed(1)
-    model = RankingModel(ModelConfig(arch="deepfm", bottom_mlp=[8, 4], top_mlp=[16, 1]), 3, 2, 4)
+    model = RankingModel(ModelConfig(arch="deepfm", deepfm_dense="vector", bottom_mlp=[8, 4], top_mlp=[16, 1]),
+                         3, 2, 4)
     dense = torch.randn(6, 3)
     pooled = torch.randn(6, 2, 4, requires_grad=True)
     logits = model(dense, pooled)
@@ -211,3 +215,62 @@ def test_wide_term_of_an_id_score_list_is_the_scores_times_the_weights():
         np.testing.assert_allclose(again, [0.5 * w[1] + 2.0 * w[2], 3.0 * w[3] + 1.5 * w[1]], rtol=1e-6)
     finally:
         store.close()
+
+
+def test_periodic_embeddings_by_hand():
+    """PLR: ReLU(Linear_e([sin(2π c_e z), cos(2π c_e z)])) per periodic column, its own c_e;
+    with ``wide``, a linear first-order term of the same features."""
+    torch.manual_seed(7)
+    emb = DenseEmbeddings(["periodic", "quantile_buckets", "periodic"], buckets=4, dim=3, wide=True,
+                          frequencies=2, sigma=0.5)
+    assert emb.frequencies.shape == (2, 2) and emb.periodic_weight.shape == (2, 4, 3)
+    with torch.no_grad():
+        emb.wide_periodic.normal_()
+    values = torch.tensor([[0.3, 1.0, -2.0], [-1.5, 4.0, 0.0]])
+    out, first = emb(values)
+    for e, q in ((0, 0), (2, 1)):
+        z = values[:, e:e + 1]
+        angle = 2 * math.pi * z * emb.frequencies[q]
+        feats = torch.cat((torch.sin(angle), torch.cos(angle)), dim=1)
+        torch.testing.assert_close(out[:, e], torch.relu(feats @ emb.periodic_weight[q] + emb.periodic_bias[q]))
+    torch.testing.assert_close(out[:, 1], emb.tables[0].weight[[1, 4]])
+    want = sum((torch.cat((torch.sin(a), torch.cos(a)), 1) * emb.wide_periodic[q]).sum(1)
+               for q, a in ((0, 2 * math.pi * values[:, :1] * emb.frequencies[0]),
+                            (1, 2 * math.pi * values[:, 2:] * emb.frequencies[1])))
+    torch.testing.assert_close(first, want + emb.wide_tables[0].weight[[1, 4], 0])
+    (out.sum() + first.sum()).backward()
+    assert emb.frequencies.grad.abs().gt(0).all()  # the frequencies are learned
+
+
+def test_periodic_columns_join_every_arch_and_leave_other_models_as_they_were():
+    torch.manual_seed(8)
+    kinds = ["periodic", "signed_log1p", "numeric_embedding"]
+    for arch in ("dlrm", "dcn", "deepfm"):
+        model = RankingModel(ModelConfig(arch=arch, bottom_mlp=[8, 4], top_mlp=[16, 1], dcn_low_rank=4), 3, 2, 4,
+                             kinds, buckets=4)
+        logits = model(torch.tensor([[0.5, 0.3, 2.5], [-1.0, 0.0, -1.0]]), torch.randn(2, 2, 4))
+        logits.sum().backward()
+        assert logits.shape == (2,) and model.dense_embeddings.periodic_weight.grad.abs().sum() > 0
+    names = [n for n, _ in DenseEmbeddings(["quantile_buckets", "numeric_embedding"], 4, 3).named_parameters()]
+    assert not any("periodic" in n or "frequencies" in n for n in names)
+
+
+@pytest.mark.parametrize("arch", ["dlrm", "dcn", "deepfm"])
+def test_dropout_changes_training_forwards_only(arch):
+    """``model.dropout``: the same parameters and initialization as without it; evaluation
+    forwards equal; training forwards differ; 0 registers nothing."""
+    cfg = dict(arch=arch, bottom_mlp=[8, 4], top_mlp=[16, 8, 1], dcn_low_rank=4)
+    torch.manual_seed(9)
+    plain = RankingModel(ModelConfig(**cfg), 3, 2, 4)
+    torch.manual_seed(9)
+    dropped = RankingModel(ModelConfig(**cfg, dropout=0.5), 3, 2, 4)
+    assert [(n, p.tolist()) for n, p in plain.named_parameters()] == \
+        [(n, p.tolist()) for n, p in dropped.named_parameters()]
+    assert not any(m._forward_hooks for m in plain.modules())
+    hooked = sum(bool(m._forward_hooks) for m in dropped.modules())
+    assert hooked == (2 if arch == "deepfm" else 3)  # the top MLP's 2 hidden layers (+ the bottom MLP's first)
+    dense, pooled = torch.randn(5, 3), torch.randn(5, 2, 4)
+    plain.eval(), dropped.eval()
+    torch.testing.assert_close(dropped(dense, pooled), plain(dense, pooled))
+    plain.train(), dropped.train()
+    assert not torch.allclose(dropped(dense, pooled), plain(dense, pooled))

@@ -1,8 +1,8 @@
 """DLRM, DCN-v2 and DeepFM dense models built from torchrec's arches, fed pooled embeddings.
 
 Legend: ``B`` batch, ``N`` dense columns (``P`` of them plain numbers, ``E`` embedded:
-quantile buckets or numeric embeddings, ``recsys.dense``), ``F`` sparse features, ``D``
-embedding dim, ``K = F + E``.
+quantile buckets, numeric or periodic embeddings, ``recsys.dense``), ``F`` sparse features,
+``D`` embedding dim, ``K = F + E``.
 
     plain dense [B, P] ──► bottom MLP ──► [B, D] ─┐
     embedded dense [B, E] ──► vectors [B, E, D] ──┤
@@ -10,14 +10,25 @@ embedding dim, ``K = F + E``.
     pooled embeddings [B, F, D] ───────────────────┘
        dlrm:   [dense, pairwise dots of the K+1 vectors]   (torchrec InteractionArch, faster gather)
        dcn:    low-rank cross layers over the K·D+D concat (torchrec InteractionDCNArch)
-       deepfm: top MLP over the K·D+D concat, plus the FM term ½ Σ_d((Σ_k v_kd)² − Σ_k v_kd²)
+       deepfm (model.deepfm_dense = "raw", the paper's): no bottom MLP;
+               top MLP over [the K·D concat, plain dense [B, P]] + the FM term over the K
+               vectors ½ Σ_d((Σ_k v_kd)² − Σ_k v_kd²) + a linear term of plain dense
+       deepfm (model.deepfm_dense = "vector"): top MLP over the K·D+D concat, plus the FM
+               term over the K+1 vectors (the bottom MLP's one of them)
     wide (model.wide, any arch): + Σ_f (pooled scalar weights of feature f's ids)   [B, F, 1]
                                  + Σ_e (embedded dense column e's scalar: per bucket, or
                                    linear in its piecewise-linear encoding)
 
 An embedded column holds a bucket id (its row of a table of N_b + 1 rows, the last for
-nulls) or a position p in [0, N_b] (the piecewise-linear encoding clamp(p − k, 0, 1),
-k < N_b, projected to D; p < 0, a null, takes a learned vector of its own).
+nulls), a position p in [0, N_b] (the piecewise-linear encoding clamp(p − k, 0, 1),
+k < N_b, projected to D; p < 0, a null, takes a learned vector of its own), or a
+standardized value z (periodic, PLR: ReLU(Linear_e([sin(2π c_e z), cos(2π c_e z)])), c_e
+learned frequencies of its own; Gorishniy et al., "On Embeddings for Numerical Features in
+Tabular Deep Learning", 2022).
+
+``model.dropout`` drops activations of the towers' hidden layers in training (a forward
+hook on each layer: the parameters, their names and their initialization are those of a
+model without dropout).
 
 Model code never knows where embedding rows live: it takes pooled tensors.
 """
@@ -27,6 +38,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchrec.models.dlrm import DenseArch, InteractionArch, InteractionDCNArch, OverArch
 from torchrec.modules.crossnet import LowRankCrossNet
@@ -74,11 +86,17 @@ class DenseEmbeddings(nn.Module):
     """The vectors of the embedded dense columns: [B, E] values → [B, E, D].
 
     With ``wide``, also their first-order term [B]: a learned scalar per bucket (and for the
-    null bucket), or a linear map of the piecewise-linear encoding (and a null scalar): the
-    per-value effect logistic regression on one-hot buckets learns, for dense columns.
+    null bucket), or a linear map of the piecewise-linear encoding (and a null scalar), or of
+    the periodic features: the per-value effect logistic regression on one-hot buckets
+    learns, for dense columns.
+
+    ``periodic`` columns (PLR): frequencies ``c`` [E_p, k] from N(0, sigma²), each column's
+    own Linear(2k, D) and a ReLU; their parameters are created after every other one, so a
+    model without periodic columns is initialized as before them.
     """
 
-    def __init__(self, kinds: list[str], buckets: int, dim: int, wide: bool = False) -> None:
+    def __init__(self, kinds: list[str], buckets: int, dim: int, wide: bool = False,
+                 frequencies: int = 16, sigma: float = 0.1) -> None:
         super().__init__()
         self.buckets = buckets
         self.kinds = list(kinds)
@@ -92,7 +110,7 @@ class DenseEmbeddings(nn.Module):
                 table = nn.Embedding(buckets + 1, dim)
                 nn.init.uniform_(table.weight, -bound, bound)
                 self.tables.append(table)
-            else:
+            elif kind == "numeric_embedding":
                 self.projections.append(nn.Linear(buckets, dim))
                 self.null_vectors.append(nn.Parameter(torch.empty(dim).uniform_(-bound, bound)))
         if wide:  # created after the vectors' parameters: a job without the wide arm keeps its init
@@ -104,19 +122,45 @@ class DenseEmbeddings(nn.Module):
                     table = nn.Embedding(buckets + 1, 1)
                     nn.init.zeros_(table.weight)
                     self.wide_tables.append(table)
-                else:
+                elif kind == "numeric_embedding":
                     proj = nn.Linear(buckets, 1, bias=False)
                     nn.init.zeros_(proj.weight)
                     self.wide_projections.append(proj)
                     self.wide_nulls.append(nn.Parameter(torch.zeros(1)))
         self.register_buffer("steps", torch.arange(buckets, dtype=torch.float32), persistent=False)
+        periodic = [e for e, kind in enumerate(kinds) if kind == "periodic"]
+        if periodic:
+            n, k = len(periodic), frequencies
+            self.register_buffer("periodic_idx", torch.tensor(periodic, dtype=torch.long), persistent=False)
+            self.frequencies = nn.Parameter(torch.randn(n, k) * sigma)
+            bound = 1.0 / math.sqrt(2 * k)  # nn.Linear's default initialization, per column
+            self.periodic_weight = nn.Parameter(torch.empty(n, 2 * k, dim).uniform_(-bound, bound))
+            self.periodic_bias = nn.Parameter(torch.empty(n, dim).uniform_(-bound, bound))
+            if wide:
+                self.wide_periodic = nn.Parameter(torch.zeros(n, 2 * k))
+
+    def periodic(self, z_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return the periodic columns' vectors [B, E_p, D] (PLR) and, with ``wide``, their
+        first-order terms [B, E_p], from their standardized values [B, E_p]."""
+        angle = (2 * math.pi) * z_BE.unsqueeze(2) * self.frequencies  # [B, E_p, k]
+        features = torch.cat((torch.sin(angle), torch.cos(angle)), dim=2)  # [B, E_p, 2k]
+        vec = torch.relu(torch.einsum("bef,efd->bed", features, self.periodic_weight) + self.periodic_bias)
+        first = (features * self.wide_periodic).sum(dim=2) if self.wide else None
+        return vec, first
 
     def forward(self, values_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (vectors [B, E, D], first-order term [B] with ``wide``, else None)."""
-        out, first, t, p = [], [], 0, 0
+        out, first, t, p, q = [], [], 0, 0, 0
+        if hasattr(self, "periodic_idx"):
+            periodic_vec, periodic_first = self.periodic(values_BE.index_select(1, self.periodic_idx))
         for e, kind in enumerate(self.kinds):
             x = values_BE[:, e]
-            if kind == "quantile_buckets":
+            if kind == "periodic":
+                out.append(periodic_vec[:, q])
+                if self.wide:
+                    first.append(periodic_first[:, q])
+                q += 1
+            elif kind == "quantile_buckets":
                 ids = x.long()
                 out.append(self.tables[t](ids))
                 if self.wide:
@@ -144,7 +188,8 @@ class RankingModel(nn.Module):
     def __init__(self, cfg: ModelConfig, num_dense: int, num_sparse: int, dim: int,
                  dense_kinds: list[str] | None = None, buckets: int = 16) -> None:
         super().__init__()
-        if cfg.bottom_mlp[-1] != dim:
+        self.raw_dense = cfg.arch == "deepfm" and cfg.deepfm_dense == "raw"  # no bottom MLP
+        if cfg.bottom_mlp[-1] != dim and not self.raw_dense:
             raise ValueError(
                 f"model.bottom_mlp must end in the embedding dim {dim} (dense and sparse "
                 f"vectors meet in one interaction), found {cfg.bottom_mlp}"
@@ -162,10 +207,17 @@ class RankingModel(nn.Module):
         if self.split:
             self.register_buffer("plain_idx", torch.tensor(plain, dtype=torch.long), persistent=False)
             self.register_buffer("embedded_idx", torch.tensor(embedded, dtype=torch.long), persistent=False)
-            self.dense_embeddings = DenseEmbeddings([kinds[j] for j in embedded], buckets, dim, wide=cfg.wide)
-        # with every column embedded the bottom MLP still gives the interaction its dense
-        # vector, from a constant input (a learned bias)
-        self.dense_arch = DenseArch(max(1, len(plain)), cfg.bottom_mlp)
+            self.dense_embeddings = DenseEmbeddings([kinds[j] for j in embedded], buckets, dim, wide=cfg.wide,
+                                                    frequencies=cfg.periodic_frequencies, sigma=cfg.periodic_sigma)
+        self.num_plain = len(plain)
+        if self.raw_dense:  # the paper's DeepFM: plain values into the deep tower and a linear term
+            if plain:
+                self.dense_linear = nn.Linear(len(plain), 1, bias=False)
+                nn.init.zeros_(self.dense_linear.weight)
+        else:
+            # with every column embedded the bottom MLP still gives the interaction its dense
+            # vector, from a constant input (a learned bias)
+            self.dense_arch = DenseArch(max(1, len(plain)), cfg.bottom_mlp)
         K = num_sparse + len(embedded)
         self.arch = cfg.arch
         self.wide = cfg.wide
@@ -177,10 +229,21 @@ class RankingModel(nn.Module):
             cross = LowRankCrossNet(width, num_layers=cfg.dcn_layers, low_rank=cfg.dcn_low_rank)
             self.interaction = InteractionDCNArch(num_sparse_features=K, crossnet=cross)
             inter_out = width
+        elif self.raw_dense:
+            inter_out = K * dim + len(plain)
         else:
             self.interaction = FMInteraction()
             inter_out = (K + 1) * dim
         self.over_arch = OverArch(inter_out, cfg.top_mlp)
+        if cfg.arch == "deepfm":
+            self.register_load_state_dict_pre_hook(_check_deepfm_form)
+        if cfg.dropout > 0:
+            towers = [self.over_arch.model[0]._mlp]
+            if not self.raw_dense:
+                towers.append(self.dense_arch.model._mlp[:-1])  # not the interaction's dense vector
+            for tower in towers:
+                for layer in tower:
+                    layer.register_forward_hook(_dropout_hook(cfg.dropout))
 
     def forward(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor,
                 wide_BF1: torch.Tensor | None = None) -> torch.Tensor:
@@ -198,6 +261,8 @@ class RankingModel(nn.Module):
     def _deep(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (the arch's logit [B], the embedded dense columns' first-order term [B] or None)."""
         first = None
+        if self.raw_dense:
+            return self._deepfm_raw(dense_BN, pooled_BFD)
         if self.split:
             plain = dense_BN.index_select(1, self.plain_idx)
             if plain.shape[1] == 0:
@@ -211,6 +276,37 @@ class RankingModel(nn.Module):
             return self.over_arch(flat).squeeze(-1) + fm, first
         inter = self.interaction(dense_BD, pooled_BFD)
         return self.over_arch(inter).squeeze(-1), first
+
+    def _deepfm_raw(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The paper's DeepFM: deep tower over [fields' vectors, plain values], FM over the
+        fields' vectors, a linear term of the plain values (its bias: the top MLP's last)."""
+        first, plain = None, dense_BN
+        if self.split:
+            plain = dense_BN.index_select(1, self.plain_idx)
+            vectors, first = self.dense_embeddings(dense_BN.index_select(1, self.embedded_idx))
+            pooled_BFD = torch.cat((pooled_BFD, vectors), dim=1)
+        logit = self.over_arch(torch.cat((pooled_BFD.flatten(1), plain), dim=1)).squeeze(-1)
+        logit = logit + fm_second_order(pooled_BFD)
+        if self.num_plain:
+            logit = logit + self.dense_linear(plain).squeeze(-1)
+        return logit, first
+
+
+def _check_deepfm_form(model: RankingModel, state_dict, prefix: str, *args) -> None:
+    """Name the setting when a DeepFM checkpoint is of the other ``model.deepfm_dense`` form."""
+    saved = any(k.startswith(prefix + "dense_arch.") for k in state_dict)
+    if saved == model.raw_dense:
+        form, other = ("vector", "raw") if saved else ("raw", "vector")
+        raise ValueError(f"the checkpoint holds a DeepFM with model.deepfm_dense = \"{form}\" (a bottom MLP: "
+                         f"{'yes' if saved else 'no'}), the job asks for \"{other}\": set model.deepfm_dense = "
+                         f"\"{form}\" to load it (\"vector\" was recsys' DeepFM before 2026-11)")
+
+
+def _dropout_hook(rate: float):
+    """A forward hook dropping a layer's output activations with ``rate`` in training."""
+    def hook(module: nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+        return F.dropout(output, rate, module.training)
+    return hook
 
 
 def model_for(job) -> RankingModel:
