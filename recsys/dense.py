@@ -25,6 +25,10 @@ sketch of one pass; a quantile is the truncated value of numpy's ``inverted_cdf`
                       bin j plus the fraction of the way through it (piecewise-linear
                       encoding: the model expands p into clamp(p - k, 0, 1), k < N);
                       null: -1 (the model's learned null vector)
+    periodic          as standardize (nulls filled first); the model turns the value z
+                      into a vector ReLU(Linear([sin(2π c z), cos(2π c z)])), c learned
+                      (PLR: Gorishniy et al., "On Embeddings for Numerical Features in
+                      Tabular Deep Learning", 2022)
 
 The model sees the bucket id and the position as floats (exact: N is far below 2**24) and
 turns them into vectors; the mapping from a value to them is here only.
@@ -38,10 +42,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TRANSFORMS = ("none", "signed_log1p", "standardize", "quantile_buckets", "numeric_embedding")
-NEEDS_STATS = ("standardize", "quantile_buckets", "numeric_embedding")
-EMBEDDED = ("quantile_buckets", "numeric_embedding")
+TRANSFORMS = ("none", "signed_log1p", "standardize", "quantile_buckets", "numeric_embedding", "periodic")
+NEEDS_STATS = ("standardize", "quantile_buckets", "numeric_embedding", "periodic")
+EMBEDDED = ("quantile_buckets", "numeric_embedding", "periodic")
 """Transforms whose column becomes a vector of the interaction instead of a bottom-MLP input."""
+OWN_NULL = ("quantile_buckets", "numeric_embedding")
+"""Transforms that give a null its own id or vector (the reader fills their nulls with NaN)."""
 STATS_VERSION = 1
 SHOWN_QUANTILES = (0.0, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99, 1.0)
 """Quantiles ``recsys inspect --stats`` prints."""
@@ -310,7 +316,7 @@ class DenseTransform:
         self.buckets = schema.dense_buckets
         self.standardize_log = schema.dense_standardize_log
         fill = np.float32(schema.dense_fill_null)
-        self.fills = [np.float32(np.nan) if k in EMBEDDED else fill for k in self.kinds]
+        self.fills = [np.float32(np.nan) if k in OWN_NULL else fill for k in self.kinds]
         self.params: list[tuple] = []
         need = [c for c, k in zip(self.columns, self.kinds) if k in NEEDS_STATS]
         if need and stats is None:
@@ -318,7 +324,7 @@ class DenseTransform:
             raise ValueError(f"schema.dense_transform = {kind!r} for column {need[0]!r} needs dense statistics "
                              f"of the training data{(' (' + where + ')') if where else ''}, found none: a run "
                              "computes them before its first step and saves them in every checkpoint")
-        if need and stats.buckets != self.buckets and any(self.kinds[self.columns.index(c)] in EMBEDDED for c in need):
+        if need and stats.buckets != self.buckets and any(self.kinds[self.columns.index(c)] in OWN_NULL for c in need):
             raise ValueError(f"the dense statistics{(' of ' + where) if where else ''} cut bucket edges for "
                              f"schema.dense_buckets = {stats.buckets}, the schema asks for {self.buckets}")
         for c, kind in zip(self.columns, self.kinds):
@@ -330,7 +336,7 @@ class DenseTransform:
                 raise ValueError(f"schema.dense_transform = {kind!r} for column {c!r}: the dense statistics"
                                  f"{(' of ' + where) if where else ''} have no column {c!r} "
                                  f"(they have {sorted(stats.columns)})")
-            if kind == "standardize":
+            if kind in ("standardize", "periodic"):
                 mean, std = (s.log_mean, s.log_std) if self.standardize_log else (s.mean, s.std)
                 if not math.isfinite(mean):  # every value null: all cells are the fill value
                     mean, std = 0.0, 1.0
@@ -356,7 +362,7 @@ class DenseTransform:
             return
         if kind == "signed_log1p":
             signed_log1p_(x)
-        elif kind == "standardize":
+        elif kind in ("standardize", "periodic"):  # periodic: the model makes the vector
             mean, std = self.params[j]
             if self.standardize_log:
                 signed_log1p_(x)

@@ -115,13 +115,14 @@ class Schema:
     keep ``signed_log1p``): ``none``; ``signed_log1p`` (``sign(x)·log1p(|x|)``);
     ``standardize`` (zero mean, unit std over the training data); ``quantile_buckets`` (the
     value's quantile bucket, an embedding of its own); ``numeric_embedding`` (piecewise-linear
-    encoding over the quantile edges, projected to an embedding). The last three use the
-    dense statistics a run computes before its first step."""
+    encoding over the quantile edges, projected to an embedding); ``periodic`` (standardized,
+    then an embedding of sin/cos of learned frequencies: PLR, ``model.periodic_*``). The
+    last four use the dense statistics a run computes before its first step."""
     dense_buckets: int = 16
     """Quantile buckets per column (``quantile_buckets``, ``numeric_embedding``); >= 2. A
     null value gets a bucket (a learned vector) of its own."""
     dense_standardize_log: bool = False
-    """``standardize`` takes ``sign(x)·log1p(|x|)`` first (heavy-tailed counts)."""
+    """``standardize`` and ``periodic`` take ``sign(x)·log1p(|x|)`` first (heavy-tailed counts)."""
     dense_stats_rows: int = 1_000_000
     """Rows the dense statistics read at most: whole row groups spread evenly over the
     training split (0: every row)."""

@@ -212,6 +212,25 @@ def test_standardize_after_log_and_a_constant_column():
     np.testing.assert_array_equal(x, [0.0, 1.0])
 
 
+def test_periodic_is_standardize_with_a_vector_in_the_model():
+    """``periodic``: the float is the standardized value (nulls: the fill value first, as
+    ``standardize``); the bucket count is not involved and no null gets NaN."""
+    stats = _stats(p=dict(mean=2.0, std=0.5, log_mean=1.0, log_std=2.0), s=dict(mean=2.0, std=0.5, log_mean=1.0,
+                                                                                log_std=2.0))
+    raw = {"p": [1.0, 2.0, np.nan, math.e - 1], "s": [1.0, 2.0, np.nan, math.e - 1]}
+    for log in (False, True):
+        t = _transform({"p": "periodic", "s": "standardize"}, stats, dense_fill_null=-1.0, dense_standardize_log=log)
+        out = t.transform(raw)
+        np.testing.assert_array_equal(out[:, 0], out[:, 1])
+        assert np.isfinite(out).all()
+    np.testing.assert_allclose(t.transform({"p": [math.e - 1], "s": [0.0]})[0, 0], 0.0, atol=1e-6)
+    # statistics cut for another bucket count still serve a periodic column (no edges used)
+    t = DenseTransform(Schema(dense=["p"], dense_transform="periodic", dense_buckets=8), stats)
+    np.testing.assert_allclose(t.transform({"p": [3.0]})[0], [2.0])
+    with pytest.raises(ValueError, match=r"'periodic' for column 'p' needs dense statistics"):
+        DenseTransform(Schema(dense=["p"], dense_transform="periodic"), None)
+
+
 def test_default_transform_is_the_historical_signed_log1p():
     schema = Schema(dense=["a", "b"])
     t = DenseTransform(schema, None)

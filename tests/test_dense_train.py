@@ -19,7 +19,7 @@ from dist_utils import run_distributed
 from serving_data import LiveServer
 
 TRANSFORMS = ("schema.dense_transform={i1='quantile_buckets', i3='numeric_embedding', i2='standardize', "
-              "i4='none', '*'='signed_log1p'}", "schema.dense_buckets=8", "schema.dense_standardize_log=true")
+              "i4='none', i5='periodic', '*'='signed_log1p'}", "schema.dense_buckets=8", "schema.dense_standardize_log=true")
 
 
 def _stats_of(path: Path) -> dict:
@@ -71,6 +71,8 @@ def test_training_eval_and_serving_transform_identically(tiny_data, transform_ru
     j1, j2 = job.schema.dense.index("i1"), job.schema.dense.index("i3")
     assert set(np.unique(train_side[:, j1])) <= set(range(9)) and (train_side[:, j1] == 8).any()  # 8: the null bucket
     assert (train_side[:, j2] == -1).any() and train_side[:, j2].max() <= 8
+    j5 = job.schema.dense.index("i5")  # periodic: standardized (after the log), no NaN for nulls
+    assert np.isfinite(train_side[:, j5]).all() and abs(train_side[:, j5].mean()) < 0.5
 
     rows = 200
     table = pq.read_table(files[0]).slice(0, rows)
