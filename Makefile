@@ -91,7 +91,7 @@ bench-quick: venv
 # (GPU_PY, default 3.12), fetched here into .whl/; `make gpu-check` there installs them.
 GPU_PY ?= 3.12
 GPU_WHEELS := torchrec==1.6.1 fbgemm-gpu-cpu==1.6.0 tensordict==0.12.1 iopath redis==5.2.1 hiredis orjson \
-	pyvers importlib_metadata tomli-w pytest pluggy iniconfig pytest-timeout hypothesis sortedcontainers attrs
+	pyvers importlib_metadata tomli-w psutil tqdm pytest pluggy iniconfig pytest-timeout hypothesis sortedcontainers attrs
 gpu-wheels: venv
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \

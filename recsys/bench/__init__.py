@@ -57,6 +57,19 @@ def passive_omp() -> tuple[dict, bool]:
     return info, ours
 
 
+def with_passive_omp(run) -> dict:
+    """Return ``run()``'s result dict, run under ``passive_omp``'s policy (the environment
+    restored after), its ``settings`` naming the policy (``openmp``)."""
+    omp, restore = passive_omp()
+    try:
+        result = run()
+    finally:
+        if restore:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+    result["settings"]["openmp"] = omp
+    return result
+
+
 def versions() -> dict:
     """Return the versions of the libraries a figure depends on."""
     import numba

@@ -89,7 +89,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.bench import comparison, passive_omp, quiet_fbgemm, versions
+from recsys.bench import comparison, with_passive_omp, quiet_fbgemm, versions
 from recsys.bench.store import CRITEO_CARDINALITIES, _kjt, _rss_bytes, _schema, _table_name
 from recsys.bench.store import owned_arrays
 from recsys.bench.train import JOB, PausingSource, _window_phases
@@ -639,14 +639,7 @@ def _clear_redis(url: str, own: bool, namespace: str) -> None:
 def measure(quick: bool, data: Path | None = None, settings: Settings | None = None) -> dict:
     """Return the per-size figures and their comparisons (``settings`` overrides the presets)."""
     s = settings if settings is not None else (QUICK if quick else FULL)
-    omp, restore = passive_omp()
-    try:
-        result = _measure_all(s)
-    finally:
-        if restore:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-    result["settings"]["openmp"] = omp
-    return result
+    return with_passive_omp(lambda: _measure_all(s))
 
 
 def _child(conn, fn, args) -> None:

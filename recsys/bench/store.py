@@ -58,7 +58,7 @@ import time
 import numpy as np
 from numba import njit
 
-from recsys.bench import comparison, paired, passive_omp, quiet_fbgemm, versions
+from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, versions
 
 # Criteo Kaggle (Display Advertising Challenge) categorical cardinalities, C1..C26.
 CRITEO_CARDINALITIES = (
@@ -671,17 +671,14 @@ def _all_to_all_report(r0: dict, r1: dict, s: Settings) -> dict:
 def measure(quick: bool, data=None, settings: Settings | None = None) -> dict:
     """Return the four store comparisons (``settings`` overrides the preset sizes)."""
     s = settings if settings is not None else (QUICK if quick else FULL)
-    omp, restore = passive_omp()
-    try:
+
+    def run() -> dict:
         with quiet_fbgemm():
             import torchrec  # noqa: F401 - loads fbgemm, which logs a line per library
         _fbgemm()
-        result = _measure_all(s)
-    finally:
-        if restore:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-    result["settings"]["openmp"] = omp
-    return result
+        return _measure_all(s)
+
+    return with_passive_omp(run)
 
 
 def _measure_all(s: Settings) -> dict:

@@ -65,7 +65,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.bench import comparison, paired, passive_omp, quiet_fbgemm, versions
+from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, versions
 from recsys.bench.reader import ensure_data as ensure_small_data
 from recsys.errors import UserError
 from recsys.spawn import free_port
@@ -127,16 +127,18 @@ def _quick_preset():
                   rows_per_file=65_536, row_group_size=16_384)
 
 
-def ensure_data(quick: bool, data: Path | None) -> Path:
-    """Return the data directory of the run, generating the default one when missing."""
+def ensure_data(quick: bool, data: Path | None, quick_dir: Path | None = None, quick_preset=None) -> Path:
+    """Return the data directory of the run, generating the default one when missing
+    (``--quick``: ``quick_dir`` from ``quick_preset``, by default this bench's)."""
     if data is not None or not quick:
         return ensure_small_data(False, data)
     from recsys import synth
 
-    if not (QUICK_DATA / "oracle.json").exists():
-        print(f"generating {QUICK_DATA} ...", flush=True)
-        synth.generate(_quick_preset(), QUICK_DATA)
-    return QUICK_DATA
+    quick_dir = quick_dir or QUICK_DATA
+    if not (quick_dir / "oracle.json").exists():
+        print(f"generating {quick_dir} ...", flush=True)
+        synth.generate(quick_preset or _quick_preset(), quick_dir)
+    return quick_dir
 
 
 def load_bench_job(root: Path, s: Settings, *extra: str):
@@ -173,6 +175,22 @@ def _silent():
             yield
         finally:
             logging.disable(before)
+
+
+def job_settings(job) -> dict:
+    """Return what a training bench's JSON says of its job: model, sizes, optimizers, threads."""
+    import torch
+
+    return {
+        "model": dataclasses.asdict(job.model),
+        "features": len(job.schema.sparse),
+        "dense_columns": len(job.schema.dense),
+        "dim": next(iter(job.schema.tables.values())).dim,
+        "sparse_optimizer": {"name": job.store.optimizer, "lr": job.store.lr, "eps": job.store.eps},
+        "dense_optimizer": {"name": job.train.optimizer, "lr": job.train.lr,
+                            "warmup_steps": job.train.warmup_steps, "decay": job.train.decay},
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _table_rows(spec) -> int:
@@ -624,16 +642,13 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
     root = ensure_data(quick, data)
     if s.scaling:
         _check_rank_data(root, s)  # before any work: a bench too big for its data is one line
-    omp, restore = passive_omp()
-    try:
+
+    def run() -> dict:
         with quiet_fbgemm():
             import torchrec  # noqa: F401 - loads fbgemm, which logs a line per library
-        result = _measure_all(root, s)
-    finally:
-        if restore:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-    result["settings"]["openmp"] = omp
-    return result
+        return _measure_all(root, s)
+
+    return with_passive_omp(run)
 
 
 def _measure_all(root: Path, s: Settings) -> dict:
@@ -746,14 +761,7 @@ def _measure_all(root: Path, s: Settings) -> dict:
             "samples_trained": s.steps * s.batch_size,
             "data": str(root),
             "train_rows": reader.stats["rows_per_epoch"],
-            "model": dataclasses.asdict(job.model),
-            "features": len(job.schema.sparse),
-            "dense_columns": len(job.schema.dense),
-            "dim": next(iter(job.schema.tables.values())).dim,
-            "sparse_optimizer": {"name": job.store.optimizer, "lr": job.store.lr, "eps": job.store.eps},
-            "dense_optimizer": {"name": job.train.optimizer, "lr": job.train.lr,
-                                "warmup_steps": job.train.warmup_steps, "decay": job.train.decay},
-            "torch_threads": torch.get_num_threads(),
+            **job_settings(job),
             "peer_input": "our reader (same batches), keys folded by torch.remainder per batch, timed",
         },
         "versions": versions(),

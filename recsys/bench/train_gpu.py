@@ -69,8 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.bench import comparison, paired, passive_omp, quiet_fbgemm, train, versions
-from recsys.bench.reader import ensure_data as ensure_small_data
+from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, train, versions
 from recsys.bench.train import ROOT, Limit, PausingSource, Peer, _silent, _table_rows, _window_phases, load_bench_job
 
 QUICK_DATA = ROOT / "bench-out" / "data" / "train-gpu-quick"
@@ -115,15 +114,9 @@ def _quick_preset():
 
 
 def ensure_data(quick: bool, data: Path | None) -> Path:
-    """Return the data directory of the run, generating the default one when missing."""
-    if data is not None or not quick:
-        return ensure_small_data(False, data)
-    from recsys import synth
-
-    if not (QUICK_DATA / "oracle.json").exists():
-        print(f"generating {QUICK_DATA} ...", flush=True)
-        synth.generate(_quick_preset(), QUICK_DATA)
-    return QUICK_DATA
+    """Return the data directory of the run (``recsys.bench.train.ensure_data`` with this
+    bench's quick set)."""
+    return train.ensure_data(quick, data, QUICK_DATA, _quick_preset() if quick and data is None else None)
 
 
 def _sync(device) -> None:
@@ -541,8 +534,8 @@ class DeviceLimit(_Segments, Limit):
 def measure(quick: bool, data: Path | None = None, settings: Settings | None = None) -> dict:
     """Return the comparisons (``settings`` overrides the preset sizes)."""
     s = settings if settings is not None else (QUICK if quick else FULL)
-    omp, restore = passive_omp()
-    try:
+
+    def run() -> dict:
         import torch
 
         if torch.device(s.device).type == "cuda" and not torch.cuda.is_available():
@@ -553,12 +546,9 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
         root = ensure_data(quick, data)
         with quiet_fbgemm():
             import torchrec  # noqa: F401 - loads fbgemm, which logs a line per library
-        result = _measure_all(root, s)
-    finally:
-        if restore:
-            os.environ.pop("OMP_WAIT_POLICY", None)
-    result["settings"]["openmp"] = omp
-    return result
+        return _measure_all(root, s)
+
+    return with_passive_omp(run)
 
 
 def _measure_all(root: Path, s: Settings) -> dict:
@@ -703,14 +693,7 @@ def _measure_all(root: Path, s: Settings) -> dict:
             "samples_trained": s.steps * s.batch_size,
             "data": str(root),
             "train_rows": train_rows,
-            "model": dataclasses.asdict(job.model),
-            "features": len(job.schema.sparse),
-            "dense_columns": len(job.schema.dense),
-            "dim": next(iter(job.schema.tables.values())).dim,
-            "sparse_optimizer": {"name": job.store.optimizer, "lr": job.store.lr, "eps": job.store.eps},
-            "dense_optimizer": {"name": job.train.optimizer, "lr": job.train.lr,
-                                "warmup_steps": job.train.warmup_steps, "decay": job.train.decay},
-            "torch_threads": torch.get_num_threads(),
+            **train.job_settings(job),
             "timing": "each side: warm-up, then timed segments in turns (rotating order), "
                       "synchronized at both ends; ours in 3 spawned processes paused in their batch fetch",
             "plain_torch_input": "our reader (same batches), .to(device), keys folded by torch.remainder "
