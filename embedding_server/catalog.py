@@ -5,7 +5,7 @@ A ``Catalog`` is built from a checkpoint (its meta.json carries the resolved job
 travels inside the manifest of every published version, so a server hashes a raw id with
 the same table salt, folding and kind checks as the reader did, and gives a key that was
 never trained the vector ``recsys eval`` reads for it: the store's initial vector (a pure
-function of seed, table and key; ``recsys.store.init``) when ``store.min_count == 1``,
+function of seed, table and key; ``recsys.store.initial``) when ``store.min_count == 1``,
 zeros when admission was on (an unadmitted key reads zeros in training and evaluation).
 
 A job trained with ``model.wide = true`` also has the wide arm's weights: one scalar per id
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from recsys import hashing
-from recsys.store.init import init_vectors
+from recsys.store.initial import init_vectors
 from recsys.store.wide import wide_store_config, wide_table
 
 MANIFEST_FORMAT = 1

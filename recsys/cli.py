@@ -58,7 +58,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from recsys.io.ingest import ConvertOptions, convert
+    from recsys.io.convert import ConvertOptions, convert
 
     schema, passthrough = None, []
     if args.schema:

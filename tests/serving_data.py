@@ -66,7 +66,7 @@ def probe_file(run_dir: Path, out: Path, rows: int = 48) -> Path:
 
 def eval_pooled(checkpoint: Path, path: Path) -> tuple[list[str], np.ndarray, pa.Table]:
     """Return (feature names, pooled [B, F, D], the rows) as ``recsys eval`` computes them."""
-    from recsys.eval.run import load_trained
+    from recsys.eval.scoring import load_trained
     from recsys.io.reader import ParquetReader
 
     job, store, _model, _path, _meta = load_trained(checkpoint)
@@ -87,7 +87,7 @@ def eval_wide(checkpoint: Path, path: Path) -> tuple[list[str], np.ndarray, np.n
     adds it, and the model's logit minus its logit with the wide weights set to 0 [B])."""
     import torch
 
-    from recsys.eval.run import load_trained
+    from recsys.eval.scoring import load_trained
     from recsys.io.reader import ParquetReader
 
     job, store, model, _path, _meta = load_trained(checkpoint)

@@ -15,7 +15,7 @@ import pytest
 from recsys import hashing, synth
 from recsys.cli import main
 from recsys.config import load_job
-from recsys.io.ingest import CRITEO_COLUMNS, ConvertError, ConvertOptions, convert
+from recsys.io.convert import CRITEO_COLUMNS, ConvertError, ConvertOptions, convert
 from recsys.schema import FeatureSpec, Schema, TableSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 whole data set or the reader refuses it, never a short one; the next conversion into it
 finishes an interrupted move or clears what a crash left, and what was there stays.
 
-The kills come from the test hook of ``recsys.io.ingest`` (``RECSYS_FAULT_CONVERT``): the
+The kills come from the test hook of ``recsys.io.convert`` (``RECSYS_FAULT_CONVERT``): the
 process SIGKILLs itself at the named point, as the checkpoint crash test does.
 """
 
@@ -19,14 +19,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recsys.io import ingest
+from recsys.io import convert as converter
 from recsys.io.errors import ReadError
-from recsys.io.ingest import ConvertError, ConvertOptions, convert
+from recsys.io.convert import ConvertError, ConvertOptions, convert
 from recsys.io.units import CONVERT_PENDING, expand_paths
 
 ROWS, PER_FILE, PER_GROUP = 1000, 200, 100  # five output files
 OPTS = dict(fmt="csv", rows_per_file=PER_FILE, row_group_rows=PER_GROUP)
-# what the reader finds in the directory right after the kill (module doc of recsys.io.ingest)
+# what the reader finds in the directory right after the kill (module doc of recsys.io.convert)
 POINTS = {
     "mid-write": "nothing",  # one file written, into the hidden directory
     "written": "nothing",  # all written and fsynced, no marker yet
@@ -35,7 +35,7 @@ POINTS = {
     "moved": "refused",  # all moved in, the marker still there
     "unmarked": "whole",  # the marker removed, the hidden directory not yet
 }
-assert tuple(POINTS) == ingest.FAULT_POINTS
+assert tuple(POINTS) == converter.FAULT_POINTS
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def _read(out: Path, paths: list[str] | None = None) -> pa.Table:
 
 
 def _killed_run(source: Path, out: Path, point: str) -> None:
-    env = {**os.environ, ingest.FAULT_ENV: point}
+    env = {**os.environ, converter.FAULT_ENV: point}
     cmd = [sys.executable, "-m", "recsys.cli", "convert", "--from", "csv", str(source), "--out", str(out),
            "--rows-per-file", str(PER_FILE), "--row-group-rows", str(PER_GROUP), "--no-progress"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -130,9 +130,9 @@ def test_every_file_is_on_disk_before_the_marker_and_the_directory_after_the_mov
     path, _ = source
     out = tmp_path / "out"
     events = []
-    real_file, real_dir, real_replace = ingest.fsync_file, ingest.fsync_dir, os.replace
-    monkeypatch.setattr(ingest, "fsync_file", lambda p: events.append(("fsync", Path(p).name)) or real_file(p))
-    monkeypatch.setattr(ingest, "fsync_dir", lambda p: events.append(("fsync dir", Path(p))) or real_dir(p))
+    real_file, real_dir, real_replace = converter.fsync_file, converter.fsync_dir, os.replace
+    monkeypatch.setattr(converter, "fsync_file", lambda p: events.append(("fsync", Path(p).name)) or real_file(p))
+    monkeypatch.setattr(converter, "fsync_dir", lambda p: events.append(("fsync dir", Path(p))) or real_dir(p))
     monkeypatch.setattr(os, "replace", lambda a, b: events.append(("move", Path(b))) or real_replace(a, b))
     convert([str(path)], out, ConvertOptions(**OPTS))
     moves = [i for i, (what, p) in enumerate(events) if what == "move" and p.parent == out]

@@ -130,7 +130,7 @@ def test_a_deepfm_checkpoint_of_the_former_form_still_loads(tiny_data, tmp_path)
 
     import test_train as tt
     from recsys.checkpoint_files import MARKER
-    from recsys.eval.run import evaluate_checkpoint
+    from recsys.eval.scoring import evaluate_checkpoint
 
     result = tt.run(tiny_data, tmp_path / "run", "train.max_steps=2", "model.arch='deepfm'",
                     "model.deepfm_dense='vector'")

@@ -51,7 +51,7 @@ def test_training_eval_and_serving_transform_identically(tiny_data, transform_ru
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
     from recsys.dense import DenseStats
-    from recsys.eval.run import dense_stats_of, evaluate_checkpoint, load_trained
+    from recsys.eval.scoring import dense_stats_of, evaluate_checkpoint, load_trained
 
     run_dir, result = transform_run
     saved = json.loads((run_dir / "dense_stats.json").read_text())
@@ -95,7 +95,7 @@ def test_a_published_version_transforms_as_the_checkpoint(tiny_data, transform_r
     from embedding_server import publish
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
-    from recsys.eval.run import dense_stats_of, load_trained
+    from recsys.eval.scoring import dense_stats_of, load_trained
 
     run_dir, _ = transform_run
     job, store, _model, path, meta = load_trained(run_dir)
@@ -147,7 +147,7 @@ def test_checkpoint_with_stats_restores_and_evaluates_identically_at_another_wor
 def test_checkpoint_without_the_stats_its_transforms_need_is_refused(tiny_data, tmp_path):
     from recsys.checkpoint_files import MARKER
     from recsys.errors import UserError
-    from recsys.eval.run import evaluate_checkpoint
+    from recsys.eval.scoring import evaluate_checkpoint
 
     tt.run(tiny_data, tmp_path / "run", "train.max_steps=2", *TRANSFORMS)
     src = tmp_path / "run" / "checkpoints" / "step-00000002"

@@ -193,7 +193,7 @@ def test_training_on_the_gpu_evaluates_checkpoints_and_resumes_on_either_device(
     """Training with periodic validation and the final evaluation on the GPU, the AUC of the
     CPU run, a GPU checkpoint evaluated on the CPU and on the GPU, and a CPU checkpoint
     resumed on the GPU."""
-    from recsys.eval.run import evaluate_checkpoint
+    from recsys.eval.scoring import evaluate_checkpoint
 
     extra = ["train.max_steps=12", "train.eval_every=6", "train.log_every=4"]
     if store == "gpu_tier":

@@ -18,7 +18,7 @@ import torch
 
 from recsys import hashing
 from recsys.io.config import ReaderConfig
-from recsys.io.convert import UnitConverter
+from recsys.io.decode import UnitConverter
 from recsys.io.reader import ParquetReader, ReadError, describe
 from recsys.schema import FeatureSpec, Schema, TableSpec
 from reader_data import (

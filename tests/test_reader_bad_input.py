@@ -445,7 +445,7 @@ def test_binary_ids_are_hashed_as_bytes(good, dirty):
 def test_converter_ignores_bad_bytes_under_nulls():
     """What Arrow holds under a null (a null string, or a null list's covered values) is no id."""
     from recsys import hashing
-    from recsys.io.convert import UnitConverter
+    from recsys.io.decode import UnitConverter
 
     conv = UnitConverter(make_schema(dense=[]), [])
     cat = pa.Array.from_buffers(pa.string(), 3, [pa.py_buffer(np.packbits([1, 0, 1], bitorder="little").tobytes()),

@@ -14,7 +14,7 @@ import pytest
 from recsys.config import load_job
 from recsys.io.config import ReaderConfig
 from recsys.io.errors import ReadError
-from recsys.io.ingest import ConvertOptions, convert
+from recsys.io.convert import ConvertOptions, convert
 from recsys.io.partitions import parse_filter, partition_values
 from recsys.io.reader import ParquetReader
 from recsys.schema import FeatureSpec, Schema, TableSpec

@@ -50,7 +50,7 @@ def test_early_stopping_stops_after_the_peak_and_keeps_the_best(tiny, tmp_path):
     assert checkpoint_files.load_meta(best)["step"] == evals[peak]["step"]
     assert best != checkpoint_files.latest(run_dir / "checkpoints")  # kept past keep_last=1
     # the best checkpoint scores what the trainer logged for it, through `recsys eval`'s path
-    from recsys.eval.run import evaluate_checkpoint
+    from recsys.eval.scoring import evaluate_checkpoint
 
     again = evaluate_checkpoint(run_dir / "checkpoints" / "best", [str(tiny / "eval")])
     assert again["auc"] == pytest.approx(aucs[peak], abs=1e-12)

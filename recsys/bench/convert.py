@@ -9,7 +9,7 @@ dominate both sides) into zstd Parquet with row groups of 131,072 rows:
   program, holding the whole file in memory;
 - ``open_csv + ParquetWriter``: pyarrow's streaming reader, each batch written as it comes
   (bounded memory, like ours);
-- ours: ``recsys.io.ingest.convert`` with the ``criteo`` preset (types fixed, values checked,
+- ours: ``recsys.io.convert.convert`` with the ``criteo`` preset (types fixed, values checked,
   bad rows located, progress, written on a second thread).
 
 Runs alternate (ours, then each baseline) for ``repeats`` rounds; each comparison reports
@@ -60,7 +60,7 @@ def ensure_file(quick: bool, data: Path | None) -> Path:
 
 
 def _read_write_all(path: Path, out: Path) -> int:
-    from recsys.io.ingest import CRITEO_COLUMNS
+    from recsys.io.convert import CRITEO_COLUMNS
 
     table = pa_csv.read_csv(path, read_options=pa_csv.ReadOptions(column_names=CRITEO_COLUMNS),
                             parse_options=pa_csv.ParseOptions(delimiter="\t"))
@@ -69,7 +69,7 @@ def _read_write_all(path: Path, out: Path) -> int:
 
 
 def _stream(path: Path, out: Path) -> int:
-    from recsys.io.ingest import CRITEO_COLUMNS
+    from recsys.io.convert import CRITEO_COLUMNS
 
     reader = pa_csv.open_csv(path, read_options=pa_csv.ReadOptions(column_names=CRITEO_COLUMNS),
                              parse_options=pa_csv.ParseOptions(delimiter="\t"))
@@ -82,7 +82,7 @@ def _stream(path: Path, out: Path) -> int:
 
 
 def _ours(path: Path, out: Path) -> int:
-    from recsys.io.ingest import ConvertOptions, convert
+    from recsys.io.convert import ConvertOptions, convert
 
     report = convert([str(path)], out / "ours", ConvertOptions(fmt="tsv", preset="criteo", row_group_rows=ROW_GROUP))
     return report["rows"]

@@ -226,7 +226,7 @@ def train_ours(job_path: Path, seed: int, run_dir: Path, overrides: list[str]) -
     """Train the job with ``seed`` (early stopping on its validation split); return the eval
     split's figures of the checkpoint early stopping kept."""
     from recsys.config import load_job
-    from recsys.eval.run import evaluate_checkpoint
+    from recsys.eval.scoring import evaluate_checkpoint
     from recsys.train.loop import Trainer, setup_env
 
     job = load_job(job_path, [*overrides, f"train.seed={seed}", f"store.seed={seed}"])

@@ -360,7 +360,7 @@ def _predictions_writer(out: Path | None):
 def score_one_process(checkpoint, paths, id_cols, passthrough, opts: EvalOptions, need_rows: str | None,
                       predictions: Path | None = None):
     """Score every row of ``paths`` in this process; return (Scored or None, StreamingMetrics or None)."""
-    from recsys.eval.run import dense_stats_of, iter_predictions, load_trained
+    from recsys.eval.scoring import dense_stats_of, iter_predictions, load_trained
 
     job, store, model, path, meta = load_trained(checkpoint, opts.device)
     stats = dense_stats_of(job, meta, path)
@@ -400,7 +400,7 @@ def _rank_scores(rank: int, world_size: int, checkpoint: str, paths: list[str], 
     """
     import torch.distributed as dist
 
-    from recsys.eval.run import PeerStopped, dense_stats_of, iter_predictions, load_trained
+    from recsys.eval.scoring import PeerStopped, dense_stats_of, iter_predictions, load_trained
 
     try:
         job, store, model, path, meta = load_trained(checkpoint, device)

@@ -1,836 +1,993 @@
-"""Arrow row group → model-ready arrays (once per unit); batches are slices of units.
+"""``recsys convert``: CSV, TSV (Criteo's click logs included) and JSON lines → Parquet for the reader.
 
-A converted unit (``UnitData``; ``n`` rows, ``D`` dense columns, ``F1`` single-hot and
-``F2`` multi-hot features), column-major so every conversion pass writes contiguously::
+::
 
-    dense        float32 [D, n]      nulls filled, transformed, checked finite
-    labels       float32 [n]         checked: 0/1, or in [0, 1] (schema.label_kind); never null
-    weights      float32 [n]         schema.weight's values, checked finite, >= 0, never null
-                                     ([0] without a weight column)
-    single_keys  int64   [F1, n]     hashed (and folded) key per row; anything if null. Ids are
-                                     checked: uint64 within int64, string columns UTF-8
-    single_len   uint8   [F1, n]     1 = the row has an id, 0 = null (empty bag)
-    multi_offs   int64   [F2, n+1]   bag (f, r) = multi_vals[multi_offs[f, r] : multi_offs[f, r+1]]
-    multi_vals   int64   [V]         hashed keys, feature-major, null lists/elements dropped
-    multi_wts    float32 [V]         each id's weight (1 for unweighted features); [0] when no
-                                     feature of the schema is weighted
-    extra        {column: [n]}       passthrough columns (int64, float64 or bool)
+    input files (local or any pyarrow filesystem URI; .gz/.bz2/.zst decompressed on the fly)
+      └─► blocks of ``block_bytes`` cut at line ends; each block's first line number is known
+            └─► Arrow's CSV / JSON parser (its threads), column types fixed up front
+                  └─► value checks (label 0/1, finite dense values, weights ≥ 0), vectorized
+                        └─► SplitWriter (zstd, row groups of ``row_group_rows``) on a second thread
 
-Rows are stored in the order they will be consumed: when shuffling, the unit's fixed
-per-epoch permutation is applied once here, one array (or one feature) at a time so the
-source stays in cache. Gathering random rows per batch instead was ~4x slower: every batch
-touched every feature's region of every open unit, long evicted. A batch is then a
-concatenation of contiguous row ranges, one per unit it draws from, written straight into
-the KJT layout: values feature-major, lengths ``[F, B]`` flattened.
+Memory is bounded by one block being parsed, one being written and the row group pending.
 
-Conversion reads Arrow buffers directly (validity bitmaps, offsets with the array's slice
-offset applied): no per-row Python, and hashing runs in numba ``nogil`` kernels.
+Column types are fixed before the first block is parsed: by the preset (``criteo``), by a
+job's schema (``--schema``: label int8 or float32, dense float32, ids int64 or string,
+weights float32, multi-hot and weighted features from JSON arrays), or inferred by Arrow from
+the first block. An empty field is a null (no id, or a null dense value the reader fills).
+
+Bad rows: Arrow's fast path either parses a block cleanly or not. When it does not, or the
+value checks flag rows, the block is checked again line by line in Python (rare: only
+blocks with bad rows pay for it), which finds each bad line's number, column and value.
+``bad_rows = "error"`` stops at the first block holding one, naming it; ``"skip"`` drops
+them, counted, and the first ``BAD_ROWS_KEPT`` go into the report.
+
+Output appears whole or not at all: it goes to a hidden directory inside ``out``, is fsynced,
+and is moved in only when every input converted, under a marker the reader refuses (the
+section "the output, whole or not at all" below). A failed or killed run leaves ``out`` as
+it was, or (killed while moving in) leaves it refused until the next conversion into it
+finishes the move.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import csv
+import dataclasses
+import io
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Literal
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from numba import njit
+import pyarrow.csv as pa_csv
+import pyarrow.fs as pafs
+import pyarrow.json as pa_json
+import tomli_w
 
-from recsys import hashing
-from recsys.dense import DenseStats, DenseTransform, signed_log1p_
-from recsys.io.errors import ReadError
-from recsys.io.units import expected_sparse, is_list_type, is_numeric_type
+from recsys.durable import fsync_dir, fsync_file
+from recsys.errors import UserError
+from recsys.io.parquet_out import SplitWriter
+from recsys.io.units import CONVERT_PENDING
 from recsys.schema import Schema
 
-_EMPTY_U8 = np.zeros(0, dtype=np.uint8)
-_EMPTY_I64 = np.zeros(0, dtype=np.int64)
-_EMPTY_F32 = np.zeros(0, dtype=np.float32)
+FORMATS = ("csv", "tsv", "jsonl")
+CRITEO_DENSE = [f"i{j}" for j in range(1, 14)]
+CRITEO_SPARSE = [f"c{j}" for j in range(1, 27)]
+CRITEO_COLUMNS = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
+"""The Criteo click logs' layout: a 0/1 label, 13 integer counts, 26 hashed categories (hex)."""
+BAD_ROWS_KEPT = 100
+"""Bad rows listed (file, line, column, what) in ``_convert.json``; all are counted."""
+REPORT = "_convert.json"
+"""The conversion's report, next to the files (a leading ``_``: the reader skips it)."""
+PROPOSED_JOB = "_job.toml"
+"""Where ``--infer`` writes the job it proposes."""
 
 
-# --------------------------------------------------------------------------- kernels
+class ConvertError(UserError):
+    """Bad input to a conversion: names the file, line and column, and what was expected."""
 
 
-@njit(nogil=True, cache=True)
-def _bit(bits, i):
-    return (bits[i >> 3] >> (i & 7)) & 1
+@dataclass(kw_only=True, slots=True)
+class ConvertOptions:
+    """How input files become Parquet files."""
+
+    fmt: Literal["csv", "tsv", "jsonl"]
+    """Input format: comma- or tab-separated text, or one JSON object per line."""
+    preset: Literal["", "criteo"] = ""
+    """``criteo``: the Criteo click logs' layout (no header, tab-separated, ``CRITEO_COLUMNS``)."""
+    header: bool = True
+    """CSV/TSV: the first line of every file names the columns (off for the ``criteo`` preset)."""
+    rows_per_file: int = 4_194_304
+    """Rows per output file (the last one may have fewer)."""
+    row_group_rows: int = 131_072
+    """Rows per Parquet row group: the reader's work unit (64-256k keeps shuffling and memory balanced)."""
+    bad_rows: Literal["error", "skip"] = "error"
+    """A bad row (wrong field count, a value of the wrong type, a label not 0/1, a non-finite
+    dense value): stop with an error naming it, or skip it (counted and reported)."""
+    block_bytes: int = 16 << 20
+    """Input bytes parsed at once."""
+    infer_rows: int = 100_000
+    """Rows of the first block looked at to infer types and propose a job (``--infer``)."""
+
+    def __post_init__(self) -> None:
+        if self.fmt not in FORMATS:
+            raise ValueError(f"format must be one of {', '.join(FORMATS)}, found {self.fmt!r}")
+        if self.preset not in ("", "criteo"):
+            raise ValueError(f"preset must be 'criteo' or empty, found {self.preset!r}")
+        if self.preset == "criteo":
+            if self.fmt != "tsv":
+                raise ValueError(f"the criteo preset reads tab-separated files: use --from tsv, found {self.fmt!r}")
+            self.header = False
+        if self.bad_rows not in ("error", "skip"):
+            raise ValueError(f"bad_rows must be 'error' or 'skip', found {self.bad_rows!r}")
+        if self.row_group_rows < 1:
+            raise ValueError(f"row_group_rows must be >= 1, found {self.row_group_rows}")
+        if self.rows_per_file < self.row_group_rows:
+            raise ValueError(f"rows_per_file ({self.rows_per_file}) must be >= row_group_rows ({self.row_group_rows})")
+        if self.block_bytes < 1024:
+            raise ValueError(f"block_bytes must be >= 1024, found {self.block_bytes}")
 
 
-_F32_MAX = float(np.finfo(np.float32).max)
-
-
-@njit(nogil=True, cache=True)
-def _dense_kernel(raw, bits, bit_off, fill, out, row0):
-    """Write raw (nulls → fill) to out[row0:] as float32.
-
-    Return -1 if all went well, the first non-finite row, or -2 - row for the first value
-    beyond float32's range (the caller then redoes the column in float64).
-    """
-    has_bits = bits.shape[0] > 0
-    for i in range(raw.shape[0]):
-        if has_bits and _bit(bits, bit_off + i) == 0:
-            out[row0 + i] = fill
-        else:
-            v = np.float64(raw[i])
-            if not np.isfinite(v):
-                return i
-            if abs(v) > _F32_MAX:
-                return -2 - i
-            out[row0 + i] = v
-    return -1
-
-
-@njit(nogil=True, cache=True)
-def _label_kernel(raw, binary, out, row0):
-    """Write raw to out[row0:] as float32; return -1, or the first row whose value is not a
-    label: not exactly 0 or 1 (binary), not in [0, 1] (else; NaN is neither)."""
-    for i in range(raw.shape[0]):
-        v = np.float64(raw[i])
-        if binary:
-            if v != 0.0 and v != 1.0:
-                return i
-        elif not (v >= 0.0 and v <= 1.0):
-            return i
-        out[row0 + i] = v
-    return -1
-
-
-@njit(nogil=True, cache=True)
-def _compact_kernel(offs, row_bits, row_off, elem_bits, elem_off, keys, out_vals, out_offs):
-    """Drop null rows' bags and null elements; return the number of values kept."""
-    has_rows = row_bits.shape[0] > 0
-    has_elems = elem_bits.shape[0] > 0
-    c = 0
-    out_offs[0] = 0
-    for i in range(offs.shape[0] - 1):
-        if not has_rows or _bit(row_bits, row_off + i) == 1:
-            for p in range(offs[i], offs[i + 1]):
-                if not has_elems or _bit(elem_bits, elem_off + p) == 1:
-                    out_vals[c] = keys[p]
-                    c += 1
-        out_offs[i + 1] = c
-    return c
-
-
-@njit(nogil=True, cache=True)
-def _permuted_sources(offs, perm, out_offs, src):
-    """For bags reordered by perm: fill out_offs and, per output value, its source index."""
-    c = 0
-    for f in range(offs.shape[0]):
-        out_offs[f, 0] = c
-        for i in range(perm.shape[0]):
-            r = perm[i]
-            for p in range(offs[f, r], offs[f, r + 1]):
-                src[c] = p
-                c += 1
-            out_offs[f, i + 1] = c
-
-
-def _permute_jagged(offs: np.ndarray, vals: np.ndarray, perm: np.ndarray, wts: np.ndarray | None = None):
-    """Return (offs, vals, wts) with every feature's bags (and their weights, if given) in perm order.
-
-    Two passes (source indices, then one np.take) run ~2x faster than copying bag by bag:
-    the gather's loads are independent, so the CPU overlaps their cache misses.
-    """
-    out_offs = np.empty_like(offs)
-    src = np.empty(vals.shape[0], dtype=np.int64)
-    _permuted_sources(offs, perm, out_offs, src)
-    return (out_offs, np.take(vals, src, mode="clip"),
-            _EMPTY_F32 if wts is None else np.take(wts, src, mode="clip"))
-
-
-@njit(nogil=True, cache=True)
-def _slice_totals(single_len, multi_offs, start, t, single_fidx, multi_fidx, totals):
-    """Add each feature's value count over rows [start, start + t) to totals[f]."""
-    for j in range(single_len.shape[0]):
-        s = 0
-        for i in range(start, start + t):
-            s += single_len[j, i]
-        totals[single_fidx[j]] += s
-    for j in range(multi_offs.shape[0]):
-        totals[multi_fidx[j]] += multi_offs[j, start + t] - multi_offs[j, start]
-
-
-@njit(nogil=True, cache=True)
-def _slice_weights(single_len, multi_offs, multi_wts, start, t, single_fidx, multi_fidx, out, cursor):
-    """The weights of ``_slice_sparse``'s values: 1 per single-hot id, the bags' own weights."""
-    for j in range(single_len.shape[0]):
-        f = single_fidx[j]
-        c = cursor[f]
-        for i in range(t):
-            if single_len[j, start + i]:
-                out[c] = 1.0
-                c += 1
-        cursor[f] = c
-    for j in range(multi_offs.shape[0]):
-        f = multi_fidx[j]
-        lo = multi_offs[j, start]
-        hi = multi_offs[j, start + t]
-        c = cursor[f]
-        out[c : c + hi - lo] = multi_wts[lo:hi]
-        cursor[f] = c + hi - lo
-
-
-@njit(nogil=True, cache=True)
-def _slice_sparse(single_keys, single_len, multi_offs, multi_vals, start, t,
-                  single_fidx, multi_fidx, lengths, col0, out, cursor):
-    """Append rows [start, start + t) of every feature: lengths[f, col0:], values at cursor[f]."""
-    for j in range(single_keys.shape[0]):
-        f = single_fidx[j]
-        c = cursor[f]
-        for i in range(t):
-            n = single_len[j, start + i]
-            lengths[f, col0 + i] = n
-            if n:
-                out[c] = single_keys[j, start + i]
-                c += 1
-        cursor[f] = c
-    for j in range(multi_offs.shape[0]):
-        f = multi_fidx[j]
-        for i in range(t):
-            lengths[f, col0 + i] = multi_offs[j, start + i + 1] - multi_offs[j, start + i]
-        lo = multi_offs[j, start]
-        hi = multi_offs[j, start + t]
-        c = cursor[f]
-        out[c : c + hi - lo] = multi_vals[lo:hi]
-        cursor[f] = c + hi - lo
-
-
-# --------------------------------------------------------------------------- unit data
+# --------------------------------------------------------------------------- column plans
 
 
 @dataclass(slots=True)
-class UnitData:
-    """One converted unit (see module docstring for the layout)."""
+class Column:
+    """One output column: its Arrow type and what the job does with it (the checks it gets)."""
 
-    n: int
-    dense: np.ndarray
-    labels: np.ndarray
-    weights: np.ndarray
-    single_keys: np.ndarray
-    single_len: np.ndarray
-    multi_offs: np.ndarray
-    multi_vals: np.ndarray
-    multi_wts: np.ndarray
-    extra: dict[str, np.ndarray]
+    name: str
+    type: pa.DataType
+    role: Literal["label", "label_probability", "dense", "id", "weight", "other"] = "other"
 
+
+def criteo_columns() -> list[Column]:
+    """Return the Criteo layout's columns: label int8, i1..i13 float32, c1..c26 strings."""
+    return ([Column("label", pa.int8(), "label")] + [Column(c, pa.float32(), "dense") for c in CRITEO_DENSE]
+            + [Column(c, pa.string(), "id") for c in CRITEO_SPARSE])
+
+
+def job_columns(schema: Schema, passthrough: list[str]) -> list[Column]:
+    """Return the columns a job reads, typed for it (passthrough columns typed by the data)."""
+    label = (Column(schema.label, pa.int8(), "label") if schema.label_kind == "binary"
+             else Column(schema.label, pa.float32(), "label_probability"))
+    out = [label] + [Column(c, pa.float32(), "dense") for c in schema.dense]
+    for f in schema.sparse:
+        value = pa.int64() if f.kind == "int64" else pa.string()
+        if f.multi_hot:
+            value = pa.list_(value)
+        out.append(Column(f.column, value, "id"))
+    weight = getattr(schema, "weight", "")
+    if weight:
+        out.append(Column(weight, pa.float32(), "weight"))
+    seen = {c.name for c in out}
+    for c in passthrough:
+        if c not in seen:
+            out.append(Column(c, pa.null(), "other"))  # typed from the first block
+            seen.add(c)
+    return out
+
+
+# --------------------------------------------------------------------------- input blocks
 
 
 @dataclass(slots=True)
-class _Where:
+class _Input:
+    display: str
+    filesystem: pafs.FileSystem
+    path: str
+    size: int
+
+
+def resolve_inputs(paths: list[str]) -> list[_Input]:
+    """Return the input files (files, directories, globs; local or pyarrow filesystem URIs), sorted, each once."""
+    if not paths:
+        raise ConvertError("convert: expected at least one input file, found none")
+    from recsys.io.units import expand_paths  # directories and globs as the reader takes them
+
+    out, seen = [], set()
+    try:
+        files = expand_paths(list(paths))
+    except UserError as exc:
+        raise ConvertError(f"convert: {exc}") from None
+    for sf in files:
+        if sf.display in seen:
+            continue
+        seen.add(sf.display)
+        info = sf.filesystem.get_file_info(sf.path)
+        out.append(_Input(sf.display, sf.filesystem, sf.path, int(info.size or 0)))
+    return out
+
+
+_CODECS = {".gz": "gzip", ".bz2": "bz2", ".zst": "zstd", ".lz4": "lz4"}
+"""Compressed inputs, by file name extension."""
+
+
+class _Source:
+    """An input file as blocks of whole lines, with the raw (compressed) bytes consumed so far."""
+
+    def __init__(self, inp: _Input, block_bytes: int) -> None:
+        self.inp = inp
+        self.block_bytes = block_bytes
+        try:
+            # a random-access file: its position is the raw (compressed) bytes consumed
+            self.raw = inp.filesystem.open_input_file(inp.path)
+        except (pa.ArrowException, OSError) as exc:
+            raise ConvertError(f"{inp.display}: expected a readable file, found {exc}") from None
+        codec = _CODECS.get(os.path.splitext(inp.path)[1].lower())
+        self.stream = pa.CompressedInputStream(self.raw, codec) if codec else self.raw
+        self.line = 1
+        """Number of the next line the blocks yield (1-based)."""
+        self._carry = b""
+
+    def raw_pos(self) -> int:
+        return self.raw.tell()
+
+    def _read(self) -> bytes:
+        try:
+            return self.stream.read(self.block_bytes)
+        except (pa.ArrowException, OSError) as exc:  # a truncated or corrupt .gz, a vanished file
+            raise ConvertError(f"{self.inp.display}: near line {self.line}: expected readable "
+                               f"{'compressed ' if self.stream is not self.raw else ''}data, found {exc}") from None
+
+    def header(self) -> bytes:
+        """Return the first line (without its end) and move past it."""
+        while b"\n" not in self._carry:
+            data = self._read()
+            if not data:
+                break
+            self._carry += data
+        line, sep, rest = self._carry.partition(b"\n")
+        self._carry = rest
+        self.line += 1 if sep else 0
+        return line.rstrip(b"\r")
+
+    def blocks(self) -> Iterator[tuple[bytes, int]]:
+        """Yield (block of whole lines, number of its first line)."""
+        while True:
+            data = self._read()
+            if not data:
+                break
+            buf = self._carry + data if self._carry else data
+            cut = buf.rfind(b"\n")
+            if cut < 0:
+                self._carry = buf
+                continue
+            block, self._carry = buf[: cut + 1], buf[cut + 1 :]
+            first = self.line
+            self.line += block.count(b"\n")
+            yield block, first
+        if self._carry:  # lines read with the header, or a last line without its line end
+            block, self._carry = self._carry, b""
+            if not block.endswith(b"\n"):
+                block += b"\n"
+            first = self.line
+            self.line += block.count(b"\n")
+            yield block, first
+
+    def close(self) -> None:
+        self.stream.close()
+        if self.stream is not self.raw:
+            self.raw.close()
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+@dataclass(slots=True)
+class BadRow:
+    """A row left out: where it is and what is wrong with it."""
+
     file: str
-    row_group: int
-    row0: int
-    """Row number of the row group's first row within the file."""
+    line: int
+    column: str | None
+    expected: str
+    found: str
 
-    def error(self, column: str, expected: str, found: str, row: int | None = None,
-              count: int | None = None) -> ReadError:
-        """Return the error; ``row`` is within the row group, ``count`` how many rows are bad."""
-        if row is not None:
-            found = f"{found} (row {self.row0 + row} of the file"
-            found += f"; {count} bad rows in the row group)" if count and count > 1 else ")"
-        return ReadError(
-            file=self.file, row_group=self.row_group, column=column, row=row,
-            expected=expected, found=found,
-        )
+    def __str__(self) -> str:
+        col = f"column {self.column!r}: " if self.column else ""
+        return f"{self.file}: line {self.line}: {col}expected {self.expected}, found {self.found}"
 
 
-def _validity(arr: pa.Array) -> tuple[np.ndarray, int]:
-    """Return (bitmap bytes, bit offset) of arr's nulls, or an empty bitmap if it has none."""
-    if arr.null_count == 0:
-        return _EMPTY_U8, 0
-    buf = arr.buffers()[0]
-    return np.frombuffer(buf, dtype=np.uint8), arr.offset
+class _Parser:
+    """Parses blocks of one format with fixed column types, and checks values by role."""
 
+    def __init__(self, opts: ConvertOptions, names: list[str] | None, columns: list[Column]) -> None:
+        self.opts = opts
+        self.names = names  # every field of a CSV line, in order (None for JSON)
+        self.columns = columns
+        self.delimiter = "\t" if opts.fmt == "tsv" else ","
 
-def _fixed_values(arr: pa.Array) -> np.ndarray:
-    """Return arr's fixed-width values (slice offset applied; null slots hold anything)."""
-    dtype = np.dtype(arr.type.to_pandas_dtype())
-    buf = arr.buffers()[1]
-    if buf is None or len(arr) == 0:
-        return np.zeros(len(arr), dtype=dtype)
-    return np.frombuffer(buf, dtype=dtype, count=arr.offset + len(arr))[arr.offset :]
+    # --- the fast path
 
-
-def _numeric(arr: pa.Array) -> pa.Array:
-    """Return arr as a type numba reads directly (bools and float16 widened)."""
-    t = arr.type
-    if pa.types.is_boolean(t):
-        return pc.cast(arr, pa.uint8())
-    if pa.types.is_float16(t):
-        return pc.cast(arr, pa.float32())
-    return arr
-
-
-def _first_null(arr: pa.Array) -> int:
-    return int(np.flatnonzero(~arr.is_valid().to_numpy(zero_copy_only=False))[0])
-
-
-
-
-def _take(src: np.ndarray, perm: np.ndarray | None, out: np.ndarray) -> None:
-    if perm is None:
-        out[...] = src
-    else:  # mode="clip" skips numpy's bounds-check buffering (perm is a permutation)
-        np.take(src, perm, out=out, mode="clip")
-
-
-class _TypeMismatch(Exception):
-    pass
-
-
-class _BadIds(Exception):
-    """Ids the store must not take: ``mask`` marks them (non-null entries of the array)."""
-
-    def __init__(self, mask: np.ndarray, expected: str, show) -> None:
-        self.mask = mask
-        self.expected = expected
-        self.show = show
-        """show(i) -> the i-th entry, as found (for the message)."""
-
-
-_INT64_MAX = np.iinfo(np.int64).max
-_EXPECT_INT64 = "ids within int64 (the service takes int64 ids; an unsigned id above 2**63-1 has none)"
-_EXPECT_UTF8 = "UTF-8 text (the column's type is string; keep raw bytes in a binary column)"
-
-
-class UnitConverter:
-    """Turns one row group (an Arrow table of the job's columns) into a UnitData."""
-
-    def __init__(self, schema: Schema, passthrough: list[str], dense_stats: DenseStats | None = None) -> None:
-        self.schema = schema
-        self.passthrough = list(passthrough)
-        self.dense_transform = DenseTransform(schema, dense_stats)
-        self.single = []
-        self.multi = []
-        for f, feat in enumerate(schema.sparse):
-            spec = (f, feat, hashing.table_salt(feat.table), schema.tables[feat.table].num_rows)
-            (self.multi if feat.multi_hot else self.single).append(spec)
-        self.num_features = len(schema.sparse)
-        self.weighted = any(f.weighted for f in schema.sparse)
-        """Whether batches carry id weights (KJT weights; 1 for the ids of unweighted features)."""
-        self.single_fidx = np.array([s[0] for s in self.single], dtype=np.int64)
-        self.multi_fidx = np.array([s[0] for s in self.multi], dtype=np.int64)
-
-    # ------------------------------------------------------------------ the unit
-
-    def convert(self, table: pa.Table, file: str, row_group: int, row0: int,
-                perm: np.ndarray | None = None) -> UnitData:
-        """Return the converted unit, rows in ``perm`` order if given; ReadError on bad data."""
-        where = _Where(file, row_group, row0)
-        n = table.num_rows
-        labels = np.empty(n, dtype=np.float32)
-        self._labels(table, where, labels)
-        if perm is not None:
-            labels = np.take(labels, perm, mode="clip")
-        weights = _EMPTY_F32
-        if self.schema.weight:
-            weights = self._sample_weights(table, where, perm)
-        D = len(self.schema.dense)
-        dense = np.empty((D, n), dtype=np.float32)
-        dt = self.dense_transform
-        for j, c in enumerate(self.schema.dense):
-            log1p = dt.kinds[j] == "signed_log1p"
-            done = self._floats(table, c, where, dense[j], allow_null=True, log1p=log1p,
-                                expected="a finite number or null", fill=dt.fills[j])
-            if log1p and not done:
-                signed_log1p_(dense[j])  # one implementation with the served path (recsys.dense)
-            elif not log1p:
-                dt.apply(j, dense[j])
-        if perm is not None:  # row by row: 1-D takes run ~3x faster than one take(axis=1)
-            permuted = np.empty_like(dense)
-            for j in range(D):
-                _take(dense[j], perm, permuted[j])
-            dense = permuted
-        single_keys = np.empty((len(self.single), n), dtype=np.int64)
-        single_len = np.empty((len(self.single), n), dtype=np.uint8)
-        for j, (_, feat, salt, num_rows) in enumerate(self.single):
-            keys, lens = self._single(table, feat, salt, where)
-            if num_rows is not None:
-                keys = hashing.fold(keys, num_rows)
-            _take(keys, perm, single_keys[j])
-            if lens is None:
-                single_len[j] = 1
+    def parse(self, block: bytes) -> tuple[pa.Table | None, int, Exception | None]:
+        """Return (table, rows Arrow left out for a wrong field count, Arrow's error)."""
+        invalid = []
+        try:
+            if self.opts.fmt == "jsonl":
+                table = pa_json.read_json(
+                    pa.BufferReader(block),
+                    read_options=pa_json.ReadOptions(use_threads=True, block_size=1 << 20),
+                    parse_options=pa_json.ParseOptions(
+                        explicit_schema=pa.schema([(c.name, c.type) for c in self.columns]),
+                        unexpected_field_behavior="ignore"),
+                )
             else:
-                _take(lens, perm, single_len[j])
-        multi_offs = np.empty((len(self.multi), n + 1), dtype=np.int64)
-        parts, wparts, base = [], [], 0
-        for j, (_, feat, salt, num_rows) in enumerate(self.multi):
-            if feat.weighted:
-                vals, offs, wts = self._weighted(table, feat, salt, where)
-            else:
-                vals, offs = self._multi(table, feat, salt, where)
-                wts = np.ones(vals.shape[0], dtype=np.float32) if self.weighted else None
-            if num_rows is not None and vals.shape[0]:
-                vals = hashing.fold(vals, num_rows)
-            np.add(offs, base, out=multi_offs[j])
-            base += vals.shape[0]
-            parts.append(vals)
-            wparts.append(wts)
-        multi_vals = np.concatenate(parts) if parts else _EMPTY_I64
-        multi_wts = np.concatenate(wparts) if self.weighted else _EMPTY_F32
-        if perm is not None and len(self.multi):
-            multi_offs, multi_vals, multi_wts = _permute_jagged(multi_offs, multi_vals, perm,
-                                                                multi_wts if self.weighted else None)
-        extra = {}
-        for c in self.passthrough:
-            arr = self._passthrough(table, c, where)
-            extra[c] = arr if perm is None else np.take(arr, perm, mode="clip")
-        return UnitData(n=n, dense=dense, labels=labels, weights=weights, single_keys=single_keys,
-                        single_len=single_len, multi_offs=multi_offs, multi_vals=multi_vals,
-                        multi_wts=multi_wts, extra=extra)
+                table = pa_csv.read_csv(
+                    pa.BufferReader(block),
+                    read_options=pa_csv.ReadOptions(column_names=self.names, use_threads=True, block_size=1 << 20),
+                    parse_options=pa_csv.ParseOptions(
+                        delimiter=self.delimiter, ignore_empty_lines=False,
+                        quote_char='"' if self.opts.fmt == "csv" else False,
+                        invalid_row_handler=lambda row: invalid.append(row) or "skip"),
+                    convert_options=pa_csv.ConvertOptions(
+                        column_types={c.name: c.type for c in self.columns},
+                        include_columns=[c.name for c in self.columns],
+                        null_values=[""], strings_can_be_null=True, quoted_strings_can_be_null=False),
+                )
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+            return None, len(invalid), exc
+        return table, len(invalid), None
 
-    def _labels(self, table, where, out) -> None:
-        """Fill ``out`` (float32 [n]) from the label column: every value a label of the schema's
-        ``label_kind`` (0/1, or a number in [0, 1]); ReadError naming the first other one."""
-        column = self.schema.label
-        binary = self.schema.label_kind == "binary"
-        row0 = 0
-        for chunk in table.column(column).chunks:
-            if len(chunk) == 0:
-                continue
-            t = chunk.type
-            if not (pa.types.is_null(t) or is_numeric_type(t)):
-                raise where.error(column, self.label_expected, f"type {t}")
-            if chunk.null_count == 0 and _label_kernel(_fixed_values(_numeric(chunk)), binary, out, row0) < 0:
-                row0 += len(chunk)
-                continue
-            raise self._label_error(table, where)
-
-    def _label_error(self, table, where) -> ReadError:
-        """Return the error naming the first null or bad label of the row group (the error path)."""
-        column = self.schema.label
-        col = table.column(column)
-        values = col.cast(pa.float64(), safe=False).to_numpy(zero_copy_only=False)  # nulls -> NaN
-        if self.schema.label_kind == "binary":
-            ok = (values == 0) | (values == 1)
-        else:
-            ok = (values >= 0) & (values <= 1)
-        bad = np.flatnonzero(~ok)
-        first = int(bad[0])
-        cell = col[first]
-        if not cell.is_valid:
-            shown = "null"
-        elif pa.types.is_floating(cell.type):  # the shortest text of the stored width: 0.3, not 0.30000001192
-            shown = str(np.dtype(cell.type.to_pandas_dtype()).type(cell.as_py()))
-        else:
-            shown = str(cell.as_py())
-        return where.error(column, self.label_expected, shown, row=first, count=int(bad.size))
-
-    def _sample_weights(self, table, where, perm) -> np.ndarray:
-        """Return schema.weight's values (float32 [n], in ``perm`` order): finite, >= 0, never null."""
-        column, expected = self.schema.weight, "a finite sample weight >= 0"
-        out = np.empty(table.num_rows, dtype=np.float32)
-        self._floats(table, column, where, out, allow_null=False, expected=expected)
-        negative = np.flatnonzero(out < 0)
-        if negative.size:
-            row = int(negative[0])
-            raise where.error(column, expected, repr(float(out[row])), row=row, count=int(negative.size))
-        return out if perm is None else np.take(out, perm, mode="clip")
-
-    @property
-    def label_expected(self) -> str:
-        """What a label must be, in words (for errors)."""
-        if self.schema.label_kind == "binary":
-            return ("a label of 0 or 1 (schema.label_kind = 'binary'; set it to 'probability' "
-                    "for soft labels in [0, 1])")
-        return "a label in [0, 1] (schema.label_kind = 'probability')"
-
-    def _floats(self, table, column, where, out, *, allow_null, expected, log1p=False, fill=None) -> bool:
-        """Fill ``out`` (float32 [n]) from a numeric column; nulls → ``fill`` (if allowed;
-        default ``schema.dense_fill_null``).
-
-        Return True if ``out`` already holds transformed values: a value beyond float32's
-        range is fine under signed_log1p, so such a column is transformed in float64 first.
-        """
-        fill = float(self.schema.dense_fill_null if fill is None else fill)
-        row0 = 0
-        for chunk in table.column(column).chunks:
-            if len(chunk) == 0:
-                continue
-            if pa.types.is_null(chunk.type):
-                if not allow_null:
-                    raise where.error(column, expected, "null", row=row0)
-                raw = np.zeros(len(chunk), np.float64)
-                bits, off = np.zeros((len(chunk) + 7) // 8 + 1, np.uint8), 0
-            else:
-                t = chunk.type
-                if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
-                    raise where.error(column, expected, f"type {t}")
-                if not allow_null and chunk.null_count:
-                    raise where.error(column, expected, "null", row=row0 + _first_null(chunk))
-                chunk = _numeric(chunk)
-                raw = _fixed_values(chunk)
-                bits, off = _validity(chunk)
-            bad = _dense_kernel(raw, bits, off, fill, out, row0)
-            if bad >= 0:
-                raise where.error(column, expected, repr(float(raw[bad])), row=row0 + bad)
-            if bad <= -2:
-                if not log1p:
-                    row = -2 - bad
-                    raise where.error(column, f"{expected} within float32 range", repr(float(raw[row])),
-                                      row=row0 + row)
-                self._wide_log1p(table, column, where, out, expected)
-                return True
-            row0 += len(chunk)
-        return False
-
-    def _wide_log1p(self, table, column, where, out, expected) -> None:
-        """The rare path: fill, check and transform the whole column in float64, then narrow."""
-        fill = float(self.schema.dense_fill_null)
-        col = table.column(column).cast(pa.float64()).fill_null(fill).to_numpy()
-        bad = np.flatnonzero(~np.isfinite(col))
-        if bad.size:
-            raise where.error(column, expected, repr(float(col[bad[0]])), row=int(bad[0]))
-        out[:] = np.copysign(np.log1p(np.abs(col)), col)
-
-    def _passthrough(self, table, column, where) -> np.ndarray:
-        col = table.column(column)
-        t = col.type
-        if col.null_count:
-            row = 0
-            for c in col.chunks:
-                if c.null_count:
-                    row += _first_null(c)
-                    break
-                row += len(c)
-            raise where.error(column, "a passthrough column without nulls", "null", row=row)
-        if pa.types.is_integer(t):
-            return col.to_numpy().astype(np.int64, copy=False)
-        if pa.types.is_boolean(t):
-            return col.to_numpy().astype(np.bool_, copy=False)
-        if pa.types.is_floating(t):
-            return col.to_numpy().astype(np.float64, copy=False)
-        raise where.error(column, "a numeric or boolean passthrough column", f"type {t}")
-
-    # ------------------------------------------------------------------ sparse
-
-    def _chunks(self, table, feat, where, fn):
+    def check(self, table: pa.Table) -> list[tuple[int, str, str, str]]:
+        """Return (row, column, expected, found) of every row whose values the job refuses."""
         out = []
-        row0 = 0
-        for chunk in table.column(feat.column).chunks:
-            if len(chunk) == 0:
+        for col in self.columns:
+            if col.role == "other" or col.role == "id":
                 continue
-            try:
-                out.append(fn(chunk))
-            except _TypeMismatch as exc:
-                raise where.error(feat.column, expected_sparse(feat), str(exc)) from None
-            except _BadIds as exc:  # mask: the rows holding such ids
-                rows = np.flatnonzero(exc.mask)
-                raise where.error(feat.column, exc.expected, exc.show(int(rows[0])), row=row0 + int(rows[0]),
-                                  count=rows.size) from None
-            row0 += len(chunk)
+            arr = table.column(col.name)
+            # ok: True, False, or null for a null cell (allowed for dense values only)
+            if col.role == "label":
+                ok = pc.or_(pc.equal(arr, 0), pc.equal(arr, 1))
+            elif col.role == "label_probability":
+                ok = pc.and_(pc.greater_equal(arr, 0), pc.less_equal(arr, 1))
+            elif col.role == "dense":
+                ok = pc.is_finite(arr)
+            else:  # weight
+                ok = pc.and_(pc.is_finite(arr), pc.greater_equal(arr, 0))
+            bad = pc.invert(pc.fill_null(ok, col.role == "dense"))
+            if not pc.any(bad).as_py():
+                continue
+            rows = pc.indices_nonzero(bad).to_numpy()
+            values = arr.take(pa.array(rows[:BAD_ROWS_KEPT])).to_pylist()
+            expected = _EXPECTED[col.role]
+            for i, r in enumerate(rows.tolist()):
+                shown = "null (an empty field)" if i < len(values) and values[i] is None else (
+                    repr(values[i]) if i < len(values) else "a bad value")
+                out.append((r, col.name, expected, shown))
+        out.sort()
         return out
 
-    def _single(self, table, feat, salt, where) -> tuple[np.ndarray, np.ndarray | None]:
-        """Return (keys [n], 0/1 lengths [n] or None when no row is null) of one feature."""
+    # --- the slow path: line by line
 
-        def one(arr):
-            if is_list_type(arr.type):
-                raise _TypeMismatch(f"{arr.type} (a list column; set multi_hot = true)")
-            keys, bits, off = _keys(arr, feat.kind, salt)
-            if bits.shape[0] == 0:
-                return keys, None
-            return keys, np.unpackbits(bits, count=off + len(arr), bitorder="little")[off:]
+    def scan(self, block: bytes) -> list[tuple[int, str | None, str, str]]:
+        """Return (line index in the block, column, expected, found) of each bad line."""
+        lines = block.split(b"\n")[:-1]
+        out = []
+        for i, raw in enumerate(lines):
+            problem = self._line_problem(raw.rstrip(b"\r"))
+            if problem is not None:
+                out.append((i, *problem))
+        return out
 
-        pieces = self._chunks(table, feat, where, one)
-        if len(pieces) == 1:
-            return pieces[0]
-        keys = np.concatenate([k for k, _ in pieces])
-        if all(v is None for _, v in pieces):
-            return keys, None
-        lens = np.concatenate([np.ones(len(k), np.uint8) if v is None else v for k, v in pieces])
-        return keys, lens
-
-    def _weighted(self, table, feat, salt, where) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Return (vals, offs [n+1] from 0, float32 weights [V]) of one weighted feature.
-
-        Ids and weights come from a ``list<struct<id, weight>>`` column or from two parallel
-        list columns (``weight_column``). An id dropped (null id, null list) drops its weight;
-        a kept id needs a finite weight >= 0.
-        """
-        col = table.column(feat.column).combine_chunks()
-        if feat.weight_column:
-            wcol = table.column(feat.weight_column).combine_chunks()
-            if not (is_list_type(wcol.type) and is_numeric_type(wcol.type.value_type)):
-                raise where.error(feat.weight_column, f"a list of numeric weights for feature {feat.name!r}",
-                                  f"type {wcol.type}")
-            ids = col
-            n_ids, n_w = pc.list_value_length(ids), pc.list_value_length(wcol)
-            bad = pc.fill_null(pc.and_(pc.is_valid(ids), pc.or_kleene(pc.is_null(wcol), pc.not_equal(n_ids, n_w))),
-                               False)
-            if pc.any(bad).as_py():
-                rows = np.flatnonzero(bad.to_numpy(zero_copy_only=False))
-                r = int(rows[0])
-                found = "null" if not wcol[r].is_valid else f"{n_w[r].as_py()} weights for {n_ids[r].as_py()} ids"
-                raise where.error(feat.weight_column, f"a list of weights as long as column {feat.column!r}'s list",
-                                  found, row=r, count=int(rows.size))
-            weights = pc.if_else(pc.is_valid(ids), wcol, pa.scalar(None, wcol.type))  # a null bag has no weights
-            wcolumn = feat.weight_column
+    def _line_problem(self, raw: bytes) -> tuple[str | None, str, str] | None:
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, "UTF-8 text", f"bytes that are not UTF-8 ({raw[:40]!r})"
+        if self.opts.fmt == "jsonl":
+            return self._json_problem(text)
+        if self.opts.fmt == "csv":
+            fields = next(csv.reader([text], delimiter=",", quotechar='"', strict=True), [])
         else:
-            t = col.type
-            if not (is_list_type(t) and pa.types.is_struct(t.value_type) and t.value_type.num_fields == 2):
-                raise where.error(feat.column, expected_sparse(feat), f"type {t}")
-            struct = t.value_type
-            id_i = struct.get_field_index("id") if struct.get_field_index("id") >= 0 else 0
-            w_i = 1 - id_i
-            if not is_numeric_type(struct.field(w_i).type):
-                raise where.error(feat.column, expected_sparse(feat), f"type {t}")
-            if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
-                col = pc.cast(col, pa.large_list(struct))
-            mask = pc.is_null(col) if col.null_count else None
-            ids = type(col).from_arrays(col.offsets, pc.struct_field(col.values, [id_i]), mask=mask)
-            weights = type(col).from_arrays(col.offsets, pc.struct_field(col.values, [w_i]), mask=mask)
-            wcolumn = feat.column
-        vals, offs = self._multi(pa.table({feat.column: ids}), feat, salt, where)
-        kept = pc.is_valid(pc.list_flatten(ids))  # the ids _bags keeps, in order
-        w = pc.list_flatten(weights).filter(kept)
-        ok = pc.fill_null(pc.and_(pc.is_finite(pc.cast(w, pa.float64())), pc.greater_equal(w, 0)), False)
-        if not pc.all(ok).as_py():
-            parents = pc.list_parent_indices(ids).filter(kept).to_numpy()
-            bad = np.flatnonzero(~ok.to_numpy(zero_copy_only=False))
-            shown = w[int(bad[0])].as_py()
-            raise where.error(wcolumn, f"a finite weight >= 0 for each id of feature {feat.name!r}",
-                              "null" if shown is None else repr(shown), row=int(parents[bad[0]]),
-                              count=int(np.unique(parents[bad]).size))
-        return vals, offs, w.to_numpy(zero_copy_only=False).astype(np.float32)
+            fields = text.split("\t")
+        if not text:
+            return None, f"{len(self.names)} fields", "an empty line"
+        if len(fields) != len(self.names):
+            return None, f"{len(self.names)} fields", f"{len(fields)} fields"
+        by_name = dict(zip(self.names, fields))
+        for col in self.columns:
+            problem = _value_problem(col, by_name[col.name] if by_name[col.name] != "" else None, text=True)
+            if problem is not None:
+                return col.name, *problem
+        return None
 
-    def _multi(self, table, feat, salt, where) -> tuple[np.ndarray, np.ndarray]:
-        """Return (vals, offs [n+1] from 0) of one multi-hot feature."""
-        pieces = self._chunks(table, feat, where, lambda arr: _bags(arr, feat.kind, salt))
-        if len(pieces) == 1:
-            return pieces[0]
-        vals = np.concatenate([v for v, _ in pieces])
-        offs = [np.zeros(1, dtype=np.int64)]
-        base = 0
-        for v, o in pieces:
-            offs.append(o[1:] + base)
-            base += v.shape[0]
-        return vals, np.concatenate(offs)
+    def _json_problem(self, text: str) -> tuple[str | None, str, str] | None:
+        if not text.strip():
+            return None, "a JSON object", "an empty line"
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            return None, "a JSON object", f"invalid JSON ({exc.msg} at column {exc.colno})"
+        except RecursionError:  # a bad row like any other, not the end of the conversion
+            return None, "a JSON object", f"JSON nested too deeply for Python's parser ({len(text):,} characters)"
+        if not isinstance(obj, dict):
+            return None, "a JSON object", type(obj).__name__
+        for col in self.columns:
+            problem = _value_problem(col, obj.get(col.name), text=False)
+            if problem is not None:
+                return col.name, *problem
+        return None
 
 
-def _bags(arr: pa.Array, kind: str, salt: int) -> tuple[np.ndarray, np.ndarray]:
-    """Return (hashed keys, offsets [n+1] from 0) of a list array; null lists/elements dropped."""
-    t = arr.type
-    n = len(arr)
-    if pa.types.is_null(t):
-        return _EMPTY_I64, np.zeros(n + 1, dtype=np.int64)
-    if not is_list_type(t):
-        raise _TypeMismatch(f"{t} (not a list; set multi_hot = false)")
-    if not (pa.types.is_list(t) or pa.types.is_large_list(t)):
-        arr = pc.cast(arr, pa.large_list(t.value_type))
-        t = arr.type
-    dtype = np.int32 if pa.types.is_list(t) else np.int64
-    offs = np.frombuffer(arr.buffers()[1], dtype=dtype, count=arr.offset + n + 1)[arr.offset :]
-    offs = offs.astype(np.int64)
-    start, end = int(offs[0]), int(offs[-1])
-    if start:
-        offs -= start
-    # ListArray.values ignores the slice: take the child range the offsets cover
-    child = arr.values.slice(start, end - start)
-    row_bits, row_off = _validity(arr)
+_EXPECTED = {
+    "label": "a label 0 or 1",
+    "label_probability": "a label in [0, 1]",
+    "dense": "a finite number (or an empty field)",
+    "weight": "a finite weight >= 0",
+}
+_INT = re.compile(r"^\s*[+-]?\d+\s*$")
+_FLOAT = re.compile(r"^\s*[+-]?(\d+\.?\d*([eE][+-]?\d+)?|\.\d+([eE][+-]?\d+)?|nan|NaN|inf|Inf|infinity|Infinity)\s*$")
+
+
+def _number(value, text: bool, pattern: re.Pattern, cast, types):
+    """Return ``value`` (a CSV field when ``text``, else a JSON value) as a number of ``cast``'s
+    type, or None when it is not one (``pattern`` checks a field; a JSON bool is no number)."""
+    if text:
+        return cast(value) if pattern.match(value) else None
+    if isinstance(value, bool) or not isinstance(value, types):
+        return None
+    return cast(value)
+
+
+def _value_problem(col: Column, value, text: bool) -> tuple[str, str] | None:
+    """Return (expected, found) if ``value`` (a CSV field, or a JSON value) does not fit ``col``."""
+    t = col.type
+    if value is None:
+        if col.role in ("label", "label_probability", "weight"):
+            return _EXPECTED[col.role], "null (an empty field)" if text else "null"
+        return None
+    if pa.types.is_integer(t):
+        number = _number(value, text, _INT, int, int)
+        if number is None:
+            return _EXPECTED.get(col.role, "an integer"), repr(value)
+        bits = t.bit_width
+        lo, hi = (0, 2**bits - 1) if pa.types.is_unsigned_integer(t) else (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        if not lo <= number <= hi:
+            return _EXPECTED.get(col.role, f"an integer within {t}"), repr(value)
+        if col.role == "label" and number not in (0, 1):
+            return _EXPECTED["label"], repr(value)
+        return None
+    if pa.types.is_floating(t):
+        number = _number(value, text, _FLOAT, float, (int, float))
+        if number is None:
+            return _EXPECTED.get(col.role, "a number"), repr(value)
+        if pa.types.is_float32(t) and math.isfinite(number) and abs(number) > 3.4028234663852886e38:
+            number = math.inf
+        if col.role == "dense" and not math.isfinite(number):
+            return _EXPECTED["dense"], repr(value)
+        if col.role == "weight" and not (math.isfinite(number) and number >= 0):
+            return _EXPECTED["weight"], repr(value)
+        if col.role == "label_probability" and not 0 <= number <= 1:
+            return _EXPECTED["label_probability"], repr(value)
+        return None
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        if not text and not isinstance(value, str):
+            return "a string", repr(value)
+        return None
+    if pa.types.is_boolean(t):
+        if text and value.strip().lower() not in ("true", "false", "1", "0"):
+            return "true or false", repr(value)
+        if not text and not isinstance(value, bool):
+            return "true or false", repr(value)
+        return None
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        if text:
+            return None  # CSV has no lists; the column plan refuses them earlier
+        if not isinstance(value, list):
+            return f"a JSON array for {t}", repr(value)[:60]
+        elem = Column(col.name, t.value_type, "other")
+        for v in value:
+            problem = _value_problem(elem, v, text=False)
+            if problem is not None:
+                return f"a JSON array of {t.value_type}", repr(v)[:60]
+        return None
+    if pa.types.is_struct(t):
+        if not isinstance(value, dict):
+            return f"a JSON object with {', '.join(f.name for f in t)}", repr(value)[:60]
+        for f in t:
+            problem = _value_problem(Column(f.name, f.type, "weight" if f.name == "weight" else "other"),
+                                     value.get(f.name), text=False)
+            if problem is not None:
+                return f"field {f.name!r}: {problem[0]}", problem[1]
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """A tqdm bar over input bytes on a TTY, else a line every ``every_s`` seconds."""
+
+    def __init__(self, total_bytes: int, enabled: bool, every_s: float = 10.0) -> None:
+        self.enabled = enabled
+        self.total = total_bytes
+        self.every_s = every_s
+        self.t0 = time.perf_counter()
+        self.last = self.t0
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, desc="convert", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def update(self, done_bytes: int, rows: int) -> None:
+        if not self.enabled:
+            return
+        now = time.perf_counter()
+        rate = rows / max(now - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.n = done_bytes
+            self.bar.set_postfix_str(f"{rows:,} rows, {rate:,.0f} rows/s", refresh=True)
+        elif now - self.last >= self.every_s:
+            self.last = now
+            share = f"{100 * done_bytes / self.total:.0f}% of input, " if self.total else ""
+            print(f"convert: {share}{rows:,} rows, {rate:,.0f} rows/s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+# --------------------------------------------------------------------------- the conversion
+
+
+def _header_names(src: _Source, opts: ConvertOptions) -> list[str]:
+    raw = src.header()
     try:
-        keys, elem_bits, elem_off = _keys(child, kind, salt)
-    except _BadIds as exc:
-        elems = np.flatnonzero(exc.mask)
-        rows = np.searchsorted(offs, elems, side="right") - 1
-        live = _valid_mask(row_bits, row_off, n)[rows]  # ids under a null row are dropped anyway
-        elems, rows = elems[live], rows[live]
-        if rows.size:
-            mask = np.zeros(n, dtype=bool)
-            mask[rows] = True
-            shown = f"{exc.show(int(elems[0]))} in the list"
-            raise _BadIds(mask, exc.expected, lambda _: shown) from None
-        keys, elem_bits, elem_off = _keys(child, kind, salt, check=False)
-    if row_bits.shape[0] == 0 and elem_bits.shape[0] == 0:
-        return keys, offs
-    out_vals = np.empty(keys.shape[0], dtype=np.int64)
-    out_offs = np.empty(n + 1, dtype=np.int64)
-    k = _compact_kernel(offs, row_bits, row_off, elem_bits, elem_off, keys, out_vals, out_offs)
-    return out_vals[:k], out_offs
-
-
-def _keys(arr: pa.Array, kind: str, salt: int, check: bool = True) -> tuple[np.ndarray, np.ndarray, int]:
-    """Return (hashed keys [n], validity bitmap, bit offset) of a flat id array.
-
-    ``_BadIds`` (when ``check``) if a non-null id is one the service could never be asked
-    for: an unsigned int above int64's range, or bytes that are not UTF-8 in a string column.
-    """
-    t = arr.type
-    n = len(arr)
-    if pa.types.is_null(t):
-        return np.zeros(n, dtype=np.int64), np.zeros((n + 7) // 8 + 1, dtype=np.uint8), 0
-    if pa.types.is_dictionary(t):
-        if arr.dictionary.null_count:
-            return _keys(arr.dictionary_decode(), kind, salt, check)
-        indices = _fixed_values(arr.indices)
-        bits, off = _validity(arr)
-        if len(arr.dictionary) == 0:  # every row null (their indices point nowhere)
-            return np.zeros(n, dtype=np.int64), bits, off
-        try:  # the distinct values only: checks and hashing are cheap here
-            dict_keys, _, _ = _keys(arr.dictionary, kind, salt, check)
-        except _BadIds as exc:
-            mask = exc.mask[indices] & _valid_mask(bits, off, n)
-            if mask.any():
-                show = exc.show
-                raise _BadIds(mask, exc.expected, lambda i: show(int(indices[i]))) from None
-            dict_keys, _, _ = _keys(arr.dictionary, kind, salt, check=False)
-        return np.take(dict_keys, indices, mode="clip"), bits, off
-    bits, off = _validity(arr)
-    if kind == "int64":
-        if not pa.types.is_integer(t):
-            raise _TypeMismatch(str(t))
-        values = _fixed_values(arr)
-        if check and values.dtype == np.uint64 and n:
-            _check_uint64(values, bits, off)
-        return hashing.hash_int64(values, salt), bits, off
-    if check and (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
-        _check_utf8(arr)
-    if pa.types.is_string_view(t) or pa.types.is_binary_view(t):
-        arr = pc.cast(arr, pa.large_binary())
-        t = arr.type
-    if pa.types.is_string(t) or pa.types.is_binary(t):
-        odt = np.int32
-    elif pa.types.is_large_string(t) or pa.types.is_large_binary(t):
-        odt = np.int64
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConvertError(f"{src.inp.display}: line 1: expected a header of column names in UTF-8, "
+                           f"found {raw[:60]!r}") from None
+    if opts.fmt == "csv":
+        names = next(csv.reader([text]), [])
     else:
-        raise _TypeMismatch(str(t))
-    bufs = arr.buffers()
-    offsets = np.frombuffer(bufs[1], dtype=odt, count=arr.offset + n + 1)[arr.offset :]
-    data = np.frombuffer(bufs[2], dtype=np.uint8) if bufs[2] is not None else _EMPTY_U8
-    return hashing.hash_strings(offsets, data, salt), bits, off
+        names = text.split("\t")
+    if not text or not all(names):
+        raise ConvertError(f"{src.inp.display}: line 1: expected a header of column names, found {text[:80]!r}")
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ConvertError(f"{src.inp.display}: line 1: expected distinct column names, found {dup} repeated")
+    return names
 
 
-def _valid_mask(bits: np.ndarray, off: int, n: int) -> np.ndarray:
-    if bits.shape[0] == 0:
-        return np.ones(n, dtype=bool)
-    return np.unpackbits(bits, count=off + n, bitorder="little")[off:] == 1
-
-
-def _check_uint64(values: np.ndarray, bits: np.ndarray, off: int) -> None:
-    """Raise _BadIds if a non-null uint64 id is beyond int64 (the check is one vectorized max)."""
-    if values.max() <= _INT64_MAX:
+def _check_plan(columns: list[Column], names: list[str] | None, display: str, opts: ConvertOptions) -> None:
+    if names is None:
         return
-    mask = (values > _INT64_MAX) & _valid_mask(bits, off, values.shape[0])
-    if mask.any():
-        raise _BadIds(mask, _EXPECT_INT64, lambda i: str(values[i]))
+    missing = [c.name for c in columns if c.name not in names]
+    if missing:
+        shown = ", ".join(names[:40]) + (" ..." if len(names) > 40 else "")
+        raise ConvertError(f"{display}: line 1: expected columns {missing} (the job reads them), "
+                           f"found a header without them ({shown})")
+    lists = [c.name for c in columns if pa.types.is_list(c.type) or pa.types.is_struct(c.type)]
+    if lists:
+        raise ConvertError(f"{display}: columns {lists} hold lists (multi-hot or weighted features), which "
+                           f"{opts.fmt.upper()} fields cannot; convert from JSON lines (--from jsonl) instead")
 
 
-def _check_utf8(arr: pa.Array) -> None:
-    """Raise _BadIds if a non-null value of a string array is not UTF-8.
-
-    Arrow's full validation checks UTF-8 (~2 ms per 65k short strings; the reader reads
-    string id columns as dictionaries, so it runs on the distinct values only); the slow
-    search for the culprits runs only when it fails.
-    """
+def _infer_types(parser: _Parser, block: bytes, opts: ConvertOptions, display: str, first_line: int) -> pa.Schema:
+    """Return the types Arrow infers from the start of ``block`` (for columns not typed yet)."""
+    head = block
+    if len(block) > (4 << 20):
+        cut = block.find(b"\n", 4 << 20)
+        head = block[: cut + 1] if cut >= 0 else block
     try:
-        arr.validate(full=True)
-        return
-    except pa.ArrowInvalid:
-        pass
-    raw = pc.cast(arr, pa.large_binary()).to_pylist()
-    mask = np.zeros(len(raw), dtype=bool)
-    for i, b in enumerate(raw):
-        if b is not None:
-            try:
-                b.decode("utf-8")
-            except UnicodeDecodeError:
-                mask[i] = True
-    if mask.any():
-        raise _BadIds(mask, _EXPECT_UTF8, lambda i: f"{raw[i][:40]!r} (not UTF-8)")
+        if opts.fmt == "jsonl":
+            t = pa_json.read_json(pa.BufferReader(head))
+        else:
+            t = pa_csv.read_csv(pa.BufferReader(head), read_options=pa_csv.ReadOptions(column_names=parser.names),
+                                parse_options=pa_csv.ParseOptions(delimiter=parser.delimiter,
+                                                                  quote_char='"' if opts.fmt == "csv" else False),
+                                convert_options=pa_csv.ConvertOptions(null_values=[""], strings_can_be_null=True))
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise ConvertError(f"{display}: lines {first_line}..: expected rows to infer column types from "
+                           f"(or give --schema JOB.toml), found {exc}") from None
+    return t.schema
 
 
-# --------------------------------------------------------------------------- batches
+def convert(
+    inputs: list[str],
+    out: str | os.PathLike,
+    opts: ConvertOptions,
+    *,
+    schema: Schema | None = None,
+    passthrough: list[str] = (),
+    infer: bool = False,
+    progress: bool = False,
+    log: Callable[[str], None] | None = None,
+) -> dict:
+    """Convert ``inputs`` into ``out/part-NNNNN.parquet``; return the report (also in ``out/_convert.json``).
 
-
-@dataclass(slots=True)
-class BatchArrays:
-    """A batch as numpy arrays in the KJT layout (see ``recsys.io.batch``), all views into one
-    buffer so that crossing a process boundary moves a single shared-memory block."""
-
-    buffer: np.ndarray
-    """uint8, holds every array below."""
-    owner: object
-    """What allocated ``buffer`` (a shared-memory tensor in worker processes), or None."""
-    layout: dict[str, tuple[int, str, tuple[int, ...]]]
-    """Array name → (byte offset in buffer, numpy dtype name, shape)."""
-    dense: np.ndarray
-    labels: np.ndarray
-    values: np.ndarray
-    lengths: np.ndarray
-    """int32 [F * B], feature-major."""
-    length_per_key: list[int]
-    offset_per_key: list[int]
-    extra: dict[str, np.ndarray]
-
-
-def numpy_alloc(nbytes: int) -> tuple[None, np.ndarray]:
-    """The default batch allocator: (no owner, a fresh uint8 array)."""
-    return None, np.empty(nbytes, dtype=np.uint8)
-
-
-def _plan_layout(specs: list[tuple[str, np.dtype, tuple[int, ...]]]) -> tuple[dict, int]:
-    layout, off = {}, 0
-    for name, dtype, shape in specs:
-        layout[name] = (off, np.dtype(dtype).name, shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        off += -(-nbytes // 64) * 64  # 64-byte aligned segments
-    return layout, off
-
-
-def assemble(pieces: list[tuple[UnitData, int, int]], conv: UnitConverter, alloc=numpy_alloc) -> BatchArrays:
-    """Return the batch made of rows ``[start, start + t)`` of each piece's unit, in order.
-
-    ``alloc(nbytes) -> (owner, uint8 array)`` provides the one buffer the batch lives in.
+    Columns: the preset's, the job's (``schema`` and ``passthrough``), or all the input's
+    with types inferred from the first block. ``infer`` also writes ``out/_job.toml``, a job
+    proposed from the first block's columns. ``out`` must hold no ``part-*.parquet`` yet.
     """
-    B = sum(t for _, _, t in pieces)
-    F = conv.num_features
-    first = pieces[0][0]
-    totals = np.zeros(F, dtype=np.int64)
-    for unit, start, t in pieces:
-        _slice_totals(unit.single_len, unit.multi_offs, start, t, conv.single_fidx, conv.multi_fidx, totals)
-    offsets = np.zeros(F + 1, dtype=np.int64)
-    np.cumsum(totals, out=offsets[1:])
-    specs = [
-        ("values", np.int64, (int(offsets[-1]),)),
-        ("dense", np.float32, (B, first.dense.shape[0])),
-        ("labels", np.float32, (B,)),
-        *((("weights", np.float32, (B,)),) if conv.schema.weight else ()),
-        *((("id_weights", np.float32, (int(offsets[-1]),)),) if conv.weighted else ()),
-        ("lengths", np.int32, (F * B,)),
-        *((f"extra.{c}", a.dtype, (B,)) for c, a in first.extra.items()),
+    files = resolve_inputs(inputs)
+    out = Path(out)
+    say = log or (lambda _msg: None)
+    if out.exists() and not out.is_dir():
+        raise ConvertError(f"{out}: expected an output directory, found a file")
+    finished = False
+    if out.is_dir():
+        finished = _finish_interrupted(out, say)
+        _remove_abandoned(out)
+    _refuse_parts(out, finished)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=out))
+    lock = _hold(tmp)
+    writer = SplitWriter(tmp, opts.rows_per_file, opts.row_group_rows, lambda _msg: _fault("mid-write"))
+    bar = _Progress(sum(f.size for f in files), progress)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recsys-convert-write")
+    pending = None
+    stats = {"rows": 0, "bad_rows": 0, "lines": 0, "input_bytes": sum(f.size for f in files)}
+    bad_kept: list[BadRow] = []
+    columns: list[Column] | None = None
+    names: list[str] | None = None
+    parser: _Parser | None = None
+    sample: pa.Table | None = None
+    done_bytes = 0
+    t0 = time.perf_counter()
+    try:
+        for inp in files:
+            src = _Source(inp, opts.block_bytes)
+            try:
+                file_names = None
+                if opts.fmt != "jsonl":
+                    file_names = CRITEO_COLUMNS if opts.preset == "criteo" else (
+                        _header_names(src, opts) if opts.header else None)
+                if names is not None and file_names != names and opts.fmt != "jsonl" and opts.header:
+                    raise ConvertError(f"{inp.display}: line 1: expected the header of the first file "
+                                       f"({', '.join(names[:20])}...), found {', '.join(file_names[:20])}...")
+                for block, first in src.blocks():
+                    if parser is None:
+                        if file_names is None and opts.fmt != "jsonl":  # no header: fields named by position
+                            n = len(block[: block.find(b"\n")].split(b"\t" if opts.fmt == "tsv" else b","))
+                            file_names = [f"f{j}" for j in range(n)]
+                        names = file_names
+                        columns = _plan(opts, schema, passthrough, names, inp.display)
+                        parser = _Parser(opts, names, columns)
+                        untyped = [c for c in columns if pa.types.is_null(c.type)]
+                        if untyped or infer:
+                            inferred = _infer_types(parser, block, opts, inp.display, first)
+                            for c in untyped:
+                                if c.name not in inferred.names:
+                                    raise ConvertError(f"{inp.display}: expected a field {c.name!r}, found none "
+                                                       f"in lines {first}..")
+                                c.type = _widen(inferred.field(c.name).type)
+                    table = _parse_block(parser, block, first, inp.display, opts, stats, bad_kept)
+                    if infer and sample is None:
+                        sample = table.slice(0, opts.infer_rows)
+                    stats["rows"] += table.num_rows
+                    if pending is not None:
+                        pending.result()
+                    pending = pool.submit(writer.add, table) if table.num_rows else None
+                    bar.update(done_bytes + src.raw_pos(), stats["rows"])
+            finally:
+                src.close()
+            done_bytes += inp.size
+            stats["lines"] += src.line - 1
+            say(f"read {inp.display}: {src.line - 1:,} lines")
+        if pending is not None:
+            pending.result()
+        writer.finish()
+        if stats["rows"] == 0:
+            raise ConvertError(f"{', '.join(f.display for f in files)}: expected at least one row, found "
+                               f"{stats['bad_rows']} bad and no good rows")
+    except BaseException:
+        if pending is not None:
+            try:
+                pending.result()
+            except BaseException:  # noqa: BLE001 - the first error is the one raised
+                pass
+        writer.abort()
+        pool.shutdown(wait=True)
+        bar.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+        raise
+    pool.shutdown(wait=True)
+    bar.close()
+    seconds = time.perf_counter() - t0
+    columns = parser.columns  # JSON without a job: typed from the first block
+    moved = [p.name for p in writer.paths]
+    report = {
+        "inputs": [f.display for f in files],
+        "format": opts.fmt,
+        "preset": opts.preset,
+        "out": str(out),
+        "files": [str(out / name) for name in moved],
+        "rows": stats["rows"],
+        "lines": stats["lines"],
+        "bad_rows": stats["bad_rows"],
+        "bad_rows_listed": [dataclasses.asdict(b) for b in bad_kept],
+        "seconds": round(seconds, 3),
+        "rows_per_s": round(stats["rows"] / seconds, 1) if seconds > 0 else None,
+        "input_bytes": stats["input_bytes"],
+        "row_group_rows": opts.row_group_rows,
+        "rows_per_file": opts.rows_per_file,
+        "columns": {c.name: str(c.type) for c in columns},
+    }
+    try:
+        if infer:
+            (tmp / PROPOSED_JOB).write_text(propose_job(sample, columns, out))
+            report["proposed_job"] = str(out / PROPOSED_JOB)
+            moved.append(PROPOSED_JOB)
+        (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
+        moved.append(REPORT)
+        _move_in(tmp, out, moved)
+    finally:
+        os.close(lock)
+    return report
+
+
+# --------------------------------------------------------------------------- the output, whole or not at all
+#
+# The files are written into a hidden directory inside ``out`` (the reader skips hidden
+# names), held by a lock, and fsynced. Then ``out/_convert.pending`` names them (created
+# exclusively, fsynced), they are renamed into ``out`` one by one, and the marker goes: the
+# reader refuses a directory holding it. A crash before the marker leaves ``out`` as it was
+# (the next conversion into it removes the hidden directory); after it, the next conversion
+# into ``out`` finishes the move (every file was on disk before the marker was), so no crash
+# loses a finished conversion or shows a part of one.
+
+FAULT_ENV = "RECSYS_FAULT_CONVERT"
+"""Test hook (no effect when unset): the process SIGKILLs itself at this point of a conversion."""
+FAULT_POINTS = ("mid-write", "written", "marked", "mid-move", "moved", "unmarked")
+"""In order: the first output file written (into the hidden directory), all of them written
+and fsynced, the marker written, the first file moved in, all moved in, the marker removed."""
+_LOCK = ".lock"
+
+
+def _fault(point: str) -> None:
+    if os.environ.get(FAULT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _refuse_parts(out: Path, finished: bool = False) -> None:
+    parts = list(out.glob("part-*.parquet")) if out.is_dir() else []
+    if parts:
+        whose = (" (an interrupted conversion's, whose move this run finished: the directory holds its whole "
+                 "output)") if finished else ""
+        raise ConvertError(f"{out}: expected an output directory without part-*.parquet files (they would mix "
+                           f"with this conversion's), found {len(parts)}{whose}; choose another --out or remove them")
+
+
+def _hold(tmp: Path) -> int:
+    """Lock ``tmp`` for this conversion; return the descriptor holding the lock (released at close or death)."""
+    import fcntl
+
+    fd = os.open(tmp / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _abandoned(tmp: Path) -> bool:
+    """Whether no live conversion holds ``tmp`` (its lock is free; no lock yet: its process is gone)."""
+    import fcntl
+
+    try:
+        fd = os.open(tmp / _LOCK, os.O_RDWR)
+    except FileNotFoundError:  # between the directory's creation and its lock: the pid in its name says
+        pid = tmp.name.split("-")[1] if tmp.name.count("-") >= 2 else ""
+        if not pid.isdigit():
+            return True
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _remove_abandoned(out: Path) -> None:
+    """Remove the hidden directories of conversions into ``out`` that died before their marker."""
+    for tmp in out.glob(".convert-*"):
+        if tmp.is_dir() and _abandoned(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_in(tmp: Path, out: Path, names: list[str]) -> None:
+    """Move ``tmp``'s files ``names`` (output files first, the report last) into ``out`` (see above)."""
+    for name in names:
+        fsync_file(tmp / name)
+    fsync_dir(tmp)
+    _fault("written")
+    marker = out / CONVERT_PENDING
+    try:
+        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise ConvertError(f"{out}: expected no other conversion moving files in, found {marker} (one is "
+                           "finishing now, or was interrupted: convert again once it is done)") from None
+    try:
+        os.write(fd, json.dumps({"from": tmp.name, "files": names}).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    fsync_dir(out)
+    try:
+        _refuse_parts(out)  # another conversion finished into ``out`` while this one ran
+    except ConvertError:
+        marker.unlink()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fault("marked")
+    for i, name in enumerate(names):
+        os.replace(tmp / name, out / name)
+        if i == 0:
+            _fault("mid-move")
+    fsync_dir(out)
+    _fault("moved")
+    marker.unlink()
+    fsync_dir(out)
+    _fault("unmarked")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _finish_interrupted(out: Path, say: Callable[[str], None]) -> bool:
+    """Finish the move of a conversion into ``out`` that died after its marker (its files are
+    all on disk, in its hidden directory or moved in already); return whether there was one.
+    ConvertError if that conversion is alive."""
+    marker = out / CONVERT_PENDING
+    if not marker.is_file():
+        return False
+    try:
+        intent = json.loads(marker.read_text())
+        src, names = out / intent["from"], list(intent["files"])
+    except (ValueError, KeyError, TypeError):  # died while writing the marker: nothing moved yet
+        marker.unlink()
+        fsync_dir(out)
+        return False
+    if src.is_dir() and not _abandoned(src):
+        raise ConvertError(f"{out}: expected no other conversion moving files in, found {marker} (one is "
+                           "finishing now: convert again once it is done)")
+    lost = [n for n in names if not (src / n).exists() and not (out / n).exists()]
+    if lost:
+        raise ConvertError(f"{marker}: expected the files of an interrupted conversion in {src} or {out}, found "
+                           f"{lost} in neither; the directory holds part of a data set: remove it and convert again")
+    for name in names:
+        if (src / name).exists():
+            os.replace(src / name, out / name)
+    fsync_dir(out)
+    marker.unlink()
+    fsync_dir(out)
+    shutil.rmtree(src, ignore_errors=True)
+    say(f"{out}: finished moving in the {len(names)} files of a conversion that was interrupted")
+    return True
+
+
+def _plan(opts: ConvertOptions, schema: Schema | None, passthrough, names, display) -> list[Column]:
+    if opts.preset == "criteo":
+        columns = criteo_columns()
+        if schema is not None:  # the job may read fewer columns, with its own label kind
+            wanted = {c.name for c in job_columns(schema, list(passthrough))}
+            columns = [c for c in columns if c.name in wanted]
+            _check_plan(job_columns(schema, list(passthrough)), CRITEO_COLUMNS, display, opts)
+        return columns
+    if schema is not None:
+        columns = job_columns(schema, list(passthrough))
+        _check_plan(columns, names, display, opts)
+        return columns
+    if names is None:  # JSON without a job: every field, typed from the first block
+        return []
+    return [Column(n, pa.null()) for n in names]
+
+
+def _widen(t: pa.DataType) -> pa.DataType:
+    """Return the type a column inferred as ``t`` from one block keeps for all of them."""
+    if pa.types.is_null(t):
+        return pa.string()
+    if pa.types.is_timestamp(t) or pa.types.is_date(t) or pa.types.is_time(t):
+        return pa.string()  # kept as written
+    return t
+
+
+def _parse_block(parser: _Parser, block: bytes, first: int, display: str, opts: ConvertOptions,
+                 stats: dict, bad_kept: list[BadRow]) -> pa.Table:
+    """Return the block's good rows as a table; count (and with ``error``, raise on) its bad rows."""
+    if not parser.columns and opts.fmt == "jsonl":  # JSON without a job: fix the types now
+        inferred = _infer_types(parser, block, opts, display, first)
+        parser.columns = [Column(f.name, _widen(f.type)) for f in inferred]
+    table, skipped, error = parser.parse(block)
+    bad: list[tuple[int, str | None, str, str]] = []
+    if table is not None and not skipped:
+        bad = parser.check(table)
+        if bad:  # rows are the block's lines one to one here
+            mask = [True] * table.num_rows
+            for r, *_ in bad:
+                mask[r] = False
+            table = table.filter(pa.array(mask))
+    elif table is not None or error is not None:
+        bad = parser.scan(block)
+        lines = block.split(b"\n")
+        bad_idx = {i for i, *_ in bad}
+        good = b"".join(line + b"\n" for i, line in enumerate(lines[:-1]) if i not in bad_idx)
+        table, skipped, error = parser.parse(good) if good else (None, 0, None)
+        if good and (error is not None or skipped or parser.check(table)):
+            why = error or f"{skipped} rows with a wrong field count"
+            raise ConvertError(f"{display}: lines {first}-{first + len(lines) - 2}: expected rows Arrow parses, "
+                               f"found {why}") from None
+        if table is None:
+            table = pa.table({c.name: pa.array([], c.type) for c in parser.columns})
+    if bad:
+        rows = [BadRow(display, first + r, c, e, f) for r, c, e, f in bad]
+        stats["bad_rows"] += len(rows)
+        if opts.bad_rows == "error":
+            last = first + block.count(b"\n") - 1
+            more = f" ({len(rows)} bad rows in lines {first}-{last})" if len(rows) > 1 else ""
+            raise ConvertError(f"{rows[0]}{more}; --bad-rows skip leaves such rows out, counted; "
+                               f"nothing was written")
+        room = BAD_ROWS_KEPT - len(bad_kept)
+        bad_kept.extend(rows[: max(room, 0)])
+    return table.select([c.name for c in parser.columns])
+
+
+# --------------------------------------------------------------------------- proposing a job
+
+_LABEL_NAMES = ("label", "click", "clicked", "is_click", "target", "y", "conversion", "converted")
+
+
+def propose_job(sample: pa.Table, columns: list[Column], out: Path) -> str:
+    """Return a job TOML for the converted data: label, dense and sparse features by type and cardinality.
+
+    - label: a column named like one (``label``, ``click``, ``target``, ...), else the first
+      integer or boolean column holding only 0 and 1;
+    - sparse: string columns; integer columns named ``*id`` or with more distinct values
+      than half the sampled rows; lists of ids (multi-hot);
+    - dense: the other numeric and boolean columns.
+    Capacities are ten times the distinct ids seen in the sample (at least 1000): edit them
+    for the full data.
+    """
+    n = max(sample.num_rows, 1)
+    names = [c.name for c in columns]
+    label = next((c for c in names if c.lower() in _LABEL_NAMES), None)
+    if label is None:
+        for c in columns:
+            if pa.types.is_integer(c.type) or pa.types.is_boolean(c.type):
+                vals = pc.unique(sample.column(c.name).drop_null()).to_pylist()
+                if set(vals) <= {0, 1, True, False} and vals:
+                    label = c.name
+                    break
+    dense, sparse = [], []
+    for c in columns:
+        if c.name == label:
+            continue
+        t = c.type
+        if pa.types.is_list(t) or pa.types.is_large_list(t):
+            v = t.value_type
+            kind = "int64" if pa.types.is_integer(v) else "string" if pa.types.is_string(v) else None
+            if kind:
+                distinct = len(pc.unique(pc.list_flatten(sample.column(c.name)).drop_null()))
+                sparse.append((c.name, kind, True, distinct))
+            continue
+        if pa.types.is_string(t) or pa.types.is_large_string(t):
+            sparse.append((c.name, "string", False, len(pc.unique(sample.column(c.name).drop_null()))))
+        elif pa.types.is_integer(t):
+            distinct = len(pc.unique(sample.column(c.name).drop_null()))
+            if c.name.lower().endswith("id") or distinct > n / 2:
+                sparse.append((c.name, "int64", False, distinct))
+            else:
+                dense.append(c.name)
+        elif pa.types.is_floating(t) or pa.types.is_boolean(t):
+            dense.append(c.name)
+    top = {"name": _toml_key(out.name or "converted"),
+           "schema": {"label": label or "CHOOSE_A_LABEL_COLUMN", "dense": dense,
+                      "sparse": [{"name": _toml_key(name), "column": name, "kind": kind,
+                                  **({"multi_hot": True} if multi else {})} for name, kind, multi, _ in sparse]}}
+    parts = [
+        f"# Proposed by `recsys convert --infer` from the first {sample.num_rows:,} rows: check the label,\n"
+        "# which columns are dense or sparse, and the capacities; then `recsys inspect --config` this file.\n",
+        tomli_w.dumps(top),
     ]
-    layout, nbytes = _plan_layout(specs)
-    owner, buffer = alloc(nbytes)
-    views = {}
-    for name, (off, dtype, shape) in layout.items():
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        views[name] = buffer[off : off + size].view(dtype).reshape(shape)
-    dense, labels, values = views["dense"], views["labels"], views["values"]
-    weights = views.get("weights")
-    lengths = views["lengths"].reshape(F, B)
-    extra = {c: views[f"extra.{c}"] for c in first.extra}
-    pos = 0
-    for unit, start, t in pieces:
-        dense[pos : pos + t] = unit.dense[:, start : start + t].T
-        labels[pos : pos + t] = unit.labels[start : start + t]
-        if weights is not None:
-            weights[pos : pos + t] = unit.weights[start : start + t]
-        for c, arr in extra.items():
-            arr[pos : pos + t] = unit.extra[c][start : start + t]
-        pos += t
-    cursor = offsets[:-1].copy()
-    pos = 0
-    for unit, start, t in pieces:
-        _slice_sparse(unit.single_keys, unit.single_len, unit.multi_offs, unit.multi_vals, start, t,
-                      conv.single_fidx, conv.multi_fidx, lengths, pos, values, cursor)
-        pos += t
-    if conv.weighted:
-        id_weights, cursor = views["id_weights"], offsets[:-1].copy()
-        for unit, start, t in pieces:
-            _slice_weights(unit.single_len, unit.multi_offs, unit.multi_wts, start, t, conv.single_fidx,
-                           conv.multi_fidx, id_weights, cursor)
-    return BatchArrays(
-        buffer=buffer, owner=owner, layout=layout, dense=dense, labels=labels, values=values,
-        lengths=views["lengths"], length_per_key=totals.tolist(), offset_per_key=offsets.tolist(),
-        extra=extra,
-    )
+    for name, _kind, _multi, distinct in sparse:
+        cap = max(1000, 10 * distinct)
+        parts.append(f"# {distinct:,} distinct ids in the sample\n"
+                     + tomli_w.dumps({"schema": {"tables": {_toml_key(name): {"dim": 16, "capacity": cap}}}}))
+    parts.append(tomli_w.dumps({"data": {"train": {"paths": [str(out)]}}}))
+    return "\n".join(parts)
+
+
+def _toml_key(name: str) -> str:
+    """Return ``name`` as a feature/table name the schema accepts (other characters become ``_``)."""
+    key = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
+    return key if re.match(r"^[A-Za-z_]", key) else f"f_{key}"

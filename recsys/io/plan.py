@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys.io.convert import UnitConverter, UnitData, assemble, numpy_alloc
+from recsys.io.decode import UnitConverter, UnitData, assemble, numpy_alloc
 from recsys.io.errors import ReadError
 from recsys.io.units import UnitTable, check_file_schema, open_parquet
 

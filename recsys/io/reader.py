@@ -44,7 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys import priority
 from recsys.io.batch import Batch
 from recsys.io.config import ReaderConfig
-from recsys.io.convert import BatchArrays, UnitConverter
+from recsys.io.decode import BatchArrays, UnitConverter
 from recsys.io.errors import ReadError
 from recsys.io.inspect import describe
 from recsys.io.plan import ReadContext, SlotPlan, SlotRunner, background_priority, priority_target

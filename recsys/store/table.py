@@ -21,7 +21,7 @@ Layout (every array preallocated at construction, indexed by slot)::
               │ new key: init row            (absent / rejected keys: ignored, counted)
               └ full: evict LRU rows ─► on_evict(rows as Arrow)
 
-A new key's initial vector depends only on (seed, table name, key) (``recsys.store.init``),
+A new key's initial vector depends only on (seed, table name, key) (``recsys.store.initial``),
 so every shard, insertion order, capacity and world size starts a key identically.
 
 Admission (``min_count > 1``): sightings of keys that have no row are counted in a
@@ -69,8 +69,8 @@ from recsys.schema import TableSpec
 from recsys.store import optim, pages
 from recsys.store.config import StoreConfig
 from recsys.store.float16 import f16_lut, gather_f16_kernel, scatter_f16_kernel, to_float32
-from recsys.store.init import init_kernel as _init_kernel
-from recsys.store.init import init_salt, init_vectors
+from recsys.store.initial import init_kernel as _init_kernel
+from recsys.store.initial import init_salt, init_vectors
 from recsys.store.keymap import FrequencySketch, KeyMap, as_keys, commit_pages
 from recsys.store.prefetch import ROWS_AHEAD, prefetch
 from recsys.store.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column

@@ -1,4 +1,5 @@
-"""``recsys eval``: score a checkpoint on a Parquet split, streaming, with the training code path.
+"""Scoring a checkpoint: load it and stream its predictions on Parquet files, with the training
+code path (what ``recsys eval``, ``recsys/eval/evaluate.py``, builds its report on).
 
 The checkpoint carries its resolved job config, so only its path is needed. Rows are
 read by the same reader (same hashing), embeddings come from the same store (rows loaded
