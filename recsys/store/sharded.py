@@ -1196,10 +1196,10 @@ class ShardedEmbeddingStore:
                 rows.append(arena.offsets[p.name] + slots)
                 positions.append(p.base + sel)
         if rows:
-            pos = np.concatenate(positions)
-            if pos.shape[0] < grads.shape[0]:
-                grads = grads.index_select(0, torch.from_numpy(pos).to(grads.device))
-            arena.update(np.concatenate(rows), grads)
+            pos = np.concatenate(positions)  # ascending: parts in order, each one's cached keys in order
+            n = sum(len(p.keys_U) for p in parts)
+            g = grads[:n] if pos.shape[0] == n else grads.index_select(0, torch.from_numpy(pos).to(grads.device))
+            arena.update(np.concatenate(rows), g)
 
     def _apply(self, part: _TablePart, keys_U: np.ndarray, grads_UD: np.ndarray, step: int) -> None:
         table = self.tables[part.name]
