@@ -19,8 +19,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.store.config import StoreConfig
-from recsys.store.device_cache import DeviceCache
-from recsys.store.sharded import ShardedEmbeddingStore, device_budget_rows
+from recsys.store.device_cache import DeviceCache, device_budget_rows
+from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.table import EmbeddingTable
 from store_data import random_kjts, three_feature_schema, train_pooled
 from test_train import JOB, ROOT, overrides

@@ -365,9 +365,9 @@ def test_a_failing_table_raises_as_in_table_order_with_threads(threaded):
 
 
 def test_lanes_split_every_item_once_and_balance():
-    from recsys.store.sharded import _Lanes
+    from recsys.store.lanes import Lanes
 
-    lanes = _Lanes(3)
+    lanes = Lanes(3)
     try:
         costs = [5.0, 1.0, 1.0, 4.0, 3.0, 9.0, 0.0]
         groups = lanes.split(costs)
@@ -385,11 +385,11 @@ def test_a_waiting_caller_takes_tables_of_the_workers_call():
     import threading
     from concurrent.futures import Future
 
-    from recsys.store.sharded import _Board, _HelpedFuture, _Lanes
+    from recsys.store.lanes import Board, HelpedFuture, Lanes
 
-    board = _Board()
-    lanes = _Lanes(1, board)
-    done: _HelpedFuture = _HelpedFuture(board)
+    board = Board()
+    lanes = Lanes(1, board)
+    done: HelpedFuture = HelpedFuture(board)
     helper_started = threading.Event()
     ran: dict[int, str] = {}
     lock = threading.Lock()

@@ -49,7 +49,7 @@ from recsys.store.keymap import KeyMap, as_keys
 from recsys.store.rowblock import RowBlock
 from recsys.store.table import EmbeddingTable, check_push
 
-__all__ = ["DeviceArena", "DeviceCache", "CACHE_COUNTERS", "apply_update_torch"]
+__all__ = ["DeviceArena", "DeviceCache", "device_budget_rows", "CACHE_COUNTERS", "apply_update_torch"]
 
 CACHE_COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "writebacks")
 _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
@@ -309,6 +309,27 @@ class DeviceCache:
         self._w.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(block.emb)).to(self.device, self._w.dtype))
         for name, t in self._state.items():
             t.index_copy_(0, idx, torch.from_numpy(np.ascontiguousarray(block.states[name])).to(self.device))
+
+
+def device_budget_rows(specs: dict, cfg) -> dict[str, int]:
+    """Return the device cache rows of each table (its shard's ``TableSpec``) under
+    ``cfg.device_memory_gb``: every table's capacity when all fit, else the budget shared in
+    proportion to capacity (at least 1 row each). Empty without a budget."""
+    if not cfg.device_memory_gb or not specs:
+        return {}
+    itemsize = np.dtype(cfg.dtype).itemsize
+    budget = cfg.device_memory_gb * 2**30
+    rows: dict[str, int] = {}
+    per_row = {}
+    for name, spec in specs.items():
+        state = sum((spec.dim if c.per_dim else 1) * np.dtype(c.dtype).itemsize
+                    for c in optim.state_columns(cfg.optimizer))
+        per_row[name] = spec.dim * itemsize + state
+    need = sum(spec.capacity * per_row[name] for name, spec in specs.items())
+    share = min(1.0, budget / need)
+    for name, spec in specs.items():
+        rows[name] = max(1, min(spec.capacity, int(spec.capacity * share)))
+    return rows
 
 
 class DeviceArena:
