@@ -78,6 +78,7 @@ def _check(result: dict, saved: dict, s: train_gpu.Settings, with_torchrec: bool
     assert all(math.isfinite(v) for v in saved["seconds_per_part"].values())
 
 
+@pytest.mark.slow  # 22 s, like the CPU bench's whole quick run; make gpu-check runs it on a GPU
 def test_train_gpu_bench_tiny_on_cpu(tmp_path, monkeypatch, capsys, tiny_data):
     result, saved = _run(tmp_path, monkeypatch, tiny_data, TINY)
     _check(result, saved, TINY, with_torchrec=True)  # on CPU, (c) is the CPU bench's torchrec peer

@@ -283,6 +283,7 @@ def test_sigterm_to_one_node_is_a_graceful_leave_and_to_every_node_a_stop(tiny_d
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # 53 s; make test keeps the node-leaves-and-joins resize and the SIGTERM resume
 def test_two_then_one_then_three_workers_by_stop_and_resume(tiny_data, tmp_path):
     run_dir = tmp_path / "resized"
     # no periodic checkpoints: SIGTERM makes the ones to resume from

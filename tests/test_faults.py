@@ -196,7 +196,13 @@ KILLS = {
 }
 
 
-@pytest.mark.parametrize("kills", list(KILLS.values()), ids=list(KILLS))
+# make test runs the pair that crosses an epoch; the other two run with the slow tests
+# (``pytest -m slow``): 40 s each, and make test must stay under 20 minutes on 2 cores
+IN_MAKE_TEST = "step33-rank0_then_epoch2-step70-rank1"
+
+
+@pytest.mark.parametrize("kills", [pytest.param(v, id=k, marks=() if k == IN_MAKE_TEST else pytest.mark.slow)
+                                   for k, v in KILLS.items()])
 def test_sigkilled_workers_restart_from_checkpoint_to_the_same_result(uninterrupted, tmp_path, kills):
     data, reference = uninterrupted
     job = _job(data, tmp_path / "killed", uuid.uuid4().hex).start()
@@ -269,7 +275,8 @@ def _assert_same_run(full: Path, resumed: Path, from_step: int) -> None:
             np.testing.assert_array_equal(ra[name][key], rb[name][key], err_msg=f"table {name} key {key}")
 
 
-@pytest.mark.parametrize("after_end", [0, 1], ids=["at-the-short-ranks-last-batch", "one-empty-batch-later"])
+@pytest.mark.parametrize("after_end", [pytest.param(0, id="at-the-short-ranks-last-batch"),
+                                       pytest.param(1, id="one-empty-batch-later", marks=pytest.mark.slow)])
 def test_resume_where_one_rank_already_finished_the_epoch(tiny, tmp_path, after_end):
     """Two ranks with uneven shares: the checkpoint is taken when the short rank's data ran out
     (its look-ahead fetch came back empty) but the other's did not; the resumed run must go on
