@@ -214,6 +214,7 @@ def test_sigkilled_workers_restart_from_checkpoint_to_the_same_result(uninterrup
     assert_same_end(reference, job.run_dir)
 
 
+@pytest.mark.slow  # 77 s, most of it the collective timeout and torchrun's 30 s grace: make test stays < 20 min
 def test_a_stopped_worker_is_noticed_and_the_job_restarts_to_the_same_result(uninterrupted, tmp_path):
     """SIGSTOP: the peer's collective times out after train.collective_timeout_s (not gloo's
     30 minutes), it exits, torchrun kills the stopped worker and restarts both from the last
