@@ -231,10 +231,13 @@ class ShardedEmbeddingStore:
         self.table_names = list(schema.tables)
         from recsys.store.device_cache import device_budget_rows
 
-        self._device_budget_rows = device_budget_rows(
+        budget_rows = device_budget_rows(
             {name: self._shard_spec(spec) for name, spec in schema.tables.items()}, cfg)
         self._arena = None  # every table's device cache in one array (recsys.store.device_cache.DeviceArena)
-        cache_rows = {name: cfg.device_cache_rows or self._device_budget_rows.get(name, 0) for name in schema.tables}
+        # each table's device cache rows (0: none), from device_cache_rows or the budget
+        self._cache_rows = {name: cfg.device_cache_rows or budget_rows.get(name, 0)
+                            for name in schema.tables}
+        cache_rows = self._cache_rows
         if table_factory is None and cache_rows and all(cache_rows.values()):
             from recsys.store.device_cache import DeviceArena
 
@@ -272,8 +275,7 @@ class ShardedEmbeddingStore:
         self._table_columns = {t: np.isin(np.arange(len(schema.sparse)), self._features_of[t]) for t in self.table_names}
         # per-table work on several threads: plain host tables only (a spill tier's Redis
         # client and a device cache stay on the worker thread)
-        cached = bool(self._device_budget_rows) or cfg.device_cache_rows > 0
-        plain = table_factory is None and not cfg.spill_url and not cached
+        plain = table_factory is None and not cfg.spill_url and not any(self._cache_rows.values())
         lanes = (cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
         self._board = Board() if threaded and cfg.waiter_helps and plain and self.device.type == "cpu" else None
         self._lanes = Lanes(lanes, self._board)
@@ -303,7 +305,7 @@ class ShardedEmbeddingStore:
     def _make_table(self, table_factory, name: str, spec: TableSpec, cfg: StoreConfig):
         """Return one table's tiers: ``table_factory``'s table (default: an ``EmbeddingTable``
         spilling to ``cfg.spill_url`` if set, listing only this rank's keys), wrapped in a
-        ``DeviceCache`` on ``self.device`` when ``cfg.device_cache_rows > 0``."""
+        ``DeviceCache`` on ``self.device`` when it has cache rows (``device_cache_rows`` or the budget)."""
         if table_factory is not None:
             table = table_factory(name, spec, cfg)
         else:
@@ -319,7 +321,7 @@ class ShardedEmbeddingStore:
                     owns = lambda keys: hashing.owner_of(keys, world) == rank  # noqa: E731
                 spill = SpillTier(name, spec.dim, cfg, owns=owns)
             table = EmbeddingTable(name, spec, cfg, spill=spill)
-        rows = cfg.device_cache_rows or self._device_budget_rows.get(name, 0)
+        rows = self._cache_rows[name]
         if rows > 0:
             from recsys.store.device_cache import DeviceCache
 

@@ -424,7 +424,8 @@ class Trainer:
     def _arrive(self, staged) -> Batch:
         """Return the staged batch on the device, once the compute stream may read it."""
         batch, event = staged
-        arrive([batch.dense, batch.labels, batch.weights, *batch.extra.values()], event)
+        if event is not None:  # on the CPU nothing was copied: no list built every step
+            arrive([batch.dense, batch.labels, batch.weights, *batch.extra.values()], event)
         return batch
 
     def train(self) -> dict:
