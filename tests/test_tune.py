@@ -152,6 +152,22 @@ def test_the_space_file_is_checked(tiny_data, tmp_path):
                                                                      base["schema"]["tables"]}
 
 
+def test_the_default_space_fits_a_job_that_tunes_its_wide_arm(tiny_data):
+    """A job with wide_lr set (model.wide = true) loads under the default space, whose
+    model.wide choice includes false: a trial without the arm drops the arm's settings."""
+    from recsys.config import JobConfig, apply_overrides, read_toml
+    from recsys.tune.run import DEFAULT_SPACE
+    from recsys.tune.space import load_space
+
+    base = apply_overrides(read_toml(JOB), [*job_sets(tiny_data), "model.wide=true", "model.wide_lr=0.05"],
+                           JobConfig)
+    space = load_space(DEFAULT_SPACE, base)
+    assert space.job({"model.wide": False}, "trial").model.wide is False
+    kept = space.job({"model.wide": True}, "trial").model
+    assert kept.wide is True and kept.wide_lr == 0.05
+    assert base["model"]["wide_lr"] == 0.05  # the base job is not changed by a trial
+
+
 def test_the_job_must_have_a_validation_split_and_a_metric(tiny_data, space, tmp_path):
     from recsys.errors import UserError
     from recsys.tune.run import TuneOptions, prepare

@@ -81,10 +81,7 @@ class Space:
 
     def job_data(self, values: dict[str, Any]) -> dict:
         """Return the base job's data with ``values`` (concrete job keys) set."""
-        data = copy.deepcopy(self.base)
-        for key, value in values.items():
-            _set(data, key.split("."), value)
-        return data
+        return _with_values(self.base, values)
 
     def job(self, values: dict[str, Any], where: str) -> JobConfig:
         """Return the base job with ``values`` set (``ConfigError`` naming ``where`` if it does not fit)."""
@@ -238,13 +235,27 @@ def _expand(key: str, base: dict, where: str) -> list[str]:
     return out
 
 
-def _check(base: dict, values: dict[str, Any], where: str) -> None:
-    """Raise ``ConfigError`` naming ``where`` unless the job with ``values`` set loads."""
+WIDE_ONLY = ("wide_lr", "wide_initial_accumulator", "wide_weight_decay")
+"""``model`` keys that configure the wide arm: dropped when a trial turns ``model.wide`` off (a job
+tuned for its wide arm stays searchable with and without it)."""
+
+
+def _with_values(base: dict, values: dict[str, Any]) -> dict:
+    """Return a copy of ``base`` with ``values`` (concrete job keys) set."""
     data = copy.deepcopy(base)
     for key, value in values.items():
         _set(data, key.split("."), value)
+    model = data.get("model")
+    if isinstance(model, dict) and model.get("wide") is False:
+        for key in WIDE_ONLY:
+            model.pop(key, None)
+    return data
+
+
+def _check(base: dict, values: dict[str, Any], where: str) -> None:
+    """Raise ``ConfigError`` naming ``where`` unless the job with ``values`` set loads."""
     try:
-        from_dict(JobConfig, data, "job")
+        from_dict(JobConfig, _with_values(base, values), "job")
     except ConfigError as exc:
         raise ConfigError(f"{where}: {values} does not fit the job: {exc}") from None
 
