@@ -241,7 +241,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         if target != "train":
             raise UserError(f"bench {target}: --device cuda is for `recsys bench train` only")
         target = "train_gpu"
-    result = run(target, json_out=args.json, quick=args.quick, data=args.data)
+    options = {}
+    if args.tuned or args.splits is not None:
+        if target != "quality":
+            raise UserError(f"bench {target}: --tuned and --splits are for `recsys bench quality` only")
+        options = {"tuned": args.tuned, "splits": args.splits}
+    result = run(target, json_out=args.json, quick=args.quick, data=args.data, **options)
     return 0 if result.get("passed", True) else 1  # a scenario bench (faults) fails when one scenario does
 
 
@@ -459,6 +464,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", type=Path, help="data directory to use instead of the default")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="train only: cuda runs the GPU training benchmark (recsys/bench/train_gpu.py; default cpu)")
+    p.add_argument("--tuned", action="store_true",
+                   help="quality only: add each real set's job found by `recsys tune` (30 trials / 30 min; reused)")
+    p.add_argument("--splits", type=int, metavar="N",
+                   help="quality only: random splits for sets with under 10 k eval rows (default 10; --quick: 0)")
     p.set_defaults(func=_cmd_bench)
     return parser
 

@@ -100,3 +100,45 @@ def test_flights_come_from_the_installed_package_with_pre_departure_features_onl
     assert not leaks & set(cols)
     last_day = cols["date"].max()
     assert last_day == 364 and cols["day_of_year"].max() == 364.0  # 2013 had 365 days
+
+
+def test_paired_difference_and_its_interval_against_scipy():
+    """The paired mean and its 95 % interval, worked out again with scipy's one-sample t-test
+    interval on the differences."""
+    from scipy import stats
+
+    ours = [0.70, 0.72, 0.69, 0.75, 0.71]
+    base = [0.68, 0.73, 0.66, 0.70, 0.71]
+    d = np.subtract(ours, base)
+    low, high = stats.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
+    got = quality.paired(ours, base)
+    assert got["mean"] == pytest.approx(d.mean()) and got["splits"] == 5 and got["wins"] == 3
+    assert (got["low"], got["high"]) == (pytest.approx(low), pytest.approx(high))
+    assert np.isnan(quality.paired([0.7], [0.6])["low"])  # one split: no interval
+
+
+def test_repeated_splits_shuffle_by_split_and_pair_each_model(tmp_path, monkeypatch):
+    """Two quick random splits of fair: split k is the set shuffled with seed k (split 0 the
+    jobs' own), every model scored on each, the differences paired per split."""
+    import pyarrow.parquet as pq
+
+    monkeypatch.setattr(quality, "DATA", tmp_path / "quality-data")
+    s = quality.SETS["fair"]
+    roots = [quality.prepare(s, split=k) for k in (0, 1)]
+    assert roots == [tmp_path / "quality-data" / "fair", tmp_path / "quality-data" / "fair-split1"]
+    evals = [pq.read_table(r / "eval").num_rows for r in roots]
+    assert evals == [955, 955]
+    first = [pq.read_table(r / "eval").slice(0, 50).to_pydict() for r in roots]
+    assert first[0] != first[1]  # another shuffle
+    job = quality.ROOT / s.job
+    entry = quality.repeated("fair", {"ours": job}, splits=2, threads=1, out_root=tmp_path / "runs", quick=True,
+                             log=lambda line: None)
+    assert [r["split"] for r in entry["splits"]] == [0, 1]
+    for m in ("ours", "gbdt", "logreg"):
+        aucs = [r[m]["auc"] for r in entry["splits"]]
+        assert entry["auc_mean"][m] == pytest.approx(np.mean(aucs)) and all(0.0 < a < 1.0 for a in aucs)
+    assert set(entry["differences"]) == {"ours - logreg", "ours - gbdt"}
+    d = entry["differences"]["ours - gbdt"]
+    per_split = [r["ours"]["auc"] - r["gbdt"]["auc"] for r in entry["splits"]]
+    assert d["mean"] == pytest.approx(np.mean(per_split)) and d["low"] <= d["mean"] <= d["high"]
+    assert (tmp_path / "runs" / "fair" / "split-1" / "ours" / "checkpoints" / "best").exists()

@@ -166,10 +166,12 @@ def environment() -> dict:
 
 def format_table(result: dict) -> str:
     """Return the comparisons as an aligned text table."""
-    rows = [("comparison", "ours", "baseline", "ratio", "unit", "paired: median (min-max)")]
+    rows = [("comparison", "ours", "baseline", "ratio", "unit", "paired: median (min-max) / mean [95 %]")]
     for c in result["comparisons"]:
         pair = (f"{c['median_paired_ratio']:.3f} ({c['spread'][0]:.3f}-{c['spread'][1]:.3f})"
                 if "median_paired_ratio" in c else "")
+        if "interval_95" in c:
+            pair = f"{c['difference']:+.4f} [{c['interval_95'][0]:+.4f}, {c['interval_95'][1]:+.4f}]"
         rows.append((c["name"], f"{c['ours']:.4g}", f"{c['baseline']:.4g}", f"{c['ratio']:.3f}", c["unit"], pair))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = ["  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(r, widths))) for r in rows]
@@ -177,10 +179,12 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def run(target: str, json_out: Path | None = None, quick: bool = False, data: Path | None = None) -> dict:
-    """Run benchmark ``target``, print its table, write ``json_out``; return the result."""
+def run(target: str, json_out: Path | None = None, quick: bool = False, data: Path | None = None,
+        **options) -> dict:
+    """Run benchmark ``target``, print its table, write ``json_out``; return the result.
+    ``options``: the target's own keyword arguments (``quality``: ``tuned``, ``splits``)."""
     module = importlib.import_module(f"recsys.bench.{target}")
-    result = module.measure(quick=quick, data=data)
+    result = module.measure(quick=quick, data=data, **options)
     result = {"target": target, "quick": quick, **result}
     result["peak_rss_mb"] = peak_rss_mb()
     result["environment"] = environment()

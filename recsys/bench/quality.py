@@ -22,6 +22,22 @@ the dense columns as numbers (logistic regression: ``sign(x)·log1p(|x|)`` stand
 the id columns as categories (gradient boosting: native categorical splits over the 254
 most frequent values; logistic regression: one-hot). Multi-hot columns of the synthetic
 set are left out of the baselines (they have no native form for bags).
+
+**Tuned** (``--tuned``): next to each real set's hand-tuned job, the job ``recsys tune`` finds
+from it with the default space (``jobs/spaces/ctr.toml``) and a fixed budget: ``TUNE_TRIALS``
+trials or ``TUNE_TIMEOUT_S`` seconds, whichever ends first, on split 0's validation rows (never
+its eval rows). The study lives in ``bench-out/quality-tuned/<set>`` (the same as ``recsys
+tune --config jobs/quality_<set>.toml --out bench-out/quality-tuned/<set> --trials 30 --timeout
+1800 --jobs 2 --seed 0``); a best job already there is reused.
+
+**Repeated splits.** A set whose eval split holds fewer than ``SMALL_EVAL`` rows cannot
+resolve the differences we care about on one split (fair's 955 eval rows: an AUC standard
+error of about 0.017). Such a set is also scored on ``SPLITS`` random 70 / 15 / 15 % splits
+(split k: the set shuffled with seed k; split 0 is the one the jobs were tuned on): on each
+split every model is fitted with seed k, the baselines' hyper-parameters chosen on that
+split's validation rows, and scored on its eval rows. The figure is the **paired** difference
+per split (ours − baseline), its mean and a 95 % Student-t interval over the splits: which rows
+landed in eval is the same luck for both, and cancels in the difference.
 """
 
 from __future__ import annotations
@@ -153,20 +169,21 @@ def _flights(table, col: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     }
 
 
-def prepare(s: RealSet, root: Path | None = None) -> Path:
+def prepare(s: RealSet, root: Path | None = None, split: int = 0) -> Path:
     """Write the set's train / validation / eval Parquet files under ``root/<name>`` (default
-    ``DATA``; once)."""
+    ``DATA``; once): the rows shuffled with seed ``split`` and cut 70 / 15 / 15 %. Split 0 is the
+    one the jobs name; split k > 0 (the repeated splits) goes to ``root/<name>-split<k>``."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    out = (root or DATA) / s.name
+    out = (root or DATA) / (s.name if split == 0 else f"{s.name}-split{split}")
     marker = out / "split.json"
     saved = json.loads(marker.read_text()) if marker.exists() else {}
-    if saved.get("rows") == s.rows and saved.get("by_profile") == s.by_profile:
+    if saved.get("rows") == s.rows and saved.get("by_profile") == s.by_profile and saved.get("seed") == split:
         return out
     cols = read_set(s)
     n = cols["label"].shape[0]
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(split)
     if s.by_profile:  # whole profiles, shuffled, dealt until each split has its share of rows
         features = np.stack([cols[c].astype(np.float64) for c in (*s.dense, *s.ids)], axis=1)
         _, group = np.unique(features, axis=0, return_inverse=True)
@@ -187,7 +204,7 @@ def prepare(s: RealSet, root: Path | None = None) -> Path:
         (out / split).mkdir(parents=True, exist_ok=True)
         table = pa.table({k: v[np.sort(idx)] for k, v in cols.items()})
         pq.write_table(table, out / split / "part-00000.parquet", row_group_size=1024)
-    marker.write_text(json.dumps({"rows": s.rows, "source": f"{s.package}/{s.file}", "seed": 0,
+    marker.write_text(json.dumps({"rows": s.rows, "source": f"{s.package}/{s.file}", "seed": split,
                                   "fractions": [0.70, 0.15, 0.15], "by_profile": s.by_profile}) + "\n")
     return out
 
@@ -488,11 +505,14 @@ def specified_logistic(root: Path | None = None, Cs: tuple[float, ...] = (0.003,
 
 
 def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None = None,
-            threads: int | None = None) -> dict:
+            threads: int | None = None, tuned: bool = False, splits: int | None = None) -> dict:
     """Run every data set (or ``sets``); return the figures and the comparison rows.
 
     ``threads``: our trainer's threads (``train.threads``) and the cap of the baselines'
-    thread pools; None: ``QUICK_THREADS`` with ``quick``, else each library's default."""
+    thread pools; None: ``QUICK_THREADS`` with ``quick``, else each library's default.
+    ``tuned``: add the tuned job of each real set (tuning it first if needed). ``splits``:
+    random splits of the sets with an eval split under ``SMALL_EVAL`` rows (None: ``SPLITS``,
+    none with ``quick``; 0: none)."""
     from recsys.config import load_job
 
     seeds = QUICK_SEEDS if quick else SEEDS
@@ -520,6 +540,9 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
         t0 = time.perf_counter()
         ours = [train_ours(job_path, seed, out_root / name / f"seed-{seed}", overrides) for seed in seeds]
         ours_s = time.perf_counter() - t0
+        best_job = tuned_job(name) if tuned and name != "synthetic" else None
+        ours_tuned = ([train_ours(best_job, seed, out_root / name / f"tuned-seed-{seed}", overrides) for seed in seeds]
+                      if best_job is not None else None)
         single = [f.name for f in job.schema.sparse if not f.multi_hot]
         feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
                  for cfg in (job.data.train, job.data.validation, job.data.eval)]
@@ -531,19 +554,40 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
                  "gbdt": {**base["gbdt"], "summary": _summary(base["gbdt"]["runs"])},
                  "logreg": {**base["logreg"], "summary": _summary(base["logreg"]["runs"])},
                  "baseline_seconds": time.perf_counter() - t0}
+        if ours_tuned is not None:
+            entry["ours_tuned"] = {"job": str(best_job), "summary": _summary(ours_tuned), "runs": ours_tuned}
+        if name != "synthetic" and (SPLITS if splits is None and not quick else splits or 0) > 0 \
+                and entry["rows"]["eval"] < SMALL_EVAL:
+            jobs = {"ours": job_path, **({"ours tuned": best_job} if best_job is not None else {})}
+            entry["repeated"] = repeated(name, jobs, splits=SPLITS if splits is None else splits, threads=threads,
+                                         out_root=out_root / "splits", quick=quick)
         if oracle is not None:
             entry["oracle"] = {"auc": oracle["auc"], "log_loss": oracle["log_loss"],
                                "gap": oracle["auc"] - entry["ours"]["summary"]["auc_mean"]}
         results[name] = entry
+        for key, label in (("ours", "ours"), ("ours_tuned", "ours tuned")):
+            if key not in entry:
+                continue
+            o = entry[key]["summary"]["auc_mean"]
+            for peer in ("gbdt", "logreg"):
+                b = entry[peer]["summary"]["auc_mean"]
+                comparisons.append({"name": f"{name}: eval AUC, {label} vs {peer}", "ours": o, "baseline": b,
+                                    "ratio": o / b if b else math.nan, "unit": "AUC", "difference": o - b})
         o = entry["ours"]["summary"]["auc_mean"]
-        for peer in ("gbdt", "logreg"):
-            b = entry[peer]["summary"]["auc_mean"]
-            comparisons.append({"name": f"{name}: eval AUC, ours vs {peer}", "ours": o, "baseline": b,
-                                "ratio": o / b if b else math.nan, "unit": "AUC", "difference": o - b})
+        if "repeated" in entry:
+            r = entry["repeated"]
+            for pair, d in r["differences"].items():
+                a, b = pair.split(" - ")
+                comparisons.append({"name": f"{name}: eval AUC, {a} vs {b}, paired over {d['splits']} splits",
+                                    "ours": r["auc_mean"][a], "baseline": r["auc_mean"][b],
+                                    "ratio": r["auc_mean"][a] / r["auc_mean"][b], "unit": "AUC",
+                                    "difference": d["mean"], "interval_95": [d["low"], d["high"]]})
         if oracle is not None:
             comparisons.append({"name": f"{name}: eval AUC, ours vs the oracle", "ours": o, "baseline": oracle["auc"],
                                 "ratio": o / oracle["auc"], "unit": "AUC", "difference": o - oracle["auc"]})
         print(format_set(name, entry), flush=True)
+        if "repeated" in entry:
+            print(format_repeated(name, entry["repeated"]), flush=True)
     return {"sets": results, "comparisons": comparisons, "seeds": list(seeds), "threads": threads,
             "runs_dir": str(out_root)}
 
@@ -552,11 +596,113 @@ def format_set(name: str, entry: dict) -> str:
     """Return one data set's lines: AUC and log loss, mean ± std over the seeds, per model."""
     lines = [f"{name} (train {entry['rows']['train']:,} / validation {entry['rows']['validation']:,} / eval "
              f"{entry['rows']['eval']:,} rows)"]
-    for key, label in (("ours", f"ours ({entry['job']})"), ("gbdt", "HistGradientBoosting"),
-                       ("logreg", "LogisticRegression")):
+    for key, label in (("ours", f"ours ({entry['job']})"), ("ours_tuned", "ours, tuned"),
+                       ("gbdt", "HistGradientBoosting"), ("logreg", "LogisticRegression")):
+        if key not in entry:
+            continue
         s = entry[key]["summary"]
         lines.append(f"  {label:<40} AUC {s['auc_mean']:.4f} ± {s['auc_std']:.4f}   "
                      f"log loss {s['log_loss_mean']:.4f} ± {s['log_loss_std']:.4f}")
     if "oracle" in entry:
         lines.append(f"  {'oracle':<40} AUC {entry['oracle']['auc']:.4f}   gap {entry['oracle']['gap']:.4f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- tuned job, repeated splits (see the top)
+
+SPLITS = 10
+SMALL_EVAL = 10_000
+"""Sets whose eval split holds fewer rows are scored by repeated splits."""
+TUNE_TRIALS = 30
+TUNE_TIMEOUT_S = 1800.0
+TUNE_JOBS = 2
+"""Trials at once (one thread each on this 2-core host)."""
+TUNED = RUNS / "quality-tuned"
+
+
+def tuned_job(name: str, trials: int = TUNE_TRIALS, timeout_s: float = TUNE_TIMEOUT_S, jobs: int = TUNE_JOBS,
+              out: Path | None = None, log=print) -> Path:
+    """Return the best job of set ``name``'s study (``out/best.toml``), tuning it first when
+    ``out`` holds no best job yet (delete ``out`` to tune again)."""
+    from recsys.tune.run import TuneOptions, tune
+
+    s = SETS[name]
+    prepare(s)
+    out = out or TUNED / name
+    if not (out / "best.toml").exists():
+        tune(TuneOptions(config=str(ROOT / s.job), out=str(out), trials=trials, timeout_s=timeout_s,
+                         jobs=jobs, seed=0, progress=False), log=log)
+    return out / "best.toml"
+
+
+def split_overrides(root: Path) -> list[str]:
+    """The ``--set`` overrides that point a quality job at the split in ``root``."""
+    return [f"data.train.paths=['{root / 'train'}']", f"data.validation.paths=['{root / 'validation'}']",
+            f"data.eval.paths=['{root / 'eval'}']"]
+
+
+def paired(ours: list[float], baseline: list[float]) -> dict:
+    """Mean paired difference ``ours - baseline`` over splits, with its 95 % Student-t interval."""
+    from scipy import stats
+
+    d = np.asarray(ours, dtype=np.float64) - np.asarray(baseline, dtype=np.float64)
+    n = d.shape[0]
+    mean = float(d.mean())
+    if n < 2:
+        return {"mean": mean, "low": math.nan, "high": math.nan, "splits": n, "wins": int((d > 0).sum())}
+    half = float(stats.t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n))
+    return {"mean": mean, "low": mean - half, "high": mean + half, "splits": n, "wins": int((d > 0).sum()),
+            "std": float(d.std(ddof=1))}
+
+
+def repeated(name: str, jobs: dict[str, Path], splits: int = SPLITS, threads: int | None = None,
+             out_root: Path | None = None, quick: bool = False, log=print) -> dict:
+    """Score set ``name`` on ``splits`` random splits: each of ``jobs`` (label -> job file) and
+    both baselines per split; return the per-split figures and the paired differences."""
+    from recsys.config import load_job
+
+    s = SETS[name]
+    out_root = out_root or RUNS / "quality-splits" / time.strftime("%Y%m%d-%H%M%S")
+    per_split = []
+    for k in range(splits):
+        root = prepare(s, split=k)
+        overrides = split_overrides(root)
+        if quick:
+            overrides.append(f"train.epochs={QUICK_EPOCHS}")
+        if threads is not None:
+            overrides.append(f"train.threads={threads}")
+        row: dict = {"split": k}
+        for label, job_path in jobs.items():
+            row[label] = train_ours(job_path, k, out_root / name / f"split-{k}" / label, overrides)
+        job = load_job(next(iter(jobs.values())), overrides)
+        single = [f.name for f in job.schema.sparse if not f.multi_hot]
+        feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
+                 for cfg in (job.data.train, job.data.validation, job.data.eval)]
+        base = baselines(*feats, seeds=(k,), quick=quick, threads=threads)
+        for peer in ("gbdt", "logreg"):
+            row[peer] = {**base[peer]["runs"][0], "chosen": base[peer]["chosen"]}
+        row["rows"] = {part: int(f.label.shape[0]) for part, f in zip(("train", "validation", "eval"), feats)}
+        per_split.append(row)
+        log(f"{name} split {k}: " + "  ".join(f"{m} {row[m]['auc']:.4f}" for m in (*jobs, "gbdt", "logreg")))
+    models = [*jobs, "gbdt", "logreg"]
+    auc = {m: [r[m]["auc"] for r in per_split] for m in models}
+    differences = {f"{m} - {peer}": paired(auc[m], auc[peer]) for m in jobs for peer in ("logreg", "gbdt")}
+    labels = list(jobs)
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            differences[f"{b} - {a}"] = paired(auc[b], auc[a])
+    return {"splits": per_split, "auc_mean": {m: float(np.mean(v)) for m, v in auc.items()},
+            "auc_std": {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in auc.items()},
+            "differences": differences, "jobs": {k: str(v) for k, v in jobs.items()}, "runs_dir": str(out_root)}
+
+
+def format_repeated(name: str, entry: dict) -> str:
+    """Return a repeated-splits entry's lines: mean AUC per model, then the paired differences."""
+    n = len(entry["splits"])
+    lines = [f"{name}: {n} random splits (eval {entry['splits'][0]['rows']['eval']:,} rows each)"]
+    for m, mean in entry["auc_mean"].items():
+        lines.append(f"  {m:<24} AUC {mean:.4f} ± {entry['auc_std'][m]:.4f} over splits")
+    for label, d in entry["differences"].items():
+        lines.append(f"  {label:<24} {d['mean']:+.4f}  95 % interval [{d['low']:+.4f}, {d['high']:+.4f}]  "
+                     f"ahead on {d['wins']} of {d['splits']}")
     return "\n".join(lines)
