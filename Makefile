@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet -e '.[test,cpu]'
 	# torchrec's metadata asks for the CUDA fbgemm-gpu; its real requirements are in pyproject.
 	$(PIP) install --quiet --no-deps torchrec==1.8.0
+	# ISLP ships Bikeshare.csv, `recsys bench quality`'s bikeshare set; only the file is read
+	# (never imported), so none of its requirements (lightning, pygam, ...) is installed.
+	$(PIP) install --quiet --no-deps islp==0.6.0
 	@touch $(STAMP)
 
 # The CUDA environment, on a machine with NVIDIA's driver: torch's CUDA build, the CUDA
