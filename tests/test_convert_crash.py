@@ -2,7 +2,7 @@
 whole data set or the reader refuses it, never a short one; the next conversion into it
 finishes an interrupted move or clears what a crash left, and what was there stays.
 
-The kills come from the test hook of ``recsys.io.convert`` (``RECSYS_FAULT_CONVERT``): the
+The kills come from the test hook of ``recsys.io.convert_output`` (``RECSYS_FAULT_CONVERT``): the
 process SIGKILLs itself at the named point, as the checkpoint crash test does.
 """
 
@@ -19,14 +19,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recsys.io import convert as converter
+from recsys.io import convert_output as converter
 from recsys.io.errors import ReadError
 from recsys.io.convert import ConvertError, ConvertOptions, convert
 from recsys.io.units import CONVERT_PENDING, expand_paths
 
 ROWS, PER_FILE, PER_GROUP = 1000, 200, 100  # five output files
 OPTS = dict(fmt="csv", rows_per_file=PER_FILE, row_group_rows=PER_GROUP)
-# what the reader finds in the directory right after the kill (module doc of recsys.io.convert)
+# what the reader finds in the directory right after the kill (module doc of recsys.io.convert_output)
 POINTS = {
     "mid-write": "nothing",  # one file written, into the hidden directory
     "written": "nothing",  # all written and fsynced, no marker yet

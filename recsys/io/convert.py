@@ -14,6 +14,8 @@ Column types are fixed before the first block is parsed: by the preset (``criteo
 job's schema (``--schema``: label int8 or float32, dense float32, ids int64 or string,
 weights float32, multi-hot and weighted features from JSON arrays), or inferred by Arrow from
 the first block. An empty field is a null (no id, or a null dense value the reader fills).
+The options, the output columns and ``ConvertError`` are in ``recsys.io.convert_options``;
+the job ``--infer`` proposes is written by ``recsys.io.convert_job``.
 
 Bad rows: Arrow's fast path either parses a block cleanly or not. When it does not, or the
 value checks flag rows, the block is checked again line by line in Python (rare: only
@@ -22,140 +24,48 @@ blocks with bad rows pay for it), which finds each bad line's number, column and
 them, counted, and the first ``BAD_ROWS_KEPT`` go into the report.
 
 Output appears whole or not at all: it goes to a hidden directory inside ``out``, is fsynced,
-and is moved in only when every input converted, under a marker the reader refuses (the
-section "the output, whole or not at all" below). A failed or killed run leaves ``out`` as
-it was, or (killed while moving in) leaves it refused until the next conversion into it
-finishes the move.
+and is moved in only when every input converted, under a marker the reader refuses
+(``recsys.io.convert_output``). A failed or killed run leaves ``out`` as it was, or (killed
+while moving in) leaves it refused until the next conversion into it finishes the move.
 """
 
 from __future__ import annotations
 
 import csv
 import dataclasses
-import io
 import json
 import math
 import os
 import re
 import shutil
-import signal
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Literal
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.fs as pafs
 import pyarrow.json as pa_json
-import tomli_w
 
-from recsys.durable import fsync_dir, fsync_file
 from recsys.errors import UserError
+from recsys.io.convert_job import propose_job
+from recsys.io.convert_options import (CRITEO_COLUMNS, Column, ConvertError, ConvertOptions, criteo_columns,
+                                       job_columns)
+from recsys.io.convert_output import fault, finish_interrupted, hold, move_in, refuse_parts, remove_abandoned
 from recsys.io.parquet_out import SplitWriter
-from recsys.io.units import CONVERT_PENDING
 from recsys.schema import Schema
 
-FORMATS = ("csv", "tsv", "jsonl")
-CRITEO_DENSE = [f"i{j}" for j in range(1, 14)]
-CRITEO_SPARSE = [f"c{j}" for j in range(1, 27)]
-CRITEO_COLUMNS = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
-"""The Criteo click logs' layout: a 0/1 label, 13 integer counts, 26 hashed categories (hex)."""
 BAD_ROWS_KEPT = 100
 """Bad rows listed (file, line, column, what) in ``_convert.json``; all are counted."""
 REPORT = "_convert.json"
 """The conversion's report, next to the files (a leading ``_``: the reader skips it)."""
 PROPOSED_JOB = "_job.toml"
 """Where ``--infer`` writes the job it proposes."""
-
-
-class ConvertError(UserError):
-    """Bad input to a conversion: names the file, line and column, and what was expected."""
-
-
-@dataclass(kw_only=True, slots=True)
-class ConvertOptions:
-    """How input files become Parquet files."""
-
-    fmt: Literal["csv", "tsv", "jsonl"]
-    """Input format: comma- or tab-separated text, or one JSON object per line."""
-    preset: Literal["", "criteo"] = ""
-    """``criteo``: the Criteo click logs' layout (no header, tab-separated, ``CRITEO_COLUMNS``)."""
-    header: bool = True
-    """CSV/TSV: the first line of every file names the columns (off for the ``criteo`` preset)."""
-    rows_per_file: int = 4_194_304
-    """Rows per output file (the last one may have fewer)."""
-    row_group_rows: int = 131_072
-    """Rows per Parquet row group: the reader's work unit (64-256k keeps shuffling and memory balanced)."""
-    bad_rows: Literal["error", "skip"] = "error"
-    """A bad row (wrong field count, a value of the wrong type, a label not 0/1, a non-finite
-    dense value): stop with an error naming it, or skip it (counted and reported)."""
-    block_bytes: int = 16 << 20
-    """Input bytes parsed at once."""
-    infer_rows: int = 100_000
-    """Rows of the first block looked at to infer types and propose a job (``--infer``)."""
-
-    def __post_init__(self) -> None:
-        if self.fmt not in FORMATS:
-            raise ValueError(f"format must be one of {', '.join(FORMATS)}, found {self.fmt!r}")
-        if self.preset not in ("", "criteo"):
-            raise ValueError(f"preset must be 'criteo' or empty, found {self.preset!r}")
-        if self.preset == "criteo":
-            if self.fmt != "tsv":
-                raise ValueError(f"the criteo preset reads tab-separated files: use --from tsv, found {self.fmt!r}")
-            self.header = False
-        if self.bad_rows not in ("error", "skip"):
-            raise ValueError(f"bad_rows must be 'error' or 'skip', found {self.bad_rows!r}")
-        if self.row_group_rows < 1:
-            raise ValueError(f"row_group_rows must be >= 1, found {self.row_group_rows}")
-        if self.rows_per_file < self.row_group_rows:
-            raise ValueError(f"rows_per_file ({self.rows_per_file}) must be >= row_group_rows ({self.row_group_rows})")
-        if self.block_bytes < 1024:
-            raise ValueError(f"block_bytes must be >= 1024, found {self.block_bytes}")
-
-
-# --------------------------------------------------------------------------- column plans
-
-
-@dataclass(slots=True)
-class Column:
-    """One output column: its Arrow type and what the job does with it (the checks it gets)."""
-
-    name: str
-    type: pa.DataType
-    role: Literal["label", "label_probability", "dense", "id", "weight", "other"] = "other"
-
-
-def criteo_columns() -> list[Column]:
-    """Return the Criteo layout's columns: label int8, i1..i13 float32, c1..c26 strings."""
-    return ([Column("label", pa.int8(), "label")] + [Column(c, pa.float32(), "dense") for c in CRITEO_DENSE]
-            + [Column(c, pa.string(), "id") for c in CRITEO_SPARSE])
-
-
-def job_columns(schema: Schema, passthrough: list[str]) -> list[Column]:
-    """Return the columns a job reads, typed for it (passthrough columns typed by the data)."""
-    label = (Column(schema.label, pa.int8(), "label") if schema.label_kind == "binary"
-             else Column(schema.label, pa.float32(), "label_probability"))
-    out = [label] + [Column(c, pa.float32(), "dense") for c in schema.dense]
-    for f in schema.sparse:
-        value = pa.int64() if f.kind == "int64" else pa.string()
-        if f.multi_hot:
-            value = pa.list_(value)
-        out.append(Column(f.column, value, "id"))
-    weight = getattr(schema, "weight", "")
-    if weight:
-        out.append(Column(weight, pa.float32(), "weight"))
-    seen = {c.name for c in out}
-    for c in passthrough:
-        if c not in seen:
-            out.append(Column(c, pa.null(), "other"))  # typed from the first block
-            seen.add(c)
-    return out
 
 
 # --------------------------------------------------------------------------- input blocks
@@ -601,13 +511,13 @@ def convert(
         raise ConvertError(f"{out}: expected an output directory, found a file")
     finished = False
     if out.is_dir():
-        finished = _finish_interrupted(out, say)
-        _remove_abandoned(out)
-    _refuse_parts(out, finished)
+        finished = finish_interrupted(out, say)
+        remove_abandoned(out)
+    refuse_parts(out, finished)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=out))
-    lock = _hold(tmp)
-    writer = SplitWriter(tmp, opts.rows_per_file, opts.row_group_rows, lambda _msg: _fault("mid-write"))
+    lock = hold(tmp)
+    writer = SplitWriter(tmp, opts.rows_per_file, opts.row_group_rows, lambda _msg: fault("mid-write"))
     bar = _Progress(sum(f.size for f in files), progress)
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recsys-convert-write")
     pending = None
@@ -706,154 +616,11 @@ def convert(
             moved.append(PROPOSED_JOB)
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
         moved.append(REPORT)
-        _move_in(tmp, out, moved)
+        move_in(tmp, out, moved)
     finally:
         os.close(lock)
     return report
 
-
-# --------------------------------------------------------------------------- the output, whole or not at all
-#
-# The files are written into a hidden directory inside ``out`` (the reader skips hidden
-# names), held by a lock, and fsynced. Then ``out/_convert.pending`` names them (created
-# exclusively, fsynced), they are renamed into ``out`` one by one, and the marker goes: the
-# reader refuses a directory holding it. A crash before the marker leaves ``out`` as it was
-# (the next conversion into it removes the hidden directory); after it, the next conversion
-# into ``out`` finishes the move (every file was on disk before the marker was), so no crash
-# loses a finished conversion or shows a part of one.
-
-FAULT_ENV = "RECSYS_FAULT_CONVERT"
-"""Test hook (no effect when unset): the process SIGKILLs itself at this point of a conversion."""
-FAULT_POINTS = ("mid-write", "written", "marked", "mid-move", "moved", "unmarked")
-"""In order: the first output file written (into the hidden directory), all of them written
-and fsynced, the marker written, the first file moved in, all moved in, the marker removed."""
-_LOCK = ".lock"
-
-
-def _fault(point: str) -> None:
-    if os.environ.get(FAULT_ENV) == point:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _refuse_parts(out: Path, finished: bool = False) -> None:
-    parts = list(out.glob("part-*.parquet")) if out.is_dir() else []
-    if parts:
-        whose = (" (an interrupted conversion's, whose move this run finished: the directory holds its whole "
-                 "output)") if finished else ""
-        raise ConvertError(f"{out}: expected an output directory without part-*.parquet files (they would mix "
-                           f"with this conversion's), found {len(parts)}{whose}; choose another --out or remove them")
-
-
-def _hold(tmp: Path) -> int:
-    """Lock ``tmp`` for this conversion; return the descriptor holding the lock (released at close or death)."""
-    import fcntl
-
-    fd = os.open(tmp / _LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
-
-
-def _abandoned(tmp: Path) -> bool:
-    """Whether no live conversion holds ``tmp`` (its lock is free; no lock yet: its process is gone)."""
-    import fcntl
-
-    try:
-        fd = os.open(tmp / _LOCK, os.O_RDWR)
-    except FileNotFoundError:  # between the directory's creation and its lock: the pid in its name says
-        pid = tmp.name.split("-")[1] if tmp.name.count("-") >= 2 else ""
-        if not pid.isdigit():
-            return True
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
-def _remove_abandoned(out: Path) -> None:
-    """Remove the hidden directories of conversions into ``out`` that died before their marker."""
-    for tmp in out.glob(".convert-*"):
-        if tmp.is_dir() and _abandoned(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _move_in(tmp: Path, out: Path, names: list[str]) -> None:
-    """Move ``tmp``'s files ``names`` (output files first, the report last) into ``out`` (see above)."""
-    for name in names:
-        fsync_file(tmp / name)
-    fsync_dir(tmp)
-    _fault("written")
-    marker = out / CONVERT_PENDING
-    try:
-        fd = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise ConvertError(f"{out}: expected no other conversion moving files in, found {marker} (one is "
-                           "finishing now, or was interrupted: convert again once it is done)") from None
-    try:
-        os.write(fd, json.dumps({"from": tmp.name, "files": names}).encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    fsync_dir(out)
-    try:
-        _refuse_parts(out)  # another conversion finished into ``out`` while this one ran
-    except ConvertError:
-        marker.unlink()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    _fault("marked")
-    for i, name in enumerate(names):
-        os.replace(tmp / name, out / name)
-        if i == 0:
-            _fault("mid-move")
-    fsync_dir(out)
-    _fault("moved")
-    marker.unlink()
-    fsync_dir(out)
-    _fault("unmarked")
-    shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _finish_interrupted(out: Path, say: Callable[[str], None]) -> bool:
-    """Finish the move of a conversion into ``out`` that died after its marker (its files are
-    all on disk, in its hidden directory or moved in already); return whether there was one.
-    ConvertError if that conversion is alive."""
-    marker = out / CONVERT_PENDING
-    if not marker.is_file():
-        return False
-    try:
-        intent = json.loads(marker.read_text())
-        src, names = out / intent["from"], list(intent["files"])
-    except (ValueError, KeyError, TypeError):  # died while writing the marker: nothing moved yet
-        marker.unlink()
-        fsync_dir(out)
-        return False
-    if src.is_dir() and not _abandoned(src):
-        raise ConvertError(f"{out}: expected no other conversion moving files in, found {marker} (one is "
-                           "finishing now: convert again once it is done)")
-    lost = [n for n in names if not (src / n).exists() and not (out / n).exists()]
-    if lost:
-        raise ConvertError(f"{marker}: expected the files of an interrupted conversion in {src} or {out}, found "
-                           f"{lost} in neither; the directory holds part of a data set: remove it and convert again")
-    for name in names:
-        if (src / name).exists():
-            os.replace(src / name, out / name)
-    fsync_dir(out)
-    marker.unlink()
-    fsync_dir(out)
-    shutil.rmtree(src, ignore_errors=True)
-    say(f"{out}: finished moving in the {len(names)} files of a conversion that was interrupted")
-    return True
 
 
 def _plan(opts: ConvertOptions, schema: Schema | None, passthrough, names, display) -> list[Column]:
@@ -921,73 +688,3 @@ def _parse_block(parser: _Parser, block: bytes, first: int, display: str, opts: 
         bad_kept.extend(rows[: max(room, 0)])
     return table.select([c.name for c in parser.columns])
 
-
-# --------------------------------------------------------------------------- proposing a job
-
-_LABEL_NAMES = ("label", "click", "clicked", "is_click", "target", "y", "conversion", "converted")
-
-
-def propose_job(sample: pa.Table, columns: list[Column], out: Path) -> str:
-    """Return a job TOML for the converted data: label, dense and sparse features by type and cardinality.
-
-    - label: a column named like one (``label``, ``click``, ``target``, ...), else the first
-      integer or boolean column holding only 0 and 1;
-    - sparse: string columns; integer columns named ``*id`` or with more distinct values
-      than half the sampled rows; lists of ids (multi-hot);
-    - dense: the other numeric and boolean columns.
-    Capacities are ten times the distinct ids seen in the sample (at least 1000): edit them
-    for the full data.
-    """
-    n = max(sample.num_rows, 1)
-    names = [c.name for c in columns]
-    label = next((c for c in names if c.lower() in _LABEL_NAMES), None)
-    if label is None:
-        for c in columns:
-            if pa.types.is_integer(c.type) or pa.types.is_boolean(c.type):
-                vals = pc.unique(sample.column(c.name).drop_null()).to_pylist()
-                if set(vals) <= {0, 1, True, False} and vals:
-                    label = c.name
-                    break
-    dense, sparse = [], []
-    for c in columns:
-        if c.name == label:
-            continue
-        t = c.type
-        if pa.types.is_list(t) or pa.types.is_large_list(t):
-            v = t.value_type
-            kind = "int64" if pa.types.is_integer(v) else "string" if pa.types.is_string(v) else None
-            if kind:
-                distinct = len(pc.unique(pc.list_flatten(sample.column(c.name)).drop_null()))
-                sparse.append((c.name, kind, True, distinct))
-            continue
-        if pa.types.is_string(t) or pa.types.is_large_string(t):
-            sparse.append((c.name, "string", False, len(pc.unique(sample.column(c.name).drop_null()))))
-        elif pa.types.is_integer(t):
-            distinct = len(pc.unique(sample.column(c.name).drop_null()))
-            if c.name.lower().endswith("id") or distinct > n / 2:
-                sparse.append((c.name, "int64", False, distinct))
-            else:
-                dense.append(c.name)
-        elif pa.types.is_floating(t) or pa.types.is_boolean(t):
-            dense.append(c.name)
-    top = {"name": _toml_key(out.name or "converted"),
-           "schema": {"label": label or "CHOOSE_A_LABEL_COLUMN", "dense": dense,
-                      "sparse": [{"name": _toml_key(name), "column": name, "kind": kind,
-                                  **({"multi_hot": True} if multi else {})} for name, kind, multi, _ in sparse]}}
-    parts = [
-        f"# Proposed by `recsys convert --infer` from the first {sample.num_rows:,} rows: check the label,\n"
-        "# which columns are dense or sparse, and the capacities; then `recsys inspect --config` this file.\n",
-        tomli_w.dumps(top),
-    ]
-    for name, _kind, _multi, distinct in sparse:
-        cap = max(1000, 10 * distinct)
-        parts.append(f"# {distinct:,} distinct ids in the sample\n"
-                     + tomli_w.dumps({"schema": {"tables": {_toml_key(name): {"dim": 16, "capacity": cap}}}}))
-    parts.append(tomli_w.dumps({"data": {"train": {"paths": [str(out)]}}}))
-    return "\n".join(parts)
-
-
-def _toml_key(name: str) -> str:
-    """Return ``name`` as a feature/table name the schema accepts (other characters become ``_``)."""
-    key = re.sub(r"[^A-Za-z0-9_.\-]", "_", name)
-    return key if re.match(r"^[A-Za-z_]", key) else f"f_{key}"
