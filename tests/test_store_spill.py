@@ -23,7 +23,8 @@ from recsys.harness import RedisServer
 from recsys.schema import TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.spill import FORMAT_VERSION, SpillError, SpillTier, spill_key, value_dtype
+from recsys.store.spill import SpillError, SpillTier
+from recsys.store.spill_protocol import FORMAT_VERSION, spill_key, value_dtype
 from recsys.store.table import EmbeddingTable
 from store_data import random_kjts, three_feature_schema, train_pooled
 

@@ -15,7 +15,8 @@ import redis
 from recsys.schema import Schema, TableSpec, FeatureSpec
 from recsys.store.config import StoreConfig, run_namespace
 from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.spill import SpillError, owner_key, spill_key
+from recsys.store.spill import SpillError
+from recsys.store.spill_protocol import owner_key, spill_key
 from recsys.store.table import EmbeddingTable, init_vectors
 
 pytestmark = pytest.mark.redis

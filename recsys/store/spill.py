@@ -18,28 +18,17 @@ training run: ``<namespace>:owner`` names it (``claim``), and a run deletes its 
 rows at start (``clear_tables``): the checkpoint it resumes from holds every spilled row.
 
 Values: raw little-endian bytes, one fixed-size record per row, decoded with
-``np.frombuffer`` (no pickle, no JSON)::
+``np.frombuffer`` (no pickle, no JSON). The layout of the values, the keys and the owner
+record is in ``recsys.store.spill_protocol``.
 
-    offset  size  field
-         0     1  format version (``FORMAT_VERSION``; a reader refuses any other)
-         1     1  embedding dtype code: 0 float32, 1 float16
-         2     1  optimizer code: 0 rowwise_adagrad, 1 adagrad, 2 adam, 3 sgd
-         3     1  reserved (0)
-         4     4  dim, uint32
-         8     8  key, int64 (checked against the Redis key on read)
-        16     8  last_seen, int64
-        24  D·2|4 embedding in the storage dtype
-         …        optimizer state columns in ``optim.state_columns`` order:
-                  per-dim ones D·4 (float32), row-wise ones 4 (float32) or 8 (adam_step, int64)
-
-The index: the exact set of keys this tier has in Redis (built by one SCAN on first use, or
-known empty after ``clear``; then kept by the writer: a confirmed SET adds a key, a confirmed
-UNLINK removes it). ~16-32 bytes of host memory per spilled row. It lets a miss of a key
-never spilled cost no round trip and no Redis at all, which is what lets training go on
-during an outage; and a key in the index that Redis no longer has is a lost row, reported
-(``SpillError``) instead of re-initialized. One writer per key: a namespace belongs to one
-run and a key to one shard; rows written by another tier after this one's index was built
-are not seen.
+The index (``recsys.store.spill_index``): the exact set of keys this tier has in Redis
+(built by one SCAN on first use, or known empty after ``clear``; then kept by the writer: a
+confirmed SET adds a key, a confirmed UNLINK removes it). ~16-32 bytes of host memory per
+spilled row. It lets a miss of a key never spilled cost no round trip and no Redis at all,
+which is what lets training go on during an outage; and a key in the index that Redis no
+longer has is a lost row, reported (``SpillError``) instead of re-initialized. One writer
+per key: a namespace belongs to one run and a key to one shard; rows written by another tier
+after this one's index was built are not seen.
 
 Semantics, exactly:
 
@@ -93,12 +82,10 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 import redis
-from numba import njit
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from recsys.errors import UserError
-from recsys.hashing import fmix
 from recsys.redis_util import client_options as _client_options
 from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
@@ -107,14 +94,12 @@ from recsys.store.config import StoreConfig
 from recsys.store.float16 import to_float16
 from recsys.store.keymap import as_keys
 from recsys.store.rowblock import RowBlock, int64_column, matrix_column, vector_column
+from recsys.store.spill_index import KeyIndex
+from recsys.store.spill_protocol import (DTYPE_CODES, FORMAT_VERSION, HEADER, OPTIMIZER_CODES, describe_owner,
+                                         owner_key, parse_owner, spill_key, spill_prefix, value_dtype)
 
-__all__ = ["SpillTier", "SpillError", "spill_key", "spill_prefix", "owner_key", "value_dtype", "clear_tables",
-           "FORMAT_VERSION"]
+__all__ = ["SpillTier", "SpillError", "clear_tables"]
 
-FORMAT_VERSION = 1
-_DTYPE_CODES = {"float32": 0, "float16": 1}
-_OPTIMIZER_CODES = {"rowwise_adagrad": 0, "adagrad": 1, "adam": 2, "sgd": 3}
-_HEADER = np.dtype([("version", "u1"), ("dtype", "u1"), ("optimizer", "u1"), ("reserved", "u1"), ("dim", "<u4")])
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
 _BATCHES_PER_ROUND = 16  # commands per pipelined round trip of the writer
 _HOLD_MAX_DELAY_S = 1.0  # "hold": the longest wait between two tries during an outage
@@ -133,136 +118,6 @@ class SpillError(UserError, RuntimeError):
     def __init__(self, message: str, transient: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
-
-
-# --------------------------------------------------------------------------- keys and values
-
-
-def spill_prefix(namespace: str, table: str) -> str:
-    """Return the prefix of every spill key of ``table``."""
-    return f"{namespace}:spill:{table}:"
-
-
-def spill_key(namespace: str, table: str, key: int) -> str:
-    """Return the Redis key of ``key``'s spilled row: world-size and shard independent."""
-    return f"{spill_prefix(namespace, table)}{key & 0xFFFFFFFFFFFFFFFF:016x}"
-
-
-def owner_key(namespace: str) -> str:
-    """Return the Redis key naming the run that owns ``namespace`` (JSON: run_dir, job)."""
-    return f"{namespace}:owner"
-
-
-def value_dtype(dim: int, cfg: StoreConfig) -> np.dtype:
-    """Return the numpy record type of one spilled row (see the module doc)."""
-    emb = "<f4" if cfg.dtype == "float32" else "<f2"
-    fields = [(name, _HEADER.fields[name][0]) for name in _HEADER.names]
-    fields += [("key", "<i8"), ("last_seen", "<i8"), ("embedding", emb, (dim,))]
-    for c in optim.state_columns(cfg.optimizer):
-        t = "<f4" if c.dtype == np.float32 else "<i8"
-        fields.append((c.name, t, (dim,)) if c.per_dim else (c.name, t))
-    return np.dtype(fields)
-
-
-# --------------------------------------------------------------------------- the index
-# An open-addressing set of int64 keys (linear probing; slot states 0 empty, 1 used,
-# 2 deleted), at most half full counting deleted slots, rebuilt when it would be fuller.
-
-_INDEX_TAG = np.uint64(0x2545F4914F6CDD1D)
-
-
-@njit(inline="always")
-def _slot_of(table, state, k):
-    """Return (slot holding k, or the slot to insert k at; whether k is there)."""
-    mask = np.uint64(table.shape[0] - 1)
-    j = np.int64(fmix(np.uint64(k) ^ _INDEX_TAG) & mask)
-    free = np.int64(-1)
-    while True:
-        s = state[j]
-        if s == 0:
-            return (j if free < 0 else free), False
-        if s == 1 and table[j] == k:
-            return j, True
-        if s == 2 and free < 0:
-            free = j
-        j = np.int64((np.uint64(j) + np.uint64(1)) & mask)
-
-
-@njit(nogil=True, cache=True)
-def _index_add(table, state, items):
-    added = 0
-    reused = 0
-    for i in range(items.shape[0]):
-        j, there = _slot_of(table, state, items[i])
-        if there:
-            continue
-        if state[j] == 2:
-            reused += 1
-        table[j] = items[i]
-        state[j] = 1
-        added += 1
-    return added, reused
-
-
-@njit(nogil=True, cache=True)
-def _index_remove(table, state, items):
-    removed = 0
-    for i in range(items.shape[0]):
-        j, there = _slot_of(table, state, items[i])
-        if there:
-            state[j] = 2
-            removed += 1
-    return removed
-
-
-@njit(nogil=True, cache=True)
-def _index_contains(table, state, items, out):
-    for i in range(items.shape[0]):
-        _, out[i] = _slot_of(table, state, items[i])
-
-
-class _KeyIndex:
-    """The keys a tier has in Redis: add / remove / contains on int64 arrays."""
-
-    def __init__(self, keys: np.ndarray | None = None) -> None:
-        self._alloc(16)
-        self.size = 0
-        self._filled = 0  # used + deleted slots
-        if keys is not None:
-            self.add(keys)
-
-    def _alloc(self, capacity: int) -> None:
-        self._table = np.zeros(capacity, dtype=np.int64)
-        self._state = np.zeros(capacity, dtype=np.uint8)
-
-    def add(self, keys: np.ndarray) -> None:
-        keys = as_keys(keys)
-        if keys.shape[0] == 0:
-            return
-        if 2 * (self._filled + keys.shape[0]) > self._table.shape[0]:
-            live = self.keys()
-            need = 4 * (live.shape[0] + keys.shape[0])
-            self._alloc(1 << max(4, (need - 1).bit_length()))
-            self.size = self._filled = 0
-            self.add(live)
-        added, reused = _index_add(self._table, self._state, keys)
-        self.size += int(added)
-        self._filled += int(added) - int(reused)
-
-    def remove(self, keys: np.ndarray) -> None:
-        keys = as_keys(keys)
-        if keys.shape[0]:
-            self.size -= int(_index_remove(self._table, self._state, keys))
-
-    def contains(self, keys: np.ndarray) -> np.ndarray:
-        keys = as_keys(keys)
-        out = np.zeros(keys.shape[0], dtype=np.bool_)
-        if self.size and keys.shape[0]:
-            _index_contains(self._table, self._state, keys, out)
-        return out
-
-    def keys(self) -> np.ndarray:
-        return self._table[self._state == 1].copy()
 
 
 # --------------------------------------------------------------------------- the tier
@@ -302,8 +157,8 @@ class SpillTier:
         self.dtype = value_dtype(self.dim, cfg)
         self._columns = optim.state_columns(cfg.optimizer)
         self._storage = np.dtype(cfg.dtype)
-        self._header = np.zeros(1, dtype=_HEADER)
-        self._header[0] = (FORMAT_VERSION, _DTYPE_CODES[cfg.dtype], _OPTIMIZER_CODES[cfg.optimizer], 0, self.dim)
+        self._header = np.zeros(1, dtype=HEADER)
+        self._header[0] = (FORMAT_VERSION, DTYPE_CODES[cfg.dtype], OPTIMIZER_CODES[cfg.optimizer], 0, self.dim)
         self._own_client = client is None
         self._client = client if client is not None else redis.Redis.from_url(
             cfg.spill_url,
@@ -316,7 +171,7 @@ class SpillTier:
         self._cond = threading.Condition()  # re-entrant
         self._pending: dict[int, bytes | None] = {}  # newest wanted state per key, not yet taken
         self._inflight: dict[int, bytes | None] = {}  # the batch the writer is writing
-        self._index: _KeyIndex | None = None  # keys in Redis (None: not built yet)
+        self._index: KeyIndex | None = None  # keys in Redis (None: not built yet)
         self._error: SpillError | None = None  # a failed write, not yet raised
         self._paused = False  # the writer waits until the error was raised
         self._closing = False
@@ -506,13 +361,13 @@ class SpillTier:
         keys = self._scan_keys()
         n = self._unlink(self._names(keys))
         with self._cond:
-            self._index = _KeyIndex()
+            self._index = KeyIndex()
         return n
 
     def mark_empty(self) -> None:
         """Record that Redis holds none of this tier's keys (``clear_tables`` just deleted them)."""
         with self._cond:
-            self._index = _KeyIndex()
+            self._index = KeyIndex()
 
     def claim(self, owner: dict, takeover: bool = False) -> dict | None:
         """Make the run described by ``owner`` (JSON-able: run_dir, job) the namespace's owner.
@@ -531,14 +386,14 @@ class SpillTier:
             return self._client.get(key)
 
         got = self._redis(f"claim of the namespace (SET NX / GET {key})", op)
-        theirs = _parse_owner(got)
+        theirs = parse_owner(got)
         if theirs is None or theirs == json.loads(value):
             return None
         if takeover:
             return theirs
         raise SpillError(
             f"spill namespace {self.namespace!r} at Redis {self.url} belongs to another run "
-            f"({_describe_owner(theirs)}), not to this one ({_describe_owner(owner)}): its rows are not this "
+            f"({describe_owner(theirs)}), not to this one ({describe_owner(owner)}): its rows are not this "
             "run's. Leave store.spill_namespace empty (one namespace per run directory), choose another one, "
             "or set store.spill_takeover = true to delete this job's rows in it and take it over"
         )
@@ -552,7 +407,7 @@ class SpillTier:
         self.flush()
         keys = self._scan_keys()
         with self._cond:
-            self._index = _KeyIndex(keys)
+            self._index = KeyIndex(keys)
 
     def _scan_keys(self) -> np.ndarray:
         """Return the keys of this table's spilled rows in Redis (``owns``' keys only)."""
@@ -594,7 +449,7 @@ class SpillTier:
     def _encode(self, block: RowBlock) -> list[bytes]:
         n = block.num_rows
         rec = np.zeros(n, dtype=self.dtype)
-        for name in _HEADER.names:
+        for name in HEADER.names:
             rec[name] = self._header[name][0]
         rec["key"] = block.keys
         rec["last_seen"] = block.last_seen
@@ -633,11 +488,11 @@ class SpillTier:
                  f"{spill_key(self.namespace, self.table, key)}")
         expected = (f"this store reads format version {FORMAT_VERSION}, {self.cfg.dtype}, "
                     f"{self.cfg.optimizer}, dim {self.dim}: {self.dtype.itemsize} bytes")
-        if len(value) < _HEADER.itemsize:
+        if len(value) < HEADER.itemsize:
             return f"{where} has {len(value)} bytes, too short for a spilled row; {expected}"
-        h = np.frombuffer(value[: _HEADER.itemsize], dtype=_HEADER)[0]
-        dtypes = {v: k for k, v in _DTYPE_CODES.items()}
-        opts = {v: k for k, v in _OPTIMIZER_CODES.items()}
+        h = np.frombuffer(value[: HEADER.itemsize], dtype=HEADER)[0]
+        dtypes = {v: k for k, v in DTYPE_CODES.items()}
+        opts = {v: k for k, v in OPTIMIZER_CODES.items()}
         return (
             f"{where} has format version {int(h['version'])}, {dtypes.get(int(h['dtype']), '?')}, "
             f"{opts.get(int(h['optimizer']), '?')}, dim {int(h['dim'])} ({len(value)} bytes); {expected}. "
@@ -859,22 +714,6 @@ class SpillTier:
 
 
 # --------------------------------------------------------------------------- namespaces
-
-
-def _parse_owner(value: bytes | None) -> dict | None:
-    if value is None:
-        return None
-    try:
-        out = json.loads(value)
-    except ValueError:
-        return {"unreadable owner record": value[:200].decode("utf-8", "replace")}
-    return out if isinstance(out, dict) else {"owner record": out}
-
-
-def _describe_owner(owner: dict) -> str:
-    if set(owner) >= {"run_dir", "job"}:
-        return f"run directory {owner['run_dir']}, job {owner['job']!r}"
-    return ", ".join(f"{k} {v}" for k, v in sorted(owner.items()))
 
 
 def clear_tables(tiers: list[SpillTier]) -> int:
