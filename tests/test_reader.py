@@ -104,7 +104,7 @@ def test_forked_workers_never_free_what_they_inherit(data, tmp_path, monkeypatch
 
     import torch.distributed as dist
 
-    from recsys.io import reader as reader_module
+    from recsys.io import reader_workers as reader_module
 
     class Cycle:
         def __init__(self, marker):
@@ -411,7 +411,7 @@ def test_dense_values_beyond_float32_range(tmp_path):
 @pytest.mark.multiproc
 def test_batches_larger_than_a_ring_slot_take_torchs_path(data, monkeypatch):
     """Worker batches go through shared-memory ring slots; ones that do not fit still arrive."""
-    import recsys.io.reader as reader_module
+    import recsys.io.reader_workers as reader_module
 
     with ParquetReader(data.config(num_workers=0), make_schema(), rank=0, world_size=2) as r:
         thread = list(r)

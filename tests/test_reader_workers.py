@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from recsys.io import reader as reader_module
+from recsys.io import reader_workers
 from recsys.io.reader import ParquetReader
 from reader_data import ids_of, make_schema, write_dataset
 
@@ -186,7 +187,7 @@ def test_forkserver_workers_wait_for_a_slow_consumer_and_between_epochs(data):
 def test_an_interrupted_drain_leaves_no_stale_batches(data, monkeypatch):
     """Ctrl-C while an early end drains the workers: the pool is not reused half-drained (its
     old items would pass for the next epoch's), and the state stays exactly once."""
-    calls = interrupt_once(monkeypatch, reader_module._WorkerPool, "_recv")
+    calls = interrupt_once(monkeypatch, reader_workers.WorkerPool, "_recv")
     with ParquetReader(data.config(num_workers=2, batch_size=4, prefetch=1), make_schema()) as r:
         it = iter(r)
         seen = ids_of([next(it), next(it)])
@@ -203,7 +204,7 @@ def test_an_interrupted_drain_leaves_no_stale_batches(data, monkeypatch):
 def test_credits_lost_to_interruptions_are_back_at_the_next_epoch(data, monkeypatch):
     """An interruption between an item's receipt and its credit's release, once per credit
     (prefetch 1: three), then whole epochs: each epoch starts with every credit."""
-    calls = interrupt_once(monkeypatch, reader_module._Ring, "receive")
+    calls = interrupt_once(monkeypatch, reader_workers._Ring, "receive")
     with ParquetReader(data.config(num_workers=1, batch_size=4, prefetch=1), make_schema()) as r:
         for _ in range(3):
             it = iter(r)
