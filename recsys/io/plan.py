@@ -28,7 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys.io.decode import UnitConverter, UnitData, assemble, numpy_alloc
+from recsys.io.batch_arrays import assemble, numpy_alloc
+from recsys.io.decode import UnitConverter, UnitData
 from recsys.io.errors import ReadError
 from recsys.io.units import UnitTable, check_file_schema, open_parquet
 
@@ -256,7 +257,7 @@ class SlotRunner:
         self.plan = plan
         self.stop = stop
         self.alloc = alloc
-        """Allocates each batch's buffer (see ``convert.assemble``)."""
+        """Allocates each batch's buffer (see ``recsys.io.batch_arrays.assemble``)."""
 
     def __iter__(self):
         loader = UnitLoader(self.ctx)

@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 
 from recsys.io.config import ReaderConfig
-from recsys.io.decode import BatchArrays
+from recsys.io.batch_arrays import BatchArrays
 from recsys.io.errors import ReadError
 from recsys.io.plan import ReadContext, SlotPlan, SlotRunner, background_priority
 
