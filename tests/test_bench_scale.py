@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys.bench import scale
+from recsys.bench import scale_plan as scale
 
 ROOT = Path(__file__).resolve().parents[1]
 
