@@ -30,7 +30,7 @@ log = logging.getLogger("recsys.io.reader")
 
 _MAGIC = re.compile(r"[*?\[]")
 CONVERT_PENDING = "_convert.pending"
-"""Lies in a directory while ``recsys convert`` moves its files in (``recsys.io.convert``):
+"""Lies in a directory while ``recsys convert`` moves its files in (``recsys.io.convert_output``):
 such a directory holds part of a data set, and the reader refuses it."""
 
 
