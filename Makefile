@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 DATA   ?= data/synthetic_small
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=25
 
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
 NPROC ?= 2

@@ -117,6 +117,7 @@ def test_paired_difference_and_its_interval_against_scipy():
     assert np.isnan(quality.paired([0.7], [0.6])["low"])  # one split: no interval
 
 
+@pytest.mark.slow  # ~30-80 s: four quick trainings and baselines; make test ran 20:05 of pytest on 2026-11-27
 def test_repeated_splits_shuffle_by_split_and_pair_each_model(tmp_path, monkeypatch):
     """Two quick random splits of fair: split k is the set shuffled with seed k (split 0 the
     jobs' own), every model scored on each, the differences paired per split."""
