@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+WIDE_SETTINGS = ("wide_lr", "wide_initial_accumulator", "wide_weight_decay")
+"""The model settings that configure the wide arm (only with ``wide = true``)."""
+
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
@@ -81,9 +84,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} must be a finite number >= 0 (or unset: the store's), found {value}")
-        if not self.wide and any(getattr(self, n) is not None
-                                 for n in ("wide_lr", "wide_initial_accumulator", "wide_weight_decay")):
-            raise ValueError("wide_lr / wide_initial_accumulator / wide_weight_decay need model.wide = true")
+        if not self.wide and any(getattr(self, n) is not None for n in WIDE_SETTINGS):
+            raise ValueError(f"{' / '.join(WIDE_SETTINGS)} need model.wide = true")
 
 
 def saved_model_settings(data: dict) -> dict:

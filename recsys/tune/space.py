@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from recsys.config import ConfigError, JobConfig, apply_overrides, from_dict, read_toml
+from recsys.model.config import WIDE_SETTINGS
 
 RANGE_KEYS = ("low", "high", "log", "step")
 NOT_TUNABLE = ("train.keep_best",)
@@ -235,19 +236,16 @@ def _expand(key: str, base: dict, where: str) -> list[str]:
     return out
 
 
-WIDE_ONLY = ("wide_lr", "wide_initial_accumulator", "wide_weight_decay")
-"""``model`` keys that configure the wide arm: dropped when a trial turns ``model.wide`` off (a job
-tuned for its wide arm stays searchable with and without it)."""
-
-
 def _with_values(base: dict, values: dict[str, Any]) -> dict:
-    """Return a copy of ``base`` with ``values`` (concrete job keys) set."""
+    """Return a copy of ``base`` with ``values`` (concrete job keys) set. A trial that turns
+    ``model.wide`` off drops the arm's own settings (``WIDE_SETTINGS``), so a job tuned for its
+    wide arm stays searchable with and without it."""
     data = copy.deepcopy(base)
     for key, value in values.items():
         _set(data, key.split("."), value)
     model = data.get("model")
     if isinstance(model, dict) and model.get("wide") is False:
-        for key in WIDE_ONLY:
+        for key in WIDE_SETTINGS:
             model.pop(key, None)
     return data
 
