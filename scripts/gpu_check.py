@@ -10,12 +10,17 @@ registry; the GPU machine needs no network). Steps, each with its log in ``OUT/`
    with ``--device cuda`` (periodic validation and the final evaluation included);
 3. ``recsys eval --device cuda`` of that run's checkpoint, and ``--device cpu`` of the same
    checkpoint (a GPU checkpoint read on the CPU);
-4. ``recsys bench train --device cuda --quick``.
+4. ``recsys bench train --device cuda --quick`` (``--bench full``: the full bench on the
+   data of step 2, the issue's figures; ``--bench none``: no bench).
+
+The data of step 2 is generated while the tests of step 1 run. ``--budget S`` bounds the
+whole check: a step that would outrun it is stopped (exit code 124 in the summary), so the
+summary is always written. A failed step's log tail is printed in full.
 
 The summary (``OUT/summary.json``, printed last) names the GPU, each step's exit code and
 time, the run's samples/s and AUCs. Exit code: 0 when every step passed.
 
-Usage: ``python3 scripts/gpu_check.py [--out DIR] [--skip-bench]``.
+Usage: ``python3 scripts/gpu_check.py [--out DIR] [--bench quick|full|none] [--budget S]``.
 """
 
 from __future__ import annotations
@@ -46,20 +51,38 @@ def _environment(out: Path) -> dict[str, str]:
     return env
 
 
-def _step(name: str, cmd: list[str], out: Path, env: dict, timeout: float, results: list) -> int:
-    t0 = time.monotonic()
-    log = out / f"{name}.log"
-    print(f"== {name}: {' '.join(cmd)}", flush=True)
-    with open(log, "w") as fh:
+class _Steps:
+    """Runs the steps, each with its log in ``out``, none past the check's deadline."""
+
+    def __init__(self, out: Path, env: dict, budget_s: float):
+        self.out, self.env, self.deadline = out, env, time.monotonic() + budget_s
+        self.results: list[dict] = []
+
+    def start(self, name: str, cmd: list[str]):
+        """Start a step in the background; ``finish`` waits for it."""
+        print(f"== {name}: {' '.join(cmd)}", flush=True)
+        fh = open(self.out / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=fh, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        return name, proc, fh, time.monotonic()
+
+    def finish(self, started, timeout: float) -> int:
+        name, proc, fh, t0 = started
         try:
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = proc.wait(timeout=max(1.0, min(timeout - (time.monotonic() - t0), self.deadline - time.monotonic())))
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
             rc = 124
-    seconds = round(time.monotonic() - t0, 1)
-    tail = log.read_text(errors="replace").splitlines()[-6:]
-    print("\n".join("   " + line for line in tail), flush=True)
-    results.append({"step": name, "rc": rc, "seconds": seconds, "log": str(log)})
-    return rc
+        fh.close()
+        log = self.out / f"{name}.log"
+        lines = log.read_text(errors="replace").splitlines()
+        print("\n".join("   " + line for line in lines[-(60 if rc else 6):]), flush=True)
+        self.results.append({"step": name, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "log": str(log)})
+        return rc
+
+    def run(self, name: str, cmd: list[str], timeout: float) -> int:
+        return self.finish(self.start(name, cmd), timeout)
 
 
 def _train_figures(run_dir: Path) -> dict:
@@ -86,7 +109,9 @@ def _train_figures(run_dir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or ROOT / "gpu-check-out"))
-    parser.add_argument("--skip-bench", action="store_true", help="leave out the quick GPU training bench")
+    parser.add_argument("--bench", choices=("quick", "full", "none"), default="quick",
+                        help="the GPU training bench: --quick (default), the full one on step 2's data, or none")
+    parser.add_argument("--budget", type=float, default=3600.0, help="seconds the whole check may take")
     args = parser.parse_args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -102,26 +127,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     py = [sys.executable]
     cli = py + ["-m", "recsys.cli"]
-    results: list[dict] = []
+    steps = _Steps(out, env, args.budget)
     cuda_tests = sorted(p for p in glob.glob(str(ROOT / "tests" / "test_*.py"))
                         if "pytest.mark.cuda" in Path(p).read_text())
     # the machine's library versions differ from the pins: their deprecation notices are not ours to fail on
     lenient = ["-W", "ignore::DeprecationWarning", "-W", "ignore::FutureWarning"]
-    _step("cuda-tests", py + ["-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *lenient, *cuda_tests],
-          out, env, 900, results)
     data, run_dir = out / "data", out / "run"
-    _step("data", cli + ["gen-synthetic", "--preset", "small", "--out", str(data)], out, env, 600, results)
+    generating = steps.start("data", cli + ["gen-synthetic", "--preset", "small", "--out", str(data)])
+    steps.run("cuda-tests", py + ["-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", *lenient,
+                                  *cuda_tests], 240)
+    steps.finish(generating, 600)
     sets = [f"data.train.paths=['{data / 'train'}']", f"data.eval.paths=['{data / 'eval'}']",
             "train.epochs=1", "train.progress='none'", "train.eval_every=200"]
-    _step("train", cli + ["train", "--config", "jobs/synthetic_small.toml", "--device", "cuda", "--run-dir",
-                          str(run_dir), *[a for s in sets for a in ("--set", s)]], out, env, 900, results)
+    steps.run("train", cli + ["train", "--config", "jobs/synthetic_small.toml", "--device", "cuda", "--run-dir",
+                              str(run_dir), *[a for s in sets for a in ("--set", s)]], 240)
     for device in ("cuda", "cpu"):
-        _step(f"eval-{device}", cli + ["eval", "--checkpoint", str(run_dir), "--device", device,
-                                       "--oracle", str(data / "oracle.json"), "--json", str(out / f"eval-{device}.json")],
-              out, env, 600, results)
-    if not args.skip_bench:
-        _step("bench-train-cuda", cli + ["bench", "train", "--device", "cuda", "--quick", "--json",
-                                         str(out / "bench-train-cuda.json")], out, env, 900, results)
+        steps.run(f"eval-{device}", cli + ["eval", "--checkpoint", str(run_dir), "--device", device, "--oracle",
+                                           str(data / "oracle.json"), "--json", str(out / f"eval-{device}.json")], 120)
+    if args.bench != "none":
+        which = ["--quick"] if args.bench == "quick" else ["--data", str(data)]
+        steps.run("bench-train-cuda", cli + ["bench", "train", "--device", "cuda", *which, "--json",
+                                             str(out / "bench-train-cuda.json")], 900)
+    results = steps.results
     summary = {"machine": machine, "date": time.strftime("%Y-%m-%d"), "steps": results,
                "train": _train_figures(run_dir)}
     for device in ("cuda", "cpu"):
