@@ -20,6 +20,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.store.config import StoreConfig
 from recsys.store.device_cache import DeviceCache, device_budget_rows
+from recsys.store.device_table import DeviceTable
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.table import EmbeddingTable
 from store_data import random_kjts, three_feature_schema, train_pooled
@@ -30,7 +31,7 @@ CUDA = pytest.mark.cuda
 
 
 def _cfg(**kw) -> StoreConfig:
-    return StoreConfig(optimizer="rowwise_adagrad", lr=0.05, initial_accumulator=0.1, **kw)
+    return StoreConfig(**{"optimizer": "rowwise_adagrad", "lr": 0.05, "initial_accumulator": 0.1, **kw})
 
 
 def _assert_same_rows(a: ShardedEmbeddingStore, b: ShardedEmbeddingStore) -> None:
@@ -78,15 +79,16 @@ def test_device_memory_budget_holds_whole_tables_when_they_fit_and_shares_it_oth
         _cfg(device_memory_gb=-1.0)
 
 
-def test_a_budget_store_caches_every_table_and_trains_as_the_host_store():
-    """``device_memory_gb`` puts each table in a device cache (here the CPU device: the same
-    code as on a GPU), all in one arena, and gathers and updates rows where they live, one
-    call over all tables each; nothing changes in the numbers."""
+def test_a_budget_store_puts_every_table_on_the_device_and_trains_as_the_host_store():
+    """``device_memory_gb`` that holds every table puts each one whole on the device
+    (``DeviceTable``; here the CPU device: the same code as on a GPU), all in one arena, and
+    gathers and updates rows where they live, one call over all tables each; nothing
+    changes in the numbers."""
     kjts = random_kjts(12, vocab=60, seed=3)
     budget = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg(device_memory_gb=0.01), device="cpu")
     host = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg())
     try:
-        assert all(isinstance(t, DeviceCache) and t.rows == 10_000 for t in budget.tables.values())
+        assert all(isinstance(t, DeviceTable) and t.rows == 10_000 for t in budget.tables.values())
         assert all(isinstance(t, EmbeddingTable) for t in host.tables.values())
         assert budget._device_rows and not host._device_rows
         arena = budget._arena  # one array for every table's cached rows: one gather and one update a step
@@ -99,6 +101,72 @@ def test_a_budget_store_caches_every_table_and_trains_as_the_host_store():
     finally:
         budget.close()
         host.close()
+
+
+@pytest.mark.parametrize("kw", [{}, {"min_count": 2}, {"staleness": 1}, {"optimizer": "adam"}],
+                         ids=["plain", "admission", "stale", "adam"])
+def test_whole_tables_on_the_device_evict_admit_and_train_exactly_as_the_host_store(kw):
+    """Tables smaller than the keys they see: the host's key map evicts (LRU), admits
+    (``min_count``) and initializes; the device holds the rows at its slots. Step for step
+    the pooled rows, the counters and every row at the end equal the host store's, also
+    with pushes a step late (their slots checked against evictions since the lookup)."""
+    cfg = kw
+    kjts = random_kjts(30, vocab=90, seed=5)
+    whole = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(device_cache_rows=40, **cfg), device="cpu",
+                                  threaded=True)
+    host = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(**cfg), threaded=True)
+    try:
+        assert all(isinstance(t, DeviceTable) for t in whole.tables.values())
+        for step, (a, b) in enumerate(zip(train_pooled(whole, kjts, D), train_pooled(host, kjts, D))):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+        for name in host.tables:
+            c, h = whole.tables[name].counters(), host.tables[name].counters()
+            assert c["evictions"] > 0 and c["evictions"] == h["evictions"], name
+            for k in ("hits", "misses", "inserts", "rejected"):
+                assert c[k] == h[k], (name, k)
+            # a push a step late finds the keys evicted by the lookup ahead of it, and which
+            # lookup ran first is the threads' race (the host store reserves early): the
+            # split between updated and ignored may differ then, never the rows
+            assert c["updated"] + c["ignored"] == h["updated"] + h["ignored"], name
+            if not kw.get("staleness"):
+                assert (c["updated"], c["ignored"]) == (h["updated"], h["ignored"]), name
+        _assert_same_rows(whole, host)
+    finally:
+        whole.close()
+        host.close()
+
+
+def test_a_device_table_checkpoints_pops_and_restores_its_device_rows():
+    """The device's rows are what a checkpoint, ``pop_rows`` and evaluation see; rows loaded
+    into a fresh store reach its device."""
+    kjts = random_kjts(8, vocab=30, seed=7)
+    a = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg(device_memory_gb=0.01), device="cpu")
+    b = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg(device_memory_gb=0.01), device="cpu")
+    host = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg())
+    try:
+        train_pooled(a, kjts, D)
+        train_pooled(host, kjts, D)
+        _assert_same_rows(a, host)  # state_dict: the device's values, copied back
+        b.load_state_dict(a.state_dict())
+        keys = np.arange(30)
+        for name in a.tables:
+            np.testing.assert_array_equal(b.tables[name].peek_tensor(keys).numpy(),
+                                          a.tables[name].peek_tensor(keys).numpy())
+            found = np.empty(30, dtype=bool)
+            rows = a.tables[name].peek(keys, init_missing=True, found_out=found)
+            want_found = np.empty(30, dtype=bool)
+            want = host.tables[name].peek(keys, init_missing=True, found_out=want_found)
+            np.testing.assert_array_equal(found, want_found)
+            np.testing.assert_allclose(rows, want, rtol=2e-5, atol=2e-6)
+        popped = a.tables["item"].pop_rows(np.array([1, 2, 3]))
+        want = host.tables["item"].pop_rows(np.array([1, 2, 3]))
+        assert popped.column("key").equals(want.column("key"))
+        np.testing.assert_allclose(np.asarray(popped.column("embedding").to_pylist()),
+                                   np.asarray(want.column("embedding").to_pylist()), rtol=2e-5, atol=2e-6)
+        assert not a.tables["item"].peek(np.array([1]), found_out=np.empty(1, dtype=bool)).any()
+    finally:
+        for s in (a, b, host):
+            s.close()
 
 
 def test_metrics_read_a_device_loss_once_a_window_with_the_same_figures(tmp_path):

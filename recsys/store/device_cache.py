@@ -194,23 +194,32 @@ class DeviceCache:
 
     # ------------------------------------------------------------------ updates
 
-    def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int) -> None:
+    def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int, slots_hint: np.ndarray | None = None,
+                        hint_departures: int | None = None) -> None:
         """Apply the sparse optimizer to the rows of the unique keys ``keys_U`` (as
         ``EmbeddingTable``): on the device for cached rows, on the host for the others."""
         grads = torch.as_tensor(grads_UD, dtype=torch.float32)  # host or device: a device's stay there
-        sel, slots = self.gradient_slots(keys_U, grads, step)
+        sel, slots = self.gradient_slots(keys_U, grads, step, slots_hint, hint_departures)
         if sel.shape[0]:
             if sel.shape[0] < grads.shape[0]:
                 grads = grads.index_select(0, torch.from_numpy(sel).to(grads.device))
             _update_rows(self.cfg, self._w, self._state, slots, grads.to(self.device))
 
-    def gradient_slots(self, keys_U: np.ndarray, grads_UD: torch.Tensor, step: int) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def departures(self) -> int:
+        """How many calls may have taken keys out of their cache slots (``KeyMap.departures``)."""
+        return self._map.departures
+
+    def gradient_slots(self, keys_U: np.ndarray, grads_UD: torch.Tensor, step: int,
+                       slots_hint: np.ndarray | None = None, hint_departures: int | None = None,
+                       ) -> tuple[np.ndarray, np.ndarray]:
         """Do ``apply_gradients``'s work but the device update: apply the host's optimizer to
         the keys not cached; return (positions in ``keys_U`` of the cached keys, their
-        slots), which the caller updates on the device (marked dirty here)."""
+        slots), which the caller updates on the device (marked dirty here). ``slots_hint``
+        / ``hint_departures``: ``lookup_slots``'s slots and ``departures`` after it."""
         keys = as_keys(keys_U)
         check_push(self.name, self.dim, keys, tuple(grads_UD.shape), step, self._map.clock)
-        slots = self._map.find(keys)
+        slots = self._map.find(keys, slots_hint, hint_departures)
         cached = slots >= 0
         sel = np.flatnonzero(cached)
         self._dirty[slots[sel]] = True

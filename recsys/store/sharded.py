@@ -324,7 +324,10 @@ class ShardedEmbeddingStore:
         rows = self._cache_rows[name]
         if rows > 0:
             from recsys.store.device_cache import DeviceCache
+            from recsys.store.device_table import DeviceTable, fits_whole
 
+            if fits_whole(table, rows, self.world_size):  # the whole table on the device
+                return DeviceTable(table, self.device, arena=self._arena)
             table = DeviceCache(table, rows, self.device, arena=self._arena)
         return table
 
@@ -862,7 +865,9 @@ class ShardedEmbeddingStore:
             rows = np.full(n + 1, arena.zero_row, dtype=np.int64)
             for p in prep.parts:
                 if len(p.keys_U):
-                    slots = self.tables[p.name].lookup_slots(p.keys_U, step)
+                    table = self.tables[p.name]
+                    p.slots = slots = table.lookup_slots(p.keys_U, step)
+                    p.departures = table.departures  # the push's hints (_update_arena)
                     rows[p.base : p.base + len(p.keys_U)] = np.where(slots >= 0, arena.offsets[p.name] + slots,
                                                                      arena.zero_row)
             rows_all = arena.gather(rows)
@@ -998,7 +1003,8 @@ class ShardedEmbeddingStore:
         arena, rows, positions = self._arena, [], []
         for p in parts:
             if len(p.keys_U):
-                sel, slots = self.tables[p.name].gradient_slots(p.keys_U, grads[p.base : p.base + len(p.keys_U)], step)
+                sel, slots = self.tables[p.name].gradient_slots(p.keys_U, grads[p.base : p.base + len(p.keys_U)], step,
+                                                                p.slots, p.departures)
                 rows.append(arena.offsets[p.name] + slots)
                 positions.append(p.base + sel)
         if rows:

@@ -190,6 +190,9 @@ class EmbeddingTable:
 
                 spill = SpillTier(name, self.dim, cfg)
         self.spill = spill
+        self.on_rows_written: Callable[[np.ndarray], None] | None = None
+        """Called with the slots of every row this table writes (new keys' initial rows,
+        inserted or restored rows): a ``DeviceTable`` copies them to its device."""
 
     # ------------------------------------------------------------------ reads
 
@@ -243,10 +246,12 @@ class EmbeddingTable:
     @property
     def reserves_early(self) -> bool:
         """Whether ``reserve`` may run before pushes of earlier steps are applied: true
-        without a spill tier and ``on_evict``. Then a row evicted before its pending push
-        is dropped exactly as if evicted after it (the push only counts it ``ignored``,
-        not ``updated``); with them, the evicted row's copy would miss the push."""
-        return self.spill is None and self.on_evict is None
+        without a spill tier, ``on_evict`` and admission (``min_count`` > 1). Then a row
+        evicted before its pending push is dropped exactly as if evicted after it (the push
+        only counts it ``ignored``, not ``updated``); with a spill tier or ``on_evict`` the
+        evicted row's copy would miss the push, and with admission a key admitted early
+        would get the row an earlier push must not find (that push would update it)."""
+        return self.spill is None and self.on_evict is None and self._sketch is None
 
     def reserve(self, keys_U: np.ndarray, step: int) -> np.ndarray:
         """Do ``lookup``'s key work (touch, admit, evict, initialize new rows) and return the
@@ -517,6 +522,8 @@ class EmbeddingTable:
             scatter_f16_kernel(w32.view(np.uint32), self._w16, slots_M)
         for name, arr in self._state.items():
             _fill_rows_kernel(arr, slots_M, arr.dtype.type(self._state_init[name]))
+        if self.on_rows_written is not None:
+            self.on_rows_written(slots_M)
 
     def _gather(self, slots_U: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Return float32 rows of ``slots_U`` (in ``out`` if given), zeros where a slot is -1."""
@@ -564,6 +571,8 @@ class EmbeddingTable:
             self.weights_CD[slots] = emb
         for name, values in block.states.items():
             self._state[name][slots] = values
+        if self.on_rows_written is not None:
+            self.on_rows_written(slots)
 
     def _restore_for_update(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """Bring back spilled rows of gradient keys (their last_seen kept); return new slots."""
