@@ -93,8 +93,9 @@ bench-quick: venv
 # A GPU machine without network (docs/gpu.md): the wheels its image lacks, for its Python
 # (GPU_PY, default 3.12), fetched here into .whl/; `make gpu-check` there installs them.
 GPU_PY ?= 3.12
+# (pytest, hypothesis, psutil, tqdm... are in the image; a second pytest there would shadow its plugins)
 GPU_WHEELS := torchrec==1.6.1 fbgemm-gpu-cpu==1.6.0 tensordict==0.12.1 iopath redis==5.2.1 hiredis orjson \
-	pyvers importlib_metadata tomli-w psutil tqdm pytest pluggy iniconfig pytest-timeout hypothesis sortedcontainers attrs
+	pyvers importlib_metadata tomli-w
 gpu-wheels: venv
 	$(PIP) download --quiet --no-deps --only-binary=:all: --python-version $(GPU_PY) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -103,10 +104,12 @@ gpu-wheels: venv
 
 # On a GPU machine: the cuda tests, one epoch of the default job with --device cuda and its
 # evaluation on both devices, the quick GPU training bench; one summary (gpu-check-out/).
-# Runs on the machine's own python and torch (GPU_PYTHON), not a venv.
+# Runs on the machine's own python and torch (GPU_PYTHON), not a venv. GPU_CHECK_ARGS: e.g.
+# "--bench full --budget 400" (the full bench on the epoch's data; stop every step by 400 s).
 GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
 gpu-check:
-	$(GPU_PYTHON) scripts/gpu_check.py
+	$(GPU_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

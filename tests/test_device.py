@@ -117,6 +117,9 @@ def test_whole_tables_on_the_device_evict_admit_and_train_exactly_as_the_host_st
     host = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(**cfg), threaded=True)
     try:
         assert all(isinstance(t, DeviceTable) for t in whole.tables.values())
+        partial = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(device_cache_rows=39, **cfg), device="cpu")
+        assert all(isinstance(t, DeviceCache) for t in partial.tables.values())  # one row short: a cache
+        partial.close()
         for step, (a, b) in enumerate(zip(train_pooled(whole, kjts, D), train_pooled(host, kjts, D))):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
         for name in host.tables:

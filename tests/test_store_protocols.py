@@ -11,6 +11,7 @@ import pytest
 from recsys.store import protocols
 from recsys.store.config import StoreConfig
 from recsys.store.device_cache import DeviceCache
+from recsys.store.device_table import DeviceTable
 from recsys.store.sharded import Lookup, ShardedEmbeddingStore
 from recsys.store.table import EmbeddingTable
 from recsys.store.wide import PairLookup, WideStore, wide_schema
@@ -23,6 +24,7 @@ IMPLEMENTATIONS = [
     (protocols.StoreLookup, PairLookup),
     (protocols.Table, EmbeddingTable),
     (protocols.Table, DeviceCache),
+    (protocols.Table, DeviceTable),
 ]
 
 
@@ -62,6 +64,9 @@ def test_live_instances_satisfy_the_protocols():
         assert all(isinstance(t, DeviceCache) for t in deep.tables.values())
         assert isinstance(deep.tables["user"].host, protocols.Table)
         assert not isinstance(object(), protocols.Table)  # the check can fail
+        whole = ShardedEmbeddingStore(schema, StoreConfig(device_cache_rows=100))  # holds each table whole
+        assert all(isinstance(t, DeviceTable) and isinstance(t, protocols.Table) for t in whole.tables.values())
+        whole.close()
     finally:
         deep.close()
         wide.close()

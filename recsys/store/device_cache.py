@@ -49,14 +49,81 @@ from recsys.store.keymap import KeyMap, as_keys
 from recsys.store.rowblock import RowBlock
 from recsys.store.table import EmbeddingTable, check_push
 
-__all__ = ["DeviceArena", "DeviceCache", "device_budget_rows", "CACHE_COUNTERS", "apply_update_torch"]
+__all__ = ["DeviceArena", "DeviceCache", "DeviceTier", "device_budget_rows", "CACHE_COUNTERS", "apply_update_torch"]
 
 CACHE_COUNTERS = ("cache_hits", "cache_misses", "cache_evictions", "writebacks")
 _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16,
                  np.dtype(np.int64): torch.int64}
 
 
-class DeviceCache:
+class DeviceTier:
+    """What the device tiers over a host ``EmbeddingTable`` share (``DeviceCache``,
+    ``recsys.store.device_table.DeviceTable``): ``host``, the device rows ``_w``, and a
+    ``write_back_all`` that brings the host's rows up to date before anything reads them."""
+
+    host: EmbeddingTable
+    device: torch.device
+    _w: torch.Tensor
+
+    def write_back_all(self) -> int:
+        raise NotImplementedError
+
+    def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def insert_rows(self, rows: pa.Table) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """Return the number of rows of the table (held by the host, cached rows included)."""
+        return len(self.host)
+
+    def lookup(self, keys_U: np.ndarray, step: int, out: np.ndarray | None = None) -> np.ndarray:
+        """Return float32 [U, D] host rows of the unique keys ``keys_U`` (as ``EmbeddingTable``)."""
+        rows = self.lookup_tensor(keys_U, step).cpu().numpy()
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    def flush(self) -> None:
+        """Write the device's rows back to the host, then flush the host's spill writes."""
+        self.write_back_all()
+        self.host.flush()
+
+    def close(self) -> None:
+        """Write the device's rows back, then close the host (its spill tier)."""
+        self.write_back_all()
+        self.host.close()
+
+    def state_dict(self) -> pa.Table:
+        """Return every row (``EmbeddingTable.state_dict``), the device's values."""
+        self.write_back_all()
+        return self.host.state_dict()
+
+    def load_state_dict(self, rows: pa.Table) -> None:
+        """Merge ``rows`` into the table (``insert_rows``)."""
+        self.insert_rows(rows)
+
+    def admission_state(self) -> dict | None:
+        """Return the host's admission sketch state."""
+        return self.host.admission_state()
+
+    def load_admission_state(self, state: dict | None) -> None:
+        """Restore the host's admission sketch state."""
+        self.host.load_admission_state(state)
+
+    def _gather(self, slots: np.ndarray) -> torch.Tensor:
+        """Return float32 copies of the device rows ``slots`` (zeros where a slot is -1)."""
+        absent = slots < 0
+        idx = torch.from_numpy(np.where(absent, 0, slots)).to(self.device)
+        out = self._w.index_select(0, idx).float()
+        if absent.any():
+            out[torch.from_numpy(absent).to(self.device)] = 0.0
+        return out
+
+
+class DeviceCache(DeviceTier):
     """A write-back LRU cache of up to ``rows`` rows of ``host`` on ``device`` (see module doc).
 
     Not thread-safe: the store serializes calls.
@@ -93,10 +160,6 @@ class DeviceCache:
         """Return the host's spill tier (None without one)."""
         return self.host.spill
 
-    def __len__(self) -> int:
-        """Return the number of rows of the table (held by the host; cached rows included)."""
-        return len(self.host)
-
     def cached(self) -> int:
         """Return the number of rows cached on the device."""
         return len(self._map)
@@ -110,14 +173,6 @@ class DeviceCache:
         return out
 
     # ------------------------------------------------------------------ reads
-
-    def lookup(self, keys_U: np.ndarray, step: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Return float32 [U, D] host rows of the unique keys ``keys_U`` (as ``EmbeddingTable``)."""
-        rows = self.lookup_tensor(keys_U, step).cpu().numpy()
-        if out is None:
-            return rows
-        out[...] = rows
-        return out
 
     def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
         """Return float32 [U, D] rows on the device; misses come from the host (see module doc)."""
@@ -244,25 +299,6 @@ class DeviceCache:
         self._counters["writebacks"] += wb.num_rows
         return wb.num_rows
 
-    def flush(self) -> None:
-        """Write dirty rows back to the host, then flush the host's spill writes."""
-        self.write_back_all()
-        self.host.flush()
-
-    def close(self) -> None:
-        """Write dirty rows back, then close the host (its spill tier)."""
-        self.write_back_all()
-        self.host.close()
-
-    def state_dict(self) -> pa.Table:
-        """Return every row (``EmbeddingTable.state_dict``) after writing dirty rows back."""
-        self.write_back_all()
-        return self.host.state_dict()
-
-    def load_state_dict(self, rows: pa.Table) -> None:
-        """Merge ``rows`` into the host; cached copies of their keys are dropped."""
-        self.insert_rows(rows)
-
     def insert_rows(self, rows: pa.Table) -> None:
         """Put rows into the host exactly; cached copies of their keys are dropped (stale)."""
         if isinstance(rows, pa.Table) and "key" in rows.column_names:
@@ -281,28 +317,12 @@ class DeviceCache:
         self._drop(keys)
         return self.host.pop_rows(keys)
 
-    def admission_state(self) -> dict | None:
-        """Return the host's admission sketch state."""
-        return self.host.admission_state()
-
-    def load_admission_state(self, state: dict | None) -> None:
-        """Restore the host's admission sketch state."""
-        self.host.load_admission_state(state)
-
     # ------------------------------------------------------------------ internals
 
     def _drop(self, keys: np.ndarray) -> None:
         """Forget cached copies of ``keys`` without writing them back."""
         slots = self._map.remove(as_keys(keys))
         self._dirty[slots[slots >= 0]] = False
-
-    def _gather(self, slots: np.ndarray) -> torch.Tensor:
-        absent = slots < 0
-        idx = torch.from_numpy(np.where(absent, 0, slots)).to(self.device)
-        out = self._w.index_select(0, idx).float()
-        if absent.any():
-            out[torch.from_numpy(absent).to(self.device)] = 0.0
-        return out
 
     def _block(self, keys: np.ndarray, slots: np.ndarray, steps: np.ndarray) -> RowBlock:
         """Return host copies of the cached rows in ``slots``."""

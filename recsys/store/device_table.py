@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recsys.store.device_cache import _allocate, _update_rows
+from recsys.store.device_cache import DeviceTier, _allocate, _update_rows
 from recsys.store.keymap import as_keys
 from recsys.store.table import EmbeddingTable, check_push
 
@@ -52,7 +52,7 @@ def fits_whole(host, rows: int, world_size: int) -> bool:
             and host.spill is None and host.on_evict is None and np.dtype(host.cfg.dtype) == np.float32)
 
 
-class DeviceTable:
+class DeviceTable(DeviceTier):
     """Every row of ``host`` on ``device``, at the host's slots (see module doc)."""
 
     def __init__(self, host: EmbeddingTable, device: torch.device | str, arena=None) -> None:
@@ -89,9 +89,6 @@ class DeviceTable:
     def spill(self):
         return None
 
-    def __len__(self) -> int:
-        return len(self.host)
-
     @property
     def departures(self) -> int:
         """How many calls may have taken keys out of their slots (the host's)."""
@@ -123,14 +120,6 @@ class DeviceTable:
     def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
         """Return float32 [U, D] rows on the device (zeros for keys not admitted)."""
         return self._gather(self.lookup_slots(keys_U, step))
-
-    def lookup(self, keys_U: np.ndarray, step: int, out: np.ndarray | None = None) -> np.ndarray:
-        """Return float32 [U, D] host copies of ``lookup_tensor``'s rows."""
-        rows = self.lookup_tensor(keys_U, step).cpu().numpy()
-        if out is None:
-            return rows
-        out[...] = rows
-        return out
 
     def peek_tensor(self, keys_U: np.ndarray, init_missing: bool = False) -> torch.Tensor:
         """Return float32 [U, D] rows of ``keys_U`` on the device; changes nothing. Absent
@@ -194,22 +183,6 @@ class DeviceTable:
         self._host_stale = False
         return int(slots.shape[0])
 
-    def flush(self) -> None:
-        self.write_back_all()
-        self.host.flush()
-
-    def close(self) -> None:
-        self.write_back_all()
-        self.host.close()
-
-    def state_dict(self) -> pa.Table:
-        """Return every row (``EmbeddingTable.state_dict``), the device's values."""
-        self.write_back_all()
-        return self.host.state_dict()
-
-    def load_state_dict(self, rows: pa.Table) -> None:
-        self.insert_rows(rows)
-
     def insert_rows(self, rows: pa.Table) -> None:
         """Put rows into the table exactly (``EmbeddingTable.insert_rows``), on the device too."""
         self.host.insert_rows(rows)
@@ -219,12 +192,6 @@ class DeviceTable:
         """Remove the rows of ``keys`` and return them, the device's values."""
         self.write_back_all()
         return self.host.pop_rows(keys)
-
-    def admission_state(self) -> dict | None:
-        return self.host.admission_state()
-
-    def load_admission_state(self, state: dict | None) -> None:
-        self.host.load_admission_state(state)
 
     # ------------------------------------------------------------------ internals
 
@@ -239,10 +206,3 @@ class DeviceTable:
         self._w.index_copy_(0, idx, torch.from_numpy(self.host.weights_CD[slots]).to(self.device))
         for name, t in self._state.items():
             t.index_copy_(0, idx, torch.from_numpy(self.host._state[name][slots]).to(self.device))
-
-    def _gather(self, slots: np.ndarray) -> torch.Tensor:
-        absent = slots < 0
-        out = self._w.index_select(0, torch.from_numpy(np.where(absent, 0, slots)).to(self.device)).float()
-        if absent.any():
-            out[torch.from_numpy(absent).to(self.device)] = 0.0
-        return out

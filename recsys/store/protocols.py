@@ -6,7 +6,8 @@ lookup and a table, whichever implementation is behind them.
                      as one)
     StoreLookup      Lookup (sharded.py); PairLookup (wide.py)
     Table            EmbeddingTable (recsys/store/table.py: host rows, LRU, spill tier);
-                     DeviceCache (recsys/store/device_cache.py: a device tier in front of one)
+                     DeviceCache (recsys/store/device_cache.py: a device tier in front of one);
+                     DeviceTable (recsys/store/device_table.py: a whole table on a device)
 
 A walk through evaluation or a training step stops at these names: every ``lookup`` the
 trainer calls is ``EmbeddingStore.lookup``, every row read below it ``Table.lookup`` /
