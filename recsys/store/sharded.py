@@ -33,13 +33,15 @@ lookup must see. Pooling runs in ``Lookup.pooled``, its backward on the worker i
 Costs: one all_to_all for keys, one for rows and one for gradients per step (all tables
 in one message each), plus one for the per-table counts.
 
-Elsewhere: the per-table work spread over threads (``recsys.store.lanes``); the device tier
-and its budget (``recsys.store.device_cache``); the contracts (``recsys.store.protocols``).
+Elsewhere: a lookup's types and its pooling (``recsys.store.lookup``); the order of
+lookups and pushes on the worker thread (``recsys.store.schedule``); the all-to-alls
+between ranks (``recsys.store.exchange``); the per-table work spread over threads
+(``recsys.store.lanes``); the device tiers and their budget (``recsys.store.device_cache``,
+``recsys.store.device_table``); the contracts (``recsys.store.protocols``).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -47,7 +49,6 @@ import os
 import queue
 import sys
 import threading
-import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
@@ -61,131 +62,21 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from recsys import hashing, priority
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.dedup import index_batch, unique_inverse
+from recsys.store.dedup import index_batch
+from recsys.store.exchange import RankExchange
+from recsys.store.schedule import StoreSchedule
 from recsys.store.malloc import keep_freed_memory
-from recsys.store.lanes import Board, HelpedFuture, Lanes
-from recsys.store.pooling import local_copy, pool_backward, pool_forward, pool_torch, scatter_add
-from recsys.transfer import Transfers, arrive
+from recsys.store.lanes import Board, Lanes
+from recsys.store.lookup import Lookup, _Failed, _Prepared, _TablePart
+from recsys.transfer import Transfers
 
 log = logging.getLogger(__name__)
 ADMISSION_FORMAT = 1
 
 
-@dataclasses.dataclass(slots=True)
-class _TablePart:
-    """One table's share of a lookup: what this rank asked for and what it served."""
-
-    name: str
-    keys_U: np.ndarray  # unique keys this rank needs (int64), first-appearance order
-    base: int  # first row of this table in Lookup.rows_all
-    order_U: np.ndarray | None = None  # permutation sorting keys_U by owner rank (W > 1)
-    owner_counts: np.ndarray | None = None  # [W] keys_U per owner rank (W > 1)
-    # owner side (W > 1): keys received for this table, deduplicated
-    served_U: np.ndarray | None = None
-    served_inverse: np.ndarray | None = None
-    # this rank's slots of the keys it serves (keys_U, or served_U when W > 1), when its
-    # table reserved them early (``EmbeddingTable.reserve``); also the push's slot hints,
-    # used unchecked if the table's ``departures`` is still the count right after the reserve
-    slots: np.ndarray | None = None
-    departures: int | None = None
 
 
-@dataclasses.dataclass(slots=True)
-class _Prepared:
-    """What a lookup knows from the batch alone (``ShardedEmbeddingStore._prepare``)."""
-
-    batch_size: int
-    parts: list[_TablePart]  # keys_U and base of every table (W > 1: owners too)
-    num_rows: int  # sum of U over tables: the zero row's index
-    single_idx: torch.Tensor
-    multi_values: torch.Tensor
-    multi_offsets: torch.Tensor
-    multi_weights: torch.Tensor | None
-    reserved: bool = False  # ``_reserve`` ran: keys exchanged (W > 1), slots taken
-    comm: dict = dataclasses.field(default_factory=dict)  # the exchange plan (W > 1)
-
-
-@dataclasses.dataclass(slots=True)
-class _Failed:
-    """A lookup whose early preparation raised (re-raised when the lookup runs)."""
-
-    exc: Exception
-
-
-@dataclasses.dataclass(slots=True)
-class Lookup:
-    """The result of ``lookup``: the batch's rows of every table, ready for pooling and push.
-
-    ``rows_all`` is one leaf tensor [sum of U over tables + 1, D]: table t's unique keys
-    occupy rows ``parts[t].base ..`` and the last row is a constant zero row that empty
-    bags point at (it never gets a gradient).
-    """
-
-    step: int | None
-    batch_size: int
-    parts: list[_TablePart]
-    rows_all: torch.Tensor
-    single_idx: torch.Tensor  # [B, F_single] row of each single-hot feature's id (pad if none)
-    single_cols: torch.Tensor  # [F_single] schema position of each single-hot feature
-    multi_values: torch.Tensor  # rows of multi-hot ids, bags feature-major
-    multi_offsets: torch.Tensor  # [F_multi * B + 1]
-    multi_weights: torch.Tensor | None  # per-id weights: 1/len for mean pooling, given ones for weighted features
-    multi_cols: torch.Tensor  # [F_multi] schema position of each multi-hot feature
-    pooled_leaf: torch.Tensor | None = None  # [B, F, D] pooled on CPU by pool_now(), a leaf
-    send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
-    recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
-    dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
-    ready: object = None  # torch.cuda.Event: the tensors' copy to the device is done after it (None: done)
-
-    @property
-    def rows(self) -> dict[str, torch.Tensor]:
-        """Return each table's [U, D] rows (views of ``rows_all``)."""
-        return {p.name: self.rows_all[p.base : p.base + len(p.keys_U)] for p in self.parts}
-
-    def pooled(self, num_features: int | None = None) -> torch.Tensor:
-        """Return pooled embeddings [B, F, D] in schema feature order.
-
-        On CPU: one numba pass (``pool_now``), returned as a leaf tensor whose gradient
-        ``push`` turns into row gradients on the store's worker, off the caller's thread.
-        (Pooling on the worker instead was measured slower at staleness 0: it lengthens
-        the wait for the next lookup.) On other devices: torch kernels on ``rows_all``,
-        with autograd. Either way ``push`` takes the gradients of ``pooled()`` and of
-        ``rows_all`` (if any) together.
-        """
-        if self.ready is not None:  # the caller's stream waits for the rows' copy, its thread does not
-            arrive([self.rows_all, self.single_idx, self.multi_values, self.multi_offsets, self.multi_weights],
-                   self.ready)
-            self.ready = None
-        if self.pooled_leaf is None and self.rows_all.device.type == "cpu":
-            self.pool_now()
-        out = self.pooled_leaf
-        if out is None:
-            out = pool_torch(self.rows_all, self.single_idx, self.single_cols, self.multi_values,
-                             self.multi_offsets, self.multi_weights, self.multi_cols)
-        if num_features is not None and out.shape[1] != num_features:
-            raise ValueError(f"pooled: {out.shape[1]} features, caller expected {num_features}")
-        return out
-
-    def pool_now(self) -> None:
-        """Compute ``pooled_leaf`` from ``rows_all`` (CPU float32) with the numba kernel."""
-        w = self.multi_weights
-        F = self.single_cols.shape[0] + self.multi_cols.shape[0]
-        out = torch.empty((self.batch_size, F, self.rows_all.shape[1]), dtype=torch.float32)
-        rows = local_copy(self.rows_all.detach().numpy())  # read from this core's cache, not the gatherer's
-        pool_forward(rows, self.single_idx.numpy(), self.single_cols.numpy(), self.multi_values.numpy(),
-                     self.multi_offsets.numpy(), None if w is None else w.numpy(), self.multi_cols.numpy(), out.numpy())
-        self.pooled_leaf = out.requires_grad_(self.rows_all.requires_grad)
-
-    def pool_backward(self, grad_BFD: np.ndarray, out_RD: np.ndarray, columns: np.ndarray | None = None) -> None:
-        """Add the row gradients of ``pooled_leaf``'s upstream gradient into ``out_RD``
-        (``columns``, bool [F]: of those feature columns only)."""
-        w = self.multi_weights
-        pool_backward(grad_BFD, self.single_idx.numpy(), self.single_cols.numpy(), self.multi_values.numpy(),
-                      self.multi_offsets.numpy(), None if w is None else w.numpy(), self.multi_cols.numpy(),
-                      out_RD, columns)
-
-
-class ShardedEmbeddingStore:
+class ShardedEmbeddingStore(StoreSchedule, RankExchange):
     """Return-by-lookup store of every table's rows, sharded over a process group by owner.
 
     ``group=None`` with no initialized process group means one process owning every row.
@@ -613,138 +504,6 @@ class ShardedEmbeddingStore:
             if hasattr(host, "arm_admission_replay"):
                 host.arm_admission_replay(int(state["step"]))
 
-    # ------------------------------------------------------------------ the schedule
-
-    def _visible_through(self, step: int) -> int:
-        """Return the last push step the training lookup of ``step`` must see."""
-        return step - self.staleness - 1
-
-    def _check_pushes_before(self, step: int) -> None:
-        missing = sorted(s for s in self._unpushed if s <= self._visible_through(step))
-        if missing:
-            raise RuntimeError(
-                f"the lookup of step {step} must see the pushes of steps {missing} "
-                f"(staleness {self.staleness}), which were not made yet"
-            )
-
-    def _fulfil(self, lookup: Lookup) -> None:
-        if lookup.step not in self._unpushed:
-            raise ValueError(f"step {lookup.step}: no pending training lookup promised this push")
-        self._unpushed.discard(lookup.step)
-
-    def _call(self, fn):
-        """Return ``fn()`` run in the store's op sequence (after everything queued)."""
-        return self._submit(("call", fn)).result()
-
-    def _submit(self, op) -> Future:
-        fut: Future = Future() if self._board is None else HelpedFuture(self._board)
-        if self._threaded:
-            if self._failure is not None:
-                raise self._failed_earlier()
-            # whatever is submitted, someone waits for it (the push: the next lookup)
-            priority.STORE.raise_()
-            self._ops.put((op, fut))
-        else:
-            self._run(op, fut)
-        return fut
-
-    def _failed_earlier(self) -> BaseException:
-        """Return what a call after the worker's failure raises: the failure itself when it
-        is the user's to read (a ``UserError``, e.g. ``SpillError``: one line), else a
-        ``RuntimeError`` caused by it."""
-        from recsys.errors import UserError
-
-        if isinstance(self._failure, UserError):
-            return self._failure
-        err = RuntimeError("the store worker failed earlier")
-        err.__cause__ = self._failure
-        return err
-
-    def _run(self, op, fut: Future) -> None:
-        try:
-            kind = op[0]
-            if kind == "push":
-                if op[2] is not None:
-                    self._pending_pushes[op[1]] = op[2]
-                result = None
-            elif kind == "flush":
-                self._apply_pushes_through(op[1])
-                result = None
-            elif kind == "call":
-                result = op[1]()
-            else:
-                _, kjt, step, train = op
-                if train:
-                    self._apply_pushes_through(self._visible_through(step), step)
-                result = self._do_lookup(kjt, step, train)
-            fut.set_result(result)
-        except BaseException as exc:  # noqa: BLE001 - surfaced through the future
-            exc = self._explain(exc)
-            if self._threaded:
-                self._failure = exc
-            fut.set_exception(exc)
-
-    def _work(self) -> None:
-        """Run ops in arrival order; an op waits until every push it must see has arrived."""
-        waiting: collections.deque = collections.deque()
-        unpushed: set[int] = set()  # promised by a training lookup, push not arrived yet
-        while True:
-            item = self._ops.get()
-            if item is None:
-                break
-            op = item[0]
-            if op[0] == "push":
-                # a push only registers its gradients (applied at a fixed point of the
-                # schedule), so it never waits behind the lookups that wait for it
-                unpushed.discard(op[1])
-                self._run(*item)
-            else:
-                if op[0] == "lookup":
-                    # the batch's own work now, while the pushes it must see are awaited
-                    item = ((op[0], self._prepare_early(op[1]), *op[2:]), item[1])
-                    if op[3]:
-                        unpushed.add(op[2])
-                waiting.append(item)
-            while waiting:
-                op, fut = waiting[0]
-                if (op[0] == "lookup" and op[3] and self._failure is None and isinstance(op[1], _Prepared)
-                        and not op[1].reserved):
-                    # first in line: take its slots now (key work only), read rows later
-                    try:
-                        self._reserve(op[1], op[2], True)
-                    except BaseException as exc:  # noqa: BLE001 - surfaced through the future
-                        exc = self._explain(exc)
-                        self._failure = exc
-                        waiting.popleft()
-                        fut.set_exception(exc)
-                        continue
-                if op[0] == "lookup" and op[3]:
-                    limit = self._visible_through(op[2])
-                elif op[0] == "flush":
-                    limit = op[1]
-                else:
-                    limit = float("-inf")
-                if any(s <= limit for s in unpushed):
-                    break
-                waiting.popleft()
-                if self._failure is not None:
-                    fut.set_exception(self._failed_earlier())
-                else:
-                    self._run(op, fut)
-
-    def _prepare_early(self, kjt: KeyedJaggedTensor) -> _Prepared | _Failed:
-        try:
-            return self._prepare(kjt)
-        except Exception as exc:  # noqa: BLE001 - raised in order, when the lookup runs
-            return _Failed(exc)
-
-    def _apply_pushes_through(self, last_step: float, for_lookup: int | None = None) -> None:
-        for s in sorted(self._pending_pushes):
-            if s > last_step:
-                break
-            self._do_push(*self._pending_pushes.pop(s))
-            self.visibility.append((s, -1 if for_lookup is None else for_lookup))
-
     # ------------------------------------------------------------------ the work
 
     def _prepare(self, kjt: KeyedJaggedTensor) -> _Prepared:
@@ -904,42 +663,6 @@ class ShardedEmbeddingStore:
         out[...] = rows
         return out
 
-    def _exchange_keys(self, parts: list[_TablePart]) -> dict:
-        """Send every table's keys to their owners; set each part's ``served_U`` (the keys
-        this rank owns that some rank asked for) and return the exchange plan."""
-        W = self.world_size
-        send_counts = np.stack([p.owner_counts for p in parts], axis=1)  # [W, T]
-        recv_counts = self._exchange_counts(send_counts)
-        # keys leave rank-major, table-minor; ``dest`` is each one's row in rows_all
-        starts = [np.concatenate([[0], np.cumsum(p.owner_counts)]) for p in parts]
-        blocks = [(p, p.order_U[starts[i][r] : starts[i][r + 1]]) for r in range(W) for i, p in enumerate(parts)]
-        send_keys = np.concatenate([p.keys_U[sel] for p, sel in blocks]) if blocks else np.empty(0, np.int64)
-        dest = np.concatenate([p.base + sel for p, sel in blocks]) if blocks else np.empty(0, np.int64)
-        recv_keys = self._exchange(send_keys, send_counts.sum(1), recv_counts.sum(1), torch.int64, "keys")
-        # owner side: each table's requested keys, deduplicated across requesters
-        recv_split = _split_rank_table(recv_keys, recv_counts)
-        for i, p in enumerate(parts):
-            p.served_U, p.served_inverse = unique_inverse(np.concatenate([recv_split[r][i] for r in range(W)]))
-        return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest}
-
-    def _gather_remote(self, parts: list[_TablePart], comm: dict, rows_np: np.ndarray, step, train: bool) -> None:
-        """Fill ``rows_np`` with rows fetched from their owners (keys sent by ``_exchange_keys``)."""
-        W, D = self.world_size, self.dim
-        send_counts, recv_counts = comm["send_counts"], comm["recv_counts"]
-        served = [np.empty((0, D), np.float32)] * len(parts)
-
-        def serve(i: int) -> None:
-            p = parts[i]
-            served[i] = self._serve(p, p.served_U, step, train)[p.served_inverse]
-
-        todo = [i for i, p in enumerate(parts) if len(p.served_U)]
-        self._lanes.each(todo, [len(parts[i].served_U) for i in todo], serve)
-        served_split = [np.split(rows, np.cumsum(recv_counts[:, i])[:-1]) for i, rows in enumerate(served)]
-        send_rows = np.concatenate([served_split[i][r] for r in range(W) for i in range(len(parts))])
-        recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32,
-                                   "rows")
-        rows_np[comm["dest"]] = recv_rows.reshape(-1, D)
-
     def _do_push(self, lookup: Lookup, g_rows: torch.Tensor | None, g_pooled: torch.Tensor | None,
                  ready=None) -> None:
         """Turn the gradients of ``rows_all`` and of ``pooled_leaf`` into row gradients and
@@ -977,22 +700,8 @@ class ShardedEmbeddingStore:
             if self.publisher is not None:  # rows now reflect lookup.step + 1 optimizer steps (the trainer's count)
                 self.publisher.after_push(lookup.step + 1, [(p.name, p.keys_U) for p in lookup.parts])
             return
-        W, D = self.world_size, self.dim
         self._lanes.each(parts, costs, lambda p: None, before=pool_backward)
-        send = np.ascontiguousarray(grads[lookup.dest]).reshape(-1)
-        recv = self._exchange(send, lookup.send_counts.sum(1) * D, lookup.recv_counts.sum(1) * D, torch.float32,
-                              "grads")
-        got = _split_rank_table(recv.reshape(-1, D), lookup.recv_counts)
-
-        def apply_served(i: int) -> None:
-            p = parts[i]
-            g = np.concatenate([got[r][i] for r in range(W)])
-            # each rank's loss is a mean over its own rows: the gradients sum over ranks / W
-            summed = scatter_add(p.served_inverse, g, np.zeros((len(p.served_U), D), dtype=np.float32), 1.0 / W)
-            self._apply(p, p.served_U, summed, lookup.step)
-
-        todo = [i for i, p in enumerate(parts) if len(p.served_U)]
-        self._lanes.each(todo, [len(parts[i].served_U) for i in todo], apply_served)
+        self._push_remote(lookup, grads)
         if self.publisher is not None:  # this rank's owned keys the push updated; as above
             self.publisher.after_push(lookup.step + 1, [(p.name, p.served_U) for p in lookup.parts
                                                         if p.served_U is not None])
@@ -1019,59 +728,3 @@ class ShardedEmbeddingStore:
             table.apply_gradients(keys_U, grads_UD, step, slots_hint=part.slots, hint_departures=part.departures)
         else:
             table.apply_gradients(keys_U, grads_UD, step)
-
-    # ------------------------------------------------------------------ communication
-
-    def _exchange_counts(self, send_counts: np.ndarray) -> np.ndarray:
-        if self.world_size == 1:
-            return send_counts.copy()
-        W, T = send_counts.shape
-        out = torch.empty(W * T, dtype=torch.int64)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(out, torch.from_numpy(send_counts.reshape(-1).astype(np.int64)), group=self.group)
-        crossing = (W - 1) * T * 8  # every rank's [T] counts but this rank's own
-        self._count_exchange("counts", t0, crossing, crossing)
-        return out.numpy().reshape(W, T)
-
-    def _exchange(self, send: np.ndarray, send_sizes: np.ndarray, recv_sizes: np.ndarray, dtype,
-                  kind: str) -> np.ndarray:
-        if self.world_size == 1:
-            return send
-        out = torch.empty(int(recv_sizes.sum()), dtype=dtype)
-        src = torch.from_numpy(np.ascontiguousarray(send)).to(dtype)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(
-            out,
-            src,
-            output_split_sizes=[int(x) for x in recv_sizes],
-            input_split_sizes=[int(x) for x in send_sizes],
-            group=self.group,
-        )
-        # bytes that cross to other ranks (a rank's block to itself is a local copy)
-        itemsize = out.element_size()
-        sent = (int(send_sizes.sum()) - int(send_sizes[self.rank])) * itemsize
-        received = (int(recv_sizes.sum()) - int(recv_sizes[self.rank])) * itemsize
-        self._count_exchange(kind, t0, sent, received)
-        return out.numpy()
-
-    def _count_exchange(self, kind: str, t0: float, sent: int, received: int) -> None:
-        c = self._comm.setdefault(kind, {"calls": 0, "seconds": 0.0, "bytes_sent": 0, "bytes_received": 0})
-        c["calls"] += 1
-        c["seconds"] += time.perf_counter() - t0
-        c["bytes_sent"] += sent
-        c["bytes_received"] += received
-
-    def comm_stats(self) -> dict[str, dict]:
-        """Return this rank's all-to-alls so far, per kind (``counts``, ``keys``, ``rows``,
-        ``grads``): calls, seconds inside the call (the transfer and any wait for the other
-        ranks to arrive) and bytes sent to / received from other ranks."""
-        return {k: dict(v) for k, v in self._comm.items()}
-
-
-
-def _split_rank_table(buf: np.ndarray, sizes_WT: np.ndarray) -> list[list[np.ndarray]]:
-    """Return ``buf`` cut into [rank][table] blocks of the given sizes (rank-major order)."""
-    ends = np.cumsum(sizes_WT.reshape(-1))
-    pieces = np.split(buf, ends[:-1]) if len(ends) else []
-    W, T = sizes_WT.shape
-    return [pieces[r * T : (r + 1) * T] for r in range(W)]
