@@ -66,6 +66,9 @@ class ServeSettings:
     backend read even with no ids); more: 413."""
     max_body_bytes: int = 4 << 20
     """Largest request body accepted; larger: 413."""
+    fast_path: bool = True
+    """Answer the lookups that end in 200 without the framework's per-request stack
+    (``embedding_server.fastpath``); False: every request through the app (to compare)."""
     cache_bytes: int = 256 << 20
     """Bytes of the in-process LRU cache of rows read from Redis, per worker (0: none)."""
     refresh_s: float = 1.0
@@ -149,6 +152,11 @@ class ServeSettings:
             if raw is None:
                 continue
             kind = hints[f.name]
+            if kind is bool:
+                if raw.lower() not in ("true", "false", "1", "0"):
+                    raise ValueError(f"{ENV_PREFIX}{f.name.upper()}={raw!r}: expected true or false")
+                values[f.name] = raw.lower() in ("true", "1")
+                continue
             try:
                 values[f.name] = kind(raw) if kind in (int, float) else raw
             except ValueError:

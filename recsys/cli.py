@@ -221,7 +221,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                  ssl_keyfile=str(args.ssl_keyfile or ""), max_ids=args.max_ids,
                                  max_lookups=args.max_lookups,
                                  max_body_bytes=args.max_body_bytes, cache_bytes=int(args.cache_mb * (1 << 20)),
-                                 refresh_s=args.refresh_s, follow=args.follow or "", live_ttl_s=args.live_ttl_s)
+                                 refresh_s=args.refresh_s, follow=args.follow or "", live_ttl_s=args.live_ttl_s,
+                                 fast_path=not args.no_fast_path)
         settings.token()  # a bad token file fails here, before the server starts
         if settings.redis:  # and a bad Redis password file
             from recsys.redis_util import password_for
@@ -451,6 +452,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="overlay the live rows a training job pushes to this namespace (needs --redis)")
     p.add_argument("--live-ttl-s", type=float, default=1.0,
                    help="seconds a live row is cached per worker (default 1; 0: read every request)")
+    p.add_argument("--no-fast-path", action="store_true",
+                   help="answer every lookup through the full app, not the lookups' hot path (to compare)")
     p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser(

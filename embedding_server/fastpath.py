@@ -1,0 +1,95 @@
+"""The lookups' hot path: ``POST /v1/lookup`` and ``/v1/lookup/batch`` answered by a plain
+ASGI layer in front of the app, without the framework's per-request machinery (its
+middleware chain, routing, dependencies, ``Request`` and ``Response`` objects).
+
+It answers only what ends in 200: the body read whole within the body limit, the bearer
+token (when one is configured) right, the route's own handler (the same function the
+FastAPI route calls) returning. Anything else (a bad or oversized body, a missing token, an
+unknown feature, too many ids, a backend error, a client gone) is replayed, body and all,
+through the full app, which answers it exactly as it would have without this layer: the
+same status, body, headers and metrics. A request the fast path answers is counted in the
+same metrics (``recsys_serve_requests_total{route, status="200"}``, the latency histogram,
+the ids per request) as the app's middleware counts it. The OpenAPI schema is the app's:
+the routes stay declared there.
+
+Measured in process (the embedded backend, 256 int ids, binary responses, no network):
+BENCHMARKS.md has the service's figures through uvicorn.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Awaitable, Callable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+__all__ = ["FastLookup"]
+
+Handler = Callable[[bytes, bool], Awaitable[tuple[bytes, str, int]]]
+"""(body, binary response wanted) -> (response body, media type, ids asked for); raises
+on anything that is not a 200."""
+
+
+class FastLookup:
+    """The ASGI layer of the module doc, in front of ``app``."""
+
+    def __init__(self, app: ASGIApp, routes: dict[str, Handler], metrics, token_ok: Callable[[bytes], bool],
+                 max_bytes: int, binary_media_type: bytes) -> None:
+        self.app, self.routes, self.metrics = app, routes, metrics
+        self.token_ok, self.max_bytes, self.binary = token_ok, max_bytes, binary_media_type
+        self.answered = 0  # requests this layer answered itself (the rest went through the app)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        handler = None
+        if scope["type"] == "http" and scope["method"] == "POST":
+            handler = self.routes.get(scope["path"])
+        if handler is None:
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        auth = accept = b""
+        too_long = False
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                auth = value
+            elif name == b"accept":
+                accept = value
+            elif name == b"content-length":
+                too_long = value.isdigit() and int(value) > self.max_bytes
+        received: list[Message] = []  # replayed as they came if the app must answer
+        complete = False
+        if not too_long:
+            size = 0
+            while True:
+                message = await receive()
+                received.append(message)
+                if message["type"] != "http.request":  # the client went away: the app sees it too
+                    break
+                size += len(message.get("body", b""))
+                if size > self.max_bytes:
+                    break
+                if not message.get("more_body", False):
+                    complete = True
+                    break
+        if complete and self.token_ok(auth):
+            try:
+                body, media_type, ids = await handler(b"".join(m.get("body", b"") for m in received),
+                                                      self.binary in accept)
+            except Exception:  # noqa: BLE001 - the app answers it, in its own words
+                body = None
+            if body is not None:
+                await send({"type": "http.response.start", "status": 200,
+                            "headers": [(b"content-length", str(len(body)).encode()),
+                                        (b"content-type", media_type.encode())]})
+                await send({"type": "http.response.body", "body": body})
+                m, route = self.metrics, scope["path"]
+                m.requests.labels(route, "200").inc()
+                m.latency.labels(route).observe(time.perf_counter() - t0)
+                m.ids.observe(ids)
+                self.answered += 1
+                return
+
+        async def replay() -> Message:
+            return received.pop(0) if received else await receive()
+
+        await self.app(scope, replay, send)

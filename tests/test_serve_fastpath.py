@@ -1,0 +1,110 @@
+"""The lookups' hot path (``embedding_server.fastpath``): what it answers is byte for byte
+what the full app answers, everything else goes through the app unchanged, and the metrics
+count each request once."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from embedding_server.app import create_app
+from embedding_server.fastpath import FastLookup
+from embedding_server.settings import ServeSettings
+from serving_data import LiveServer
+
+BINARY = {"accept": "application/octet-stream"}
+
+
+def _fast_layer(app) -> FastLookup:
+    stack = app.middleware_stack
+    while not isinstance(stack, FastLookup):
+        stack = stack.app  # ServerErrorMiddleware (the framework's, outermost) first
+    return stack
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_run, tmp_path_factory):
+    token = tmp_path_factory.mktemp("token") / "token"
+    token.write_text("s3cret\n")
+    kw = dict(checkpoint=str(tiny_run), max_ids=100, max_body_bytes=4096, token_file=str(token))
+    fast, slow = create_app(ServeSettings(**kw)), create_app(ServeSettings(fast_path=False, **kw))
+    with LiveServer(fast) as f, LiveServer(slow) as s:
+        yield f, s, fast
+
+
+AUTH = {"authorization": "Bearer s3cret"}
+
+REQUESTS = [
+    ("/v1/lookup", {"feature": "c1", "ids": [1, 2, 2, 99999]}, {}),
+    ("/v1/lookup", {"feature": "c3", "ids": ["a", "b"], "pooling": "mean"}, BINARY),
+    ("/v1/lookup/batch", {"lookups": [{"feature": "c1", "ids": [5]}, {"feature": "c3", "ids": ["x"]}]}, {}),
+    ("/v1/lookup/batch", {"lookups": [{"feature": "c2", "ids": [7, 8]}]}, BINARY),
+]
+
+ERRORS = [  # (path, body or raw bytes, headers, status)
+    ("/v1/lookup", {"feature": "nope", "ids": [1]}, AUTH, 422),
+    ("/v1/lookup", {"feature": "c1", "ids": list(range(101))}, AUTH, 413),
+    ("/v1/lookup", b'{"feature": "c1", "ids": [1', AUTH, 422),
+    ("/v1/lookup", b'{"feature": "c1", "ids": [' + b"1, " * 2000 + b"1]}", AUTH, 413),  # past max_body_bytes
+    ("/v1/lookup", {"feature": "c1", "ids": [1]}, {}, 401),
+    ("/v1/lookup", {"feature": "c1", "ids": [1]}, {"authorization": "Bearer wrong"}, 401),
+    ("/v1/lookup/batch", {"lookups": [{"feature": "c1", "ids": ["s"]}]}, AUTH, 422),
+]
+
+
+def _post(url, path, body, headers):
+    if isinstance(body, bytes):
+        return httpx.post(url + path, content=body, headers={"content-type": "application/json", **headers},
+                          timeout=30)
+    return httpx.post(url + path, json=body, headers=headers, timeout=30)
+
+
+def _requests_counted(url: str) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in httpx.get(url + "/metrics", headers=AUTH).text.splitlines():
+        if line.startswith("recsys_serve_requests_total{"):
+            labels, value = line[len("recsys_serve_requests_total{"):].split("} ")
+            d = dict(part.split("=") for part in labels.split(","))
+            out[(d["route"].strip('"'), d["status"].strip('"'))] = float(value)
+    return out
+
+
+@pytest.mark.parametrize("path, body, headers", REQUESTS)
+def test_the_fast_path_answers_as_the_app_does(servers, path, body, headers):
+    fast, slow, app = servers
+    before = _fast_layer(app).answered
+    a, b = _post(fast.url, path, body, {**AUTH, **headers}), _post(slow.url, path, body, {**AUTH, **headers})
+    assert a.status_code == b.status_code == 200, (a.text, b.text)
+    assert a.content == b.content
+    assert a.headers["content-type"] == b.headers["content-type"]
+    assert _fast_layer(app).answered == before + 1  # answered by the fast path, not the app
+
+
+@pytest.mark.parametrize("path, body, headers, status", ERRORS)
+def test_what_the_fast_path_does_not_answer_the_app_answers_unchanged(servers, path, body, headers, status):
+    fast, slow, app = servers
+    before = _fast_layer(app).answered
+    a, b = _post(fast.url, path, body, headers), _post(slow.url, path, body, headers)
+    assert a.status_code == b.status_code == status, (a.text, b.text)
+    assert a.content == b.content
+    assert _fast_layer(app).answered == before
+
+
+def test_each_request_is_counted_once_in_the_metrics(servers):
+    fast, slow, _ = servers
+    for path, body, headers in REQUESTS:
+        _post(fast.url, path, body, {**AUTH, **headers})
+        _post(slow.url, path, body, {**AUTH, **headers})
+    for path, body, headers, _ in ERRORS:
+        _post(fast.url, path, body, headers)
+        _post(slow.url, path, body, headers)
+    assert _requests_counted(fast.url) == _requests_counted(slow.url)
+
+
+def test_the_switch_reads_true_or_false_from_the_environment(tiny_run):
+    env = {"RECSYS_SERVE_CHECKPOINT": str(tiny_run)}
+    assert ServeSettings.from_env({**env, "RECSYS_SERVE_FAST_PATH": "false"}).fast_path is False
+    assert ServeSettings.from_env({**env, "RECSYS_SERVE_FAST_PATH": "1"}).fast_path is True
+    assert ServeSettings.from_env(ServeSettings(checkpoint=str(tiny_run), fast_path=False).to_env()).fast_path is False
+    with pytest.raises(ValueError, match="RECSYS_SERVE_FAST_PATH='maybe': expected true or false"):
+        ServeSettings.from_env({**env, "RECSYS_SERVE_FAST_PATH": "maybe"})
