@@ -20,7 +20,7 @@ def test_bench_serve_quick(tmp_path):
     result = json.loads(out.read_text())
     names = [c["name"] for c in result["comparisons"]]
     assert names == ["service vs raw redis MGET", "embedded vs raw redis MGET", "service JSON vs binary",
-                     "service 1 worker vs raw redis MGET"]
+                     "service 1 worker vs raw redis MGET", "service: lookups' hot path vs the full app"]
     for c in result["comparisons"]:
         assert c["ours"] > 0 and c["baseline"] > 0 and c["ratio"] == pytest.approx(c["ours"] / c["baseline"])
     assert result["export"]["rows"] == result["setup"]["rows"] == 100_000
