@@ -8,7 +8,11 @@ DATA   ?= data/synthetic_small
 PYTEST_ARGS ?= --durations=25
 
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
-NPROC ?= 2
+# One process by default: on the 2-core host a second process is slower, not faster (2026-11-27,
+# `recsys train` of the default job, two alternating pairs: 1 process 56.5-56.7 s, 2 processes
+# 59.7-59.8 s, the same AUC to 0.0004; BENCHMARKS.md "Trainer": 2 processes 0.71-0.77 of one).
+# NPROC=2 runs the same job data-parallel with the sharded store, as on a bigger host.
+NPROC ?= 1
 
 .PHONY: venv venv-cuda redis-server train serve test test-all data data-tiny bench-quick gpu-wheels gpu-check clean
 
@@ -54,7 +58,7 @@ redis-server:
 		echo "redis-server is missing; install it with: sudo apt-get install -y redis-server"; exit 1; \
 	fi
 
-# The default batch job: small synthetic data (generated once), 2 processes on CPU, then an
+# The default batch job: small synthetic data (generated once), NPROC processes on CPU, then an
 # evaluation of the final checkpoint printed next to the data's oracle AUC, and the run's
 # report (curves as PNG and report.md in RUN_DIR/report).
 train: venv data
