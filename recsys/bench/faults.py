@@ -61,7 +61,7 @@ from pathlib import Path
 import numpy as np
 
 from recsys.harness import (DEADLINE_S, ROOT, TrainJob, environ_of, final_rows, kill_tagged, last_step, losses,
-                            records, start_redis, tagged, wait_for)
+                            records, start_redis, tagged, wait_for, workers)
 from recsys.spawn import free_port
 
 EVERY = 10
