@@ -99,8 +99,8 @@ class DeviceTable(DeviceTier):
         return len(self.host)
 
     def counters(self) -> dict[str, int]:
-        """Return the host's counters with the device's updates; every row with a row is a
-        device hit (``cache_hits``), every new row a ``cache_misses`` (it crosses once)."""
+        """Return the host's counters with the device's updates; every key found with a row
+        is a device hit (``cache_hits``), every new row a ``cache_misses`` (it crosses once)."""
         out = self.host.counters()
         out["updated"] += self._updated
         out["ignored"] += self._ignored

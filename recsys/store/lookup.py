@@ -32,8 +32,9 @@ class _TablePart:
     served_U: np.ndarray | None = None
     served_inverse: np.ndarray | None = None
     # this rank's slots of the keys it serves (keys_U, or served_U when W > 1), when its
-    # table reserved them early (``EmbeddingTable.reserve``); also the push's slot hints,
-    # used unchecked if the table's ``departures`` is still the count right after the reserve
+    # table reserved them early (``EmbeddingTable.reserve``) or a device tier gave them
+    # (``lookup_slots``); also the push's slot hints, used unchecked if the table's
+    # ``departures`` is still the count right after
     slots: np.ndarray | None = None
     departures: int | None = None
 

@@ -196,7 +196,8 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
     def _make_table(self, table_factory, name: str, spec: TableSpec, cfg: StoreConfig):
         """Return one table's tiers: ``table_factory``'s table (default: an ``EmbeddingTable``
         spilling to ``cfg.spill_url`` if set, listing only this rank's keys), wrapped in a
-        ``DeviceCache`` on ``self.device`` when it has cache rows (``device_cache_rows`` or the budget)."""
+        ``DeviceCache`` on ``self.device`` when it has cache rows (``device_cache_rows`` or the budget),
+        or held whole there as a ``DeviceTable`` when those rows hold it (``fits_whole``)."""
         if table_factory is not None:
             table = table_factory(name, spec, cfg)
         else:
