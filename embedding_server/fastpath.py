@@ -47,15 +47,15 @@ class FastLookup:
             await self.app(scope, receive, send)
             return
         t0 = time.perf_counter()
-        auth = accept = b""
+        auth = accept = None  # the first of each header, as the app reads them
         too_long = False
         for name, value in scope["headers"]:
-            if name == b"authorization":
+            if name == b"authorization" and auth is None:
                 auth = value
-            elif name == b"accept":
+            elif name == b"accept" and accept is None:
                 accept = value
             elif name == b"content-length":
-                too_long = value.isdigit() and int(value) > self.max_bytes
+                too_long = too_long or (value.isdigit() and int(value) > self.max_bytes)
         received: list[Message] = []  # replayed as they came if the app must answer
         complete = False
         if not too_long:
@@ -71,10 +71,10 @@ class FastLookup:
                 if not message.get("more_body", False):
                     complete = True
                     break
-        if complete and self.token_ok(auth):
+        if complete and self.token_ok(auth or b""):
             try:
                 body, media_type, ids = await handler(b"".join(m.get("body", b"") for m in received),
-                                                      self.binary in accept)
+                                                      self.binary in (accept or b""))
             except Exception:  # noqa: BLE001 - the app answers it, in its own words
                 body = None
             if body is not None:
