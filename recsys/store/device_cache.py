@@ -63,16 +63,40 @@ class DeviceTier:
 
     host: EmbeddingTable
     device: torch.device
+    cfg: object
     _w: torch.Tensor
+    _state: dict[str, torch.Tensor]
 
     def write_back_all(self) -> int:
         raise NotImplementedError
 
-    def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
+    def lookup_slots(self, keys_U: np.ndarray, step: int) -> np.ndarray:
+        """Do a training lookup's key work; return each key's device slot (-1: no row)."""
+        raise NotImplementedError
+
+    def gradient_slots(self, keys_U: np.ndarray, grads_UD: torch.Tensor, step: int,
+                       slots_hint: np.ndarray | None = None, hint_departures: int | None = None,
+                       ) -> tuple[np.ndarray, np.ndarray]:
+        """Return (positions in ``keys_U`` of the keys updated on the device, their slots)."""
         raise NotImplementedError
 
     def insert_rows(self, rows: pa.Table) -> None:
         raise NotImplementedError
+
+    def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
+        """Return float32 [U, D] rows on the device (zeros for keys without a row)."""
+        return self._gather(self.lookup_slots(keys_U, step))
+
+    def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int, slots_hint: np.ndarray | None = None,
+                        hint_departures: int | None = None) -> None:
+        """Apply the sparse optimizer to the rows of the unique keys ``keys_U`` (as
+        ``EmbeddingTable``): on the device for the rows there (``gradient_slots``)."""
+        grads = torch.as_tensor(grads_UD, dtype=torch.float32)  # host or device: a device's stay there
+        sel, slots = self.gradient_slots(keys_U, grads, step, slots_hint, hint_departures)
+        if sel.shape[0]:
+            if sel.shape[0] < grads.shape[0]:
+                grads = grads.index_select(0, torch.from_numpy(sel).to(grads.device))
+            _update_rows(self.cfg, self._w, self._state, slots, grads.to(self.device))
 
     def __len__(self) -> int:
         """Return the number of rows of the table (held by the host, cached rows included)."""
@@ -174,10 +198,6 @@ class DeviceCache(DeviceTier):
 
     # ------------------------------------------------------------------ reads
 
-    def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
-        """Return float32 [U, D] rows on the device; misses come from the host (see module doc)."""
-        return self._gather(self.lookup_slots(keys_U, step))
-
     def lookup_slots(self, keys_U: np.ndarray, step: int) -> np.ndarray:
         """Do ``lookup_tensor``'s work but the gather: return each key's cache slot (-1: the
         key has no row, e.g. not yet admitted), its row on the device from now on."""
@@ -248,17 +268,6 @@ class DeviceCache(DeviceTier):
         return out
 
     # ------------------------------------------------------------------ updates
-
-    def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int, slots_hint: np.ndarray | None = None,
-                        hint_departures: int | None = None) -> None:
-        """Apply the sparse optimizer to the rows of the unique keys ``keys_U`` (as
-        ``EmbeddingTable``): on the device for cached rows, on the host for the others."""
-        grads = torch.as_tensor(grads_UD, dtype=torch.float32)  # host or device: a device's stay there
-        sel, slots = self.gradient_slots(keys_U, grads, step, slots_hint, hint_departures)
-        if sel.shape[0]:
-            if sel.shape[0] < grads.shape[0]:
-                grads = grads.index_select(0, torch.from_numpy(sel).to(grads.device))
-            _update_rows(self.cfg, self._w, self._state, slots, grads.to(self.device))
 
     @property
     def departures(self) -> int:

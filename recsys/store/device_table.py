@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recsys.store.device_cache import DeviceTier, _allocate, _update_rows
+from recsys.store.device_cache import DeviceTier, _allocate
 from recsys.store.keymap import as_keys
 from recsys.store.table import EmbeddingTable, check_push
 
@@ -117,10 +117,6 @@ class DeviceTable(DeviceTier):
         self._upload_written()
         return slots
 
-    def lookup_tensor(self, keys_U: np.ndarray, step: int) -> torch.Tensor:
-        """Return float32 [U, D] rows on the device (zeros for keys not admitted)."""
-        return self._gather(self.lookup_slots(keys_U, step))
-
     def peek_tensor(self, keys_U: np.ndarray, init_missing: bool = False) -> torch.Tensor:
         """Return float32 [U, D] rows of ``keys_U`` on the device; changes nothing. Absent
         keys read zeros, or with ``init_missing`` their initial vector (``EmbeddingTable.peek``)."""
@@ -157,16 +153,6 @@ class DeviceTable(DeviceTier):
         if sel.shape[0]:
             self._host_stale = True
         return sel, slots[sel]
-
-    def apply_gradients(self, keys_U: np.ndarray, grads_UD, step: int, slots_hint: np.ndarray | None = None,
-                        hint_departures: int | None = None) -> None:
-        """Apply the sparse optimizer to the rows of the unique ``keys_U`` on the device."""
-        grads = torch.as_tensor(grads_UD, dtype=torch.float32)
-        sel, slots = self.gradient_slots(keys_U, grads, step, slots_hint, hint_departures)
-        if sel.shape[0]:
-            if sel.shape[0] < grads.shape[0]:
-                grads = grads.index_select(0, torch.from_numpy(sel).to(grads.device))
-            _update_rows(self.cfg, self._w, self._state, slots, grads.to(self.device))
 
     # ------------------------------------------------------------------ rows in and out
 
