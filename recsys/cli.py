@@ -15,7 +15,8 @@ from pathlib import Path
 from recsys.config import ConfigError
 from recsys.errors import UserError, user_message
 
-BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert", "quality", "scale")
+BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert", "quality", "scale",
+                 "defaults")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
@@ -243,10 +244,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             raise UserError(f"bench {target}: --device cuda is for `recsys bench train` only")
         target = "train_gpu"
     options = {}
-    if args.tuned or args.splits is not None:
-        if target != "quality":
-            raise UserError(f"bench {target}: --tuned and --splits are for `recsys bench quality` only")
+    if args.tuned and target != "quality":
+        raise UserError(f"bench {target}: --tuned is for `recsys bench quality` only")
+    if args.splits is not None and target not in ("quality", "defaults"):
+        raise UserError(f"bench {target}: --splits is for `recsys bench quality` and `recsys bench defaults` only")
+    if target == "quality":
         options = {"tuned": args.tuned, "splits": args.splits}
+    elif target == "defaults":
+        options = {"splits": args.splits}
     result = run(target, json_out=args.json, quick=args.quick, data=args.data, **options)
     return 0 if result.get("passed", True) else 1  # a scenario bench (faults) fails when one scenario does
 
@@ -470,7 +475,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tuned", action="store_true",
                    help="quality only: add each real set's job found by `recsys tune` (30 trials / 30 min; reused)")
     p.add_argument("--splits", type=int, metavar="N",
-                   help="quality only: random splits for sets with under 10 k eval rows (default 10; --quick: 0)")
+                   help="quality and defaults: random splits for sets with under 10 k eval rows "
+                        "(quality: default 10, --quick 0; defaults: default 5)")
     p.set_defaults(func=_cmd_bench)
     return parser
 
