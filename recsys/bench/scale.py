@@ -454,9 +454,9 @@ def _clear_redis(url: str, own: bool, namespace: str) -> None:
     """Delete what a size left in Redis: everything in our own server, else its namespace."""
     from recsys.redis_util import connect, glob_escape
 
-    client = connect(url)
-    if own:
-        client.flushall()
+    client = connect(url, timeout_s=120.0)
+    if own:  # freed in the server's background: a synchronous FLUSHALL of 27 M keys outlasts a socket timeout
+        client.flushall(asynchronous=True)
         return
     batch = []
     for name in client.scan_iter(match=f"{glob_escape(namespace)}:*", count=10_000):
@@ -574,8 +574,13 @@ def _measure_all(s: Settings) -> dict:
                 finally:
                     shutil.rmtree(work / f"run-{m}", ignore_errors=True)
                     if plan["spill_fraction"] is not None:
-                        _clear_redis(url, server is not None, run_namespace(work / f"run-{m}", job_name))
+                        try:
+                            _clear_redis(url, server is not None, run_namespace(work / f"run-{m}", job_name))
+                        except Exception as exc:  # noqa: BLE001 - the size's figures are kept; the run stops
+                            stopped = f"clearing Redis after {_label(m)} ids failed: {exc!r}"
                 done.append(r)
+                if stopped:
+                    break
                 previous = m
                 if m < n:  # a smaller spilled size than planned: as far as memory goes
                     stopped = f"{_label(n)} ids did not fit; ran {_label(m)} instead and stopped there"
@@ -583,7 +588,11 @@ def _measure_all(s: Settings) -> dict:
         finally:
             if server is not None:
                 server.terminate()
-                server.wait(timeout=30)
+                try:
+                    server.wait(timeout=120)  # it frees its dataset first
+                except Exception:  # noqa: BLE001 - a server that will not stop must not cost the figures
+                    server.kill()
+                    server.wait(timeout=30)
     return _report(s, done, plans, stopped, url if server is None else "redis-server started by the bench",
                    time.perf_counter() - t_start)
 
