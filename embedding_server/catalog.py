@@ -20,7 +20,6 @@ with one batch of keys, hashed with that table's salt), and an id never trained 
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -122,7 +121,7 @@ class Catalog:
         ``model.wide`` the wide tables ``<table>.wide`` are tables of the checkpoint too."""
         from recsys import config as config_mod
 
-        job = config_mod.from_dict(config_mod.JobConfig, tomllib.loads(meta["config"]), f"{path}/meta.json:config")
+        job = config_mod.saved_job(meta["config"], f"{path}/meta.json:config")
         wide_of = {wide_table(n): n for n in job.schema.tables} if job.model.wide else {}
         known = [*job.schema.tables, *wide_of]
         names = known if tables is None else list(tables)

@@ -253,6 +253,17 @@ def _without_secrets(data: Any) -> Any:
     return data
 
 
+def saved_job(text: str, where: str) -> "JobConfig":
+    """Return the job of a saved config (a checkpoint's ``meta.json`` ``config``), with the
+    settings its recsys had implied where a default changed since
+    (``saved_model_settings``, ``saved_schema_settings``)."""
+    from recsys.model.config import saved_model_settings
+    from recsys.schema import saved_schema_settings
+
+    data = saved_schema_settings(saved_model_settings(tomllib.loads(text)))
+    return from_dict(JobConfig, data, where)
+
+
 def write_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.toml") -> Path:
     """Write the resolved config into ``run_dir`` and return its path."""
     path = Path(run_dir) / name

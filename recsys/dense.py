@@ -351,7 +351,7 @@ class DenseTransform:
                 self.params.append((bounds,))
 
     @property
-    def is_default(self) -> bool:
+    def all_signed_log1p(self) -> bool:
         """True when every column is signed_log1p (the reader's historical path, untouched)."""
         return all(k == "signed_log1p" for k in self.kinds)
 

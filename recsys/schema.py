@@ -33,6 +33,11 @@ from typing import Literal
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 _F32_MAX = 3.4028234663852886e38
+DEFAULT_DENSE_TRANSFORM = "numeric_embedding"
+"""``schema.dense_transform`` when a job does not set it (and for columns a per-column table
+leaves out). Chosen by ``recsys bench defaults`` (docs/tuning.md, "Defaults"); before
+2026-11-27 it was ``signed_log1p``, which a saved job that does not name its transform
+still gets (``saved_schema_settings``)."""
 """The largest float32: dense values are float32, so a fill value must fit."""
 
 
@@ -109,10 +114,11 @@ class Schema:
     on a split with 0/1 labels."""
     dense: list[str] = field(default_factory=list)
     """Dense float columns, in model input order."""
-    dense_transform: str | dict[str, str] = "signed_log1p"
+    dense_transform: str | dict[str, str] = DEFAULT_DENSE_TRANSFORM
     """How dense values become model inputs (``recsys.dense``), for every column, or per
     column as a table ``{column = transform}`` (key ``"*"``: the others; unlisted columns
-    keep ``signed_log1p``): ``none``; ``signed_log1p`` (``sign(x)·log1p(|x|)``);
+    get the default, ``DEFAULT_DENSE_TRANSFORM``): ``none``; ``signed_log1p`` (``sign(x)·log1p(|x|)``;
+    the default before 2026-11-27);
     ``standardize`` (zero mean, unit std over the training data); ``quantile_buckets`` (the
     value's quantile bucket, an embedding of its own); ``numeric_embedding`` (piecewise-linear
     encoding over the quantile edges, projected to an embedding); ``periodic`` (standardized,
@@ -161,6 +167,9 @@ class Schema:
                             or self.weight in {f.column for f in self.sparse}):
             raise ValueError(f"weight column {self.weight!r} is also the label or a feature")
         self._check_dense_transform()
+        if isinstance(self.dense_transform, dict) and "*" not in self.dense_transform:
+            # resolved, so a saved job keeps its meaning when the default changes
+            self.dense_transform = {**self.dense_transform, "*": DEFAULT_DENSE_TRANSFORM}
         fill = self.dense_fill_null
         if not (math.isfinite(fill) and abs(fill) <= _F32_MAX):
             raise ValueError(
@@ -190,7 +199,7 @@ class Schema:
         spec = self.dense_transform
         if isinstance(spec, str):
             return spec
-        return spec.get(column, spec.get("*", "signed_log1p"))
+        return spec.get(column, spec.get("*", DEFAULT_DENSE_TRANSFORM))
 
     @property
     def needs_dense_stats(self) -> bool:
@@ -225,3 +234,19 @@ class Schema:
     def replace(self, **changes) -> "Schema":
         """Return a copy with fields changed (checks run again)."""
         return dataclasses.replace(self, **changes)
+
+
+def saved_schema_settings(data: dict) -> dict:
+    """Return a saved job's settings (a checkpoint's ``config``, as a dict) with the schema
+    settings its recsys had implied: a schema saved without ``dense_transform`` (before the
+    setting existed), or with a per-column table without ``"*"``, meant ``signed_log1p``
+    where it named nothing. Changes ``data`` in place."""
+    schema = data.get("schema")
+    if isinstance(schema, dict):
+        spec = schema.get("dense_transform")
+        if spec is None:
+            schema["dense_transform"] = "signed_log1p"
+        elif isinstance(spec, dict) and "*" not in spec:
+            spec["*"] = "signed_log1p"
+    return data
+

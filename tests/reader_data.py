@@ -26,6 +26,7 @@ def make_schema(**changes) -> Schema:
     schema = Schema(
         label="label",
         dense=list(DENSE),
+        dense_transform="signed_log1p",  # the reader's own transform (others need the training data's statistics)
         sparse=[
             FeatureSpec(name="item", column="item_id", kind="int64", table="item"),
             FeatureSpec(name="hist", column="hist", kind="int64", multi_hot=True, table="item"),

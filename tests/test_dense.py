@@ -9,6 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import tomli_w
 
 from recsys.dense import (ColumnSketch, ColumnStats, DenseStats, DenseTransform, merge_all, position,
                           signed_log1p_, truncate)
@@ -231,10 +232,31 @@ def test_periodic_is_standardize_with_a_vector_in_the_model():
         DenseTransform(Schema(dense=["p"], dense_transform="periodic"), None)
 
 
-def test_default_transform_is_the_historical_signed_log1p():
-    schema = Schema(dense=["a", "b"])
+def test_default_transform_is_numeric_embedding_and_saved_jobs_keep_theirs():
+    from recsys.config import dumps, from_dict, JobConfig, saved_job
+
+    assert Schema(dense=["a", "b"]).transform_of("a") == "numeric_embedding"
+    with pytest.raises(ValueError, match=r"'numeric_embedding' for column 'a' needs dense statistics"):
+        DenseTransform(Schema(dense=["a", "b"]), None)
+    # a per-column table's unlisted columns get the default, written into the schema so a
+    # saved job keeps its meaning if the default changes again
+    s = Schema(dense=["a", "b"], dense_transform={"a": "none"})
+    assert s.dense_transform == {"a": "none", "*": "numeric_embedding"} and s.transform_of("b") == "numeric_embedding"
+    # a job saved by an older recsys names no transform, or a table without "*": signed_log1p then
+    old = {"name": "old", "schema": {"dense": ["a", "b"]}}
+    assert saved_job(tomli_w.dumps(old), "meta").schema.transform_of("a") == "signed_log1p"
+    old["schema"]["dense_transform"] = {"a": "none"}
+    job = saved_job(tomli_w.dumps(old), "meta")
+    assert job.schema.transform_of("a") == "none" and job.schema.transform_of("b") == "signed_log1p"
+    # a job saved now names its transform and loads back unchanged
+    now = from_dict(JobConfig, {"name": "now", "schema": {"dense": ["a"]}})
+    assert saved_job(dumps(now), "meta").schema.dense_transform == "numeric_embedding"
+
+
+def test_signed_log1p_is_the_historical_reader_path():
+    schema = Schema(dense=["a", "b"], dense_transform="signed_log1p")
     t = DenseTransform(schema, None)
-    assert t.is_default and t.kinds == ["signed_log1p", "signed_log1p"]
+    assert t.all_signed_log1p and t.kinds == ["signed_log1p", "signed_log1p"]
     out = t.transform({"a": [3.0, np.nan], "b": [-1e30, 0.0]})
     want = np.array([[3.0, -1e30], [0.0, 0.0]], np.float32)
     signed_log1p_(want)

@@ -19,7 +19,8 @@ from recsys.io.partitions import parse_filter, partition_values
 from recsys.io.reader import ParquetReader
 from recsys.schema import FeatureSpec, Schema, TableSpec
 
-SCHEMA = Schema(label="label", dense=["x"], sparse=[FeatureSpec(name="item")], tables={"item": TableSpec(dim=4)})
+SCHEMA = Schema(label="label", dense=["x"], dense_transform="signed_log1p",
+                sparse=[FeatureSpec(name="item")], tables={"item": TableSpec(dim=4)})
 DAYS = ["2026-10-30", "2026-10-31", "2026-11-01", "2026-11-02"]
 
 

@@ -18,7 +18,8 @@ from recsys.io.reader import ParquetReader
 from recsys.schema import FeatureSpec, Schema, TableSpec
 from recsys.train.loop import _loss
 
-SCHEMA = Schema(label="label", dense=["x"], sparse=[FeatureSpec(name="item")], tables={"item": TableSpec(dim=4)},
+SCHEMA = Schema(label="label", dense=["x"], dense_transform="signed_log1p",
+                sparse=[FeatureSpec(name="item")], tables={"item": TableSpec(dim=4)},
                 weight="w")
 
 

@@ -15,8 +15,8 @@ job's own, exactly as ``recsys bench quality`` trains it.
 
 Repetitions, paired: a set whose eval split holds fewer than ``quality.SMALL_EVAL`` rows
 (fair, randhie, bikeshare) is scored on ``splits`` random splits (split k: shuffled and
-trained with seed k, as ``quality.repeated``); a larger one (flights, the synthetic set) on
-split 0 with seeds 0, 1, 2. The figure per set is the paired difference in eval AUC (the
+trained with seed k, as ``quality.repeated``); flights on split 0 with seeds 0, 1, 2; the
+synthetic set with seed 0 (``SYNTHETIC_SEEDS``). The figure per set is the paired difference in eval AUC (the
 first candidate − another), its mean and 95 % Student-t interval (``quality.paired``).
 
 ``--quick``: the tiny synthetic set and fair, one repetition each, two epochs: the shape of
@@ -42,6 +42,10 @@ SETS_RUN = ("synthetic", "randhie", "fair", "bikeshare", "flights")
 QUICK_SETS = ("synthetic", "fair")
 SPLITS = 5
 SEEDS = (0, 1, 2)
+SYNTHETIC_SEEDS = (0,)
+"""The synthetic set trains with one seed: up to 6 epochs of 1.7 M rows a run. Its own jobs
+name their transform (the generator is linear in ``signed_log1p``); here it only checks that
+the defaults do no harm on data of that kind."""
 
 
 def overrides_of(values: dict) -> list[str]:
@@ -71,7 +75,7 @@ def _units(name: str, quick: bool, data: Path | None, splits: int) -> list[tuple
     """Return the repetitions of set ``name``: (label, seed, overrides pointing at its split)."""
     if name == "synthetic":
         _, _, overrides, _ = quality._synthetic(quick, data)
-        return [(f"seed {k}", k, overrides) for k in (SEEDS[:1] if quick else SEEDS)]
+        return [(f"seed {k}", k, overrides) for k in (SEEDS[:1] if quick else SYNTHETIC_SEEDS)]
     s = quality.SETS[name]
     extra = [f"train.epochs={quality.QUICK_EPOCHS}"] if quick else []
     root = quality.prepare(s)

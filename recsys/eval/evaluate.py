@@ -594,13 +594,11 @@ def compare(a: Scored, opts: EvalOptions, paths, types) -> tuple[dict, Scored]:
 
 
 def _job_of(path: Path):
-    import tomllib
-
     from recsys import checkpoint_files
     from recsys import config as config_mod
 
     meta = checkpoint_files.load_meta(path)
-    return config_mod.from_dict(config_mod.JobConfig, tomllib.loads(meta["config"]), f"{path}/meta.json:config")
+    return config_mod.saved_job(meta["config"], f"{path}/meta.json:config")
 
 
 # --------------------------------------------------------------------------- text tables

@@ -10,7 +10,6 @@ the dense model is the checkpoint's.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +46,6 @@ def dense_stats_of(job, meta: dict, path) -> "DenseStats | None":
 def load_trained(checkpoint: str | Path, device: str = "cpu"):
     """Return (job, store, model) restored from ``checkpoint`` for inference in this process."""
     from recsys.model.arch import model_for
-    from recsys.model.config import saved_model_settings
     from recsys.store import wide
     from recsys.store.wide import table_names
     from recsys.store.sharded import ShardedEmbeddingStore
@@ -55,8 +53,7 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
 
     path = ckpt.resolve(checkpoint)
     meta = ckpt.load_meta(path)
-    saved = saved_model_settings(tomllib.loads(meta["config"]))  # a DeepFM saved before deepfm_dense: "vector"
-    job = config_mod.from_dict(config_mod.JobConfig, saved, f"{path}/meta.json:config")
+    job = config_mod.saved_job(meta["config"], f"{path}/meta.json:config")  # e.g. a DeepFM saved before deepfm_dense
     dense_stats_of(job, meta, path)  # a checkpoint without the statistics its transforms need fails here
     sparse = ckpt.load_sparse(path, table_names(job.schema, job.model.wide))
     # Inference holds every saved row in memory (spilled ones included: a checkpoint has
