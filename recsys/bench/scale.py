@@ -304,7 +304,8 @@ def run_size(s: Settings, n: int, spill_fraction: float | None, redis_url: str, 
                           "train.keep_last=1", *([f"store.spill_url='{redis_url}'"] if spilled else [])])
     (dim,) = {t.dim for t in base.schema.tables.values()}
     shape = type("Shape", (), {"dim": dim, "tables": len(unis)})
-    schema = dataclasses.replace(_schema(shape, caps), label=base.schema.label, dense=list(base.schema.dense))
+    schema = dataclasses.replace(_schema(shape, caps), label=base.schema.label, dense=list(base.schema.dense),
+                                 dense_transform=base.schema.dense_transform)  # the job's (its data is synthetic)
     run_dir = Path(work) / f"run-{n}"
     t0 = time.perf_counter()
     data = SyntheticIds.make(s, unis, len(schema.dense), s.steps)
