@@ -167,6 +167,40 @@ def test_wide_arm_needs_its_weights():
         model(torch.randn(2, 1), torch.randn(2, 2, 4))
 
 
+def test_numeric_columns_in_one_product_equal_each_columns_own_projection():
+    """The numeric_embedding columns are computed together (one product over stacked weights):
+    vectors, first-order terms and every gradient equal each column's own Linear, with nulls
+    and another embedded kind interleaved."""
+    torch.manual_seed(9)
+    kinds = ["numeric_embedding", "quantile_buckets", "numeric_embedding", "numeric_embedding"]
+    emb = DenseEmbeddings(kinds, buckets=4, dim=3, wide=True)
+    with torch.no_grad():
+        for lin in emb.wide_projections:
+            lin.weight.normal_()
+        for null in emb.wide_nulls:
+            null.normal_()
+    values = torch.tensor([[0.5, 1.0, 3.2, -1.0], [-1.0, 4.0, 0.0, 2.7], [4.0, 0.0, -1.0, 1.1]])
+    out, first = emb(values)
+    ref_vec, ref_first = [], []
+    for p, e in enumerate([0, 2, 3]):
+        x = values[:, e]
+        enc = (x.unsqueeze(1) - torch.arange(4.0)).clamp(0.0, 1.0)
+        ref_vec.append(torch.where((x < 0).unsqueeze(1), emb.null_vectors[p], emb.projections[p](enc)))
+        ref_first.append(torch.where(x < 0, emb.wide_nulls[p], emb.wide_projections[p](enc).squeeze(1)))
+    bucket_vec = emb.tables[0](values[:, 1].long())
+    bucket_first = emb.wide_tables[0](values[:, 1].long()).squeeze(1)
+    ref = torch.stack([ref_vec[0], bucket_vec, ref_vec[1], ref_vec[2]], dim=1)
+    ref_f = bucket_first + ref_first[0] + ref_first[1] + ref_first[2]
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(first, ref_f)
+    coef = torch.randn_like(out)
+    params = list(emb.parameters())
+    g = torch.autograd.grad((out * coef).sum() + 0.3 * first.sum(), params)
+    g_ref = torch.autograd.grad((ref * coef).sum() + 0.3 * ref_f.sum(), params)
+    for a, b in zip(g, g_ref):
+        torch.testing.assert_close(a, b)
+
+
 def test_wide_first_order_of_embedded_dense_columns_by_hand():
     torch.manual_seed(6)
     emb = DenseEmbeddings(["quantile_buckets", "numeric_embedding"], buckets=4, dim=3, wide=True)

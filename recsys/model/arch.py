@@ -128,6 +128,8 @@ class DenseEmbeddings(nn.Module):
                     self.wide_projections.append(proj)
                     self.wide_nulls.append(nn.Parameter(torch.zeros(1)))
         self.register_buffer("steps", torch.arange(buckets, dtype=torch.float32), persistent=False)
+        numeric = [e for e, kind in enumerate(kinds) if kind == "numeric_embedding"]
+        self.register_buffer("numeric_idx", torch.tensor(numeric, dtype=torch.long), persistent=False)
         periodic = [e for e, kind in enumerate(kinds) if kind == "periodic"]
         if periodic:
             n, k = len(periodic), frequencies
@@ -148,11 +150,30 @@ class DenseEmbeddings(nn.Module):
         first = (features * self.wide_periodic).sum(dim=2) if self.wide else None
         return vec, first
 
+    def numeric(self, x_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return the numeric_embedding columns' vectors [B, E_n, D] and, with ``wide``, their
+        first-order terms [B, E_n], from their positions [B, E_n] (null: < 0): every column
+        in one batched product over the per-column projections, not a loop of E_n small
+        Linears (docs/tuning.md, "Defaults": the loop cost a tenth of a step)."""
+        null = (x_BE < 0).unsqueeze(2)
+        encoded = (x_BE.unsqueeze(2) - self.steps).clamp(0.0, 1.0)  # [B, E_n, N]
+        weight = torch.stack([lin.weight for lin in self.projections])  # [E_n, D, N]
+        bias = torch.stack([lin.bias for lin in self.projections])  # [E_n, D]
+        vec = torch.einsum("ben,edn->bed", encoded, weight) + bias
+        vec = torch.where(null, torch.stack(list(self.null_vectors)), vec)
+        if not self.wide:
+            return vec, None
+        w = torch.stack([lin.weight[0] for lin in self.wide_projections])  # [E_n, N]
+        lin = (encoded * w).sum(dim=2)
+        return vec, torch.where(null.squeeze(2), torch.cat(list(self.wide_nulls)), lin)
+
     def forward(self, values_BE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (vectors [B, E, D], first-order term [B] with ``wide``, else None)."""
         out, first, t, p, q = [], [], 0, 0, 0
         if hasattr(self, "periodic_idx"):
             periodic_vec, periodic_first = self.periodic(values_BE.index_select(1, self.periodic_idx))
+        if self.numeric_idx.numel():
+            numeric_vec, numeric_first = self.numeric(values_BE.index_select(1, self.numeric_idx))
         for e, kind in enumerate(self.kinds):
             x = values_BE[:, e]
             if kind == "periodic":
@@ -167,13 +188,9 @@ class DenseEmbeddings(nn.Module):
                     first.append(self.wide_tables[t](ids).squeeze(1))
                 t += 1
             else:
-                null = x < 0
-                encoded = (x.unsqueeze(1) - self.steps).clamp(0.0, 1.0)
-                vec = self.projections[p](encoded)
-                out.append(torch.where(null.unsqueeze(1), self.null_vectors[p], vec))
+                out.append(numeric_vec[:, p])
                 if self.wide:
-                    lin = self.wide_projections[p](encoded).squeeze(1)
-                    first.append(torch.where(null, self.wide_nulls[p], lin))
+                    first.append(numeric_first[:, p])
                 p += 1
         return torch.stack(out, dim=1), (torch.stack(first, dim=1).sum(dim=1) if self.wide else None)
 
