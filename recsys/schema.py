@@ -33,12 +33,12 @@ from typing import Literal
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 _F32_MAX = 3.4028234663852886e38
+"""The largest float32: dense values are float32, so a fill value must fit."""
 DEFAULT_DENSE_TRANSFORM = "numeric_embedding"
 """``schema.dense_transform`` when a job does not set it (and for columns a per-column table
 leaves out). Chosen by ``recsys bench defaults`` (docs/tuning.md, "Defaults"); before
 2026-11-27 it was ``signed_log1p``, which a saved job that does not name its transform
 still gets (``saved_schema_settings``)."""
-"""The largest float32: dense values are float32, so a fill value must fit."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -249,4 +249,3 @@ def saved_schema_settings(data: dict) -> dict:
         elif isinstance(spec, dict) and "*" not in spec:
             spec["*"] = "signed_log1p"
     return data
-
