@@ -77,10 +77,9 @@ def _units(name: str, quick: bool, data: Path | None, splits: int) -> list[tuple
         _, _, overrides, _ = quality._synthetic(quick, data)
         return [(f"seed {k}", k, overrides) for k in (SEEDS[:1] if quick else SYNTHETIC_SEEDS)]
     s = quality.SETS[name]
-    extra = [f"train.epochs={quality.QUICK_EPOCHS}"] if quick else []
     root = quality.prepare(s)
     if quick:
-        return [("split 0", 0, quality.split_overrides(root) + extra)]
+        return [("split 0", 0, quality.split_overrides(root) + [f"train.epochs={quality.QUICK_EPOCHS}"])]
     if quality._read_split([str(root / "eval")], ["label"])["label"].shape[0] >= quality.SMALL_EVAL:
         return [(f"seed {k}", k, quality.split_overrides(root)) for k in SEEDS]
     return [(f"split {k}", k, quality.split_overrides(quality.prepare(s, split=k))) for k in range(splits)]

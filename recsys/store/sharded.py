@@ -423,18 +423,11 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         if unknown:
             raise ValueError(f"state has tables {unknown}; the schema declares {self.table_names}")
         def load() -> None:
-            # one SCAN per namespace for every table's spilled rows, not one per table (each
-            # walks every table's keys: 26 tables, 27 M spilled rows took minutes)
-            by_namespace: dict[str, list] = {}
-            for name in state:
-                spill = getattr(self.tables[name], "spill", None)
-                if spill is not None:
-                    by_namespace.setdefault(spill.namespace, []).append(spill)
-            if by_namespace:
+            tiers = [t for t in (getattr(self.tables[name], "spill", None) for name in state) if t is not None]
+            if tiers:
                 from recsys.store.spill import clear_tables
 
-                for tiers in by_namespace.values():
-                    clear_tables(tiers)
+                clear_tables(tiers)  # one SCAN per namespace for all of them
             for name, rows in state.items():
                 keys = rows.column("key").to_numpy()
                 mine = hashing.owner_of(keys, self.world_size) == self.rank

@@ -717,14 +717,19 @@ class SpillTier:
 
 
 def clear_tables(tiers: list[SpillTier]) -> int:
-    """Delete the spilled rows of ``tiers`` (tables of one namespace; each tier's ``owns``
-    keys only) with one SCAN of the namespace, and mark their indexes empty; return how
-    many Redis keys were unlinked. Keys of other tables under the namespace are left."""
-    if not tiers:
-        return 0
+    """Delete the spilled rows of ``tiers`` (each tier's ``owns`` keys only) with one SCAN
+    per namespace, not one per table (each SCAN walks every table's keys: 26 tables and
+    27 M spilled rows took minutes), and mark their indexes empty; return how many Redis
+    keys were unlinked. Keys of other tables under a namespace are left."""
+    by_namespace: dict[str, list[SpillTier]] = {}
+    for t in tiers:
+        by_namespace.setdefault(t.namespace, []).append(t)
+    return sum(_clear_namespace(group) for group in by_namespace.values())
+
+
+def _clear_namespace(tiers: list[SpillTier]) -> int:
+    """``clear_tables`` for tiers of one namespace."""
     first = tiers[0]
-    if any(t.namespace != first.namespace for t in tiers):
-        raise ValueError("clear_tables: the tiers spill to different namespaces")
     for t in tiers:
         t.flush()
     match = _glob_escape(f"{first.namespace}:spill:") + "*"
