@@ -315,3 +315,19 @@ def test_hints_are_trusted_only_while_no_key_left_its_slot():
     km2 = KeyMap(8)
     km2.lookup(np.array([5]), 0)
     np.testing.assert_array_equal(km2.find(np.array([5]), np.array([-1]), km2.departures), [km2.find(np.array([5]))[0]])
+
+
+def test_a_call_reads_only_the_pool_entries_it_takes_or_passes_over():
+    """Evicting k keys reads k entries of the eviction pool (plus any stale ones it passes
+    over), not the whole pool: the service's row cache evicts ~30 keys a request from a pool
+    of ~90 k entries. Each call evicts exactly the oldest keys, as the reference says."""
+    cap = 10_000
+    km = KeyMap(cap, pool_fraction=0.25)
+    km.lookup(np.arange(cap, dtype=np.int64), 1)  # full; every key at step 1
+    km.lookup(np.arange(cap, cap + 5, dtype=np.int64), 2)  # the scan: a pool of 2,500 (step 1)
+    assert km._pool_slots.shape[0] == cap // 4 and km._pool_pos == 5
+    km.lookup(np.arange(5, 15, dtype=np.int64), 3)  # touches ten pool entries: stale now
+    assert km._pool_pos == 5
+    update = km.lookup(np.arange(cap + 5, cap + 8, dtype=np.int64), 4)
+    assert km._pool_pos == 18  # passed over the ten touched, took three
+    np.testing.assert_array_equal(np.sort(update.evicted_keys_K), [15, 16, 17])  # (step 1, key) order

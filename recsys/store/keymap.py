@@ -36,9 +36,10 @@ Eviction policy (exact, and what the tests' reference model implements):
   the call's keys protected, but sets each key's last-access step to the given value.
 
 Finding the smallest keys is amortized: a scan of all slots collects a *pool* of the ``P``
-oldest keys with last access < the scanning call's step (``P`` = max(needed, C/8)), and
-later calls select their victims from it (a partition, no sort), after dropping entries
-touched since (their step changed) or freed. This is exact:
+oldest keys with last access < the scanning call's step (``P`` = max(needed, C/8)), sorted
+by (step, key), and later calls take their victims from its front, passing over entries
+touched since (their step changed) or freed; a call reads only the entries it takes or
+passes over, never the whole pool. This is exact:
 every key outside the pool is newer than every valid pool entry, because keys outside it
 were newer at scan time, and touches and inserts only happen at steps >= the scan step.
 ``assign`` may insert rows of any age: one older than the scan step drops the pool. When no
@@ -46,7 +47,8 @@ key older than the current step remains, victims are chosen by an exact, uncache
 
 Costs: 65–97 bytes per slot (buckets 32–64, slot arrays 33). A lookup is one probe per
 input key (repeats included), plus for its new keys a second probe, and per evicted key a
-backward-shift deletion; a pool scan reads the slot arrays once per ~C/8 evictions. Keys
+backward-shift deletion; a pool scan (a selection and a sort of P entries) reads the slot
+arrays once per ~C/8 evictions. Keys
 are not validated beyond dtype and shape (hot path).
 """
 
@@ -286,16 +288,19 @@ def _candidates_kernel(slot_used, slot_step, slot_call, call_id, limited, step_l
 
 
 @njit(nogil=True, cache=True)
-def _pool_valid_kernel(pool_slots, pool_steps, slot_used, slot_step, slot_call, call_id):
-    """Return the pool entries still valid: held, untouched since the scan, not in this call."""
-    out = np.empty(pool_slots.shape[0], dtype=np.int64)
+def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, slot_step, slot_call, call_id, out):
+    """Walk the pool, sorted by (step, key), from ``pos``: put its first ``want`` entries that
+    are still valid (held, untouched since the scan, not in this call) into ``out``; return
+    (how many, the position after the last entry read). An entry passed over never becomes
+    valid again: a touch or an insert writes a step >= the scan's limit, above its old one."""
     n = 0
-    for t in range(pool_slots.shape[0]):
-        s = pool_slots[t]
-        if slot_used[s] and slot_step[s] == pool_steps[t] and slot_call[s] != call_id:
+    while pos < pool_slots.shape[0] and n < want:
+        s = pool_slots[pos]
+        if slot_used[s] and slot_step[s] == pool_steps[pos] and slot_call[s] != call_id:
             out[n] = s
             n += 1
-    return out[:n]
+        pos += 1
+    return n, pos
 
 
 # --------------------------------------------------------------------------- the map
@@ -469,20 +474,16 @@ class KeyMap:
         scan's ``limit``; lookups guarantee it, ``assign`` drops the pool otherwise."""
         got = 0
         while got < need and limit is not None:
-            if self._pool_slots.shape[0] == 0 and not self._refill_pool(need - got, limit, call_id):
+            if self._pool_pos == self._pool_slots.shape[0] and not self._refill_pool(need - got, limit, call_id):
                 break
-            valid = _pool_valid_kernel(
-                self._pool_slots, self._pool_steps, self._slot_used, self.slot_step, self._slot_call, call_id
+            victims = np.empty(need - got, dtype=np.int64)
+            n, self._pool_pos = _pool_take_kernel(
+                self._pool_slots, self._pool_steps, self._pool_pos, need - got, self._slot_used, self.slot_step,
+                self._slot_call, call_id, victims,
             )
-            chosen = self._oldest(valid, need - got)
-            if chosen is None:  # the whole pool goes
-                victims = valid
-                self._drop_pool()
-            else:
-                victims = valid[chosen]
-                self._pool_slots = np.ascontiguousarray(valid[~chosen])
-                self._pool_steps = self.slot_step[self._pool_slots]
-            got = self._evict_slots(victims, got, ev_keys, ev_steps, ev_slots)
+            # in slot order, as a selection from the slot-ordered scan gave them: the free
+            # stack, so the slots new keys get, stay what they always were
+            got = self._evict_slots(np.sort(victims[:n]), got, ev_keys, ev_steps, ev_slots)
         if got < need:
             # No key older than this step is left (or rows of any age were assigned): pick
             # exactly, among all keys this call did not touch.
@@ -506,8 +507,12 @@ class KeyMap:
         if cand.shape[0] == 0:
             return False
         chosen = self._oldest(cand, max(need, self._pool_target))
-        self._pool_slots = cand if chosen is None else np.ascontiguousarray(cand[chosen])
-        self._pool_steps = self.slot_step[self._pool_slots]
+        pool = cand if chosen is None else cand[chosen]
+        steps = self.slot_step[pool]
+        order = np.lexsort((self.slot_key[pool].view(np.uint64), steps))  # by (step, key as uint64)
+        self._pool_slots = np.ascontiguousarray(pool[order])
+        self._pool_steps = np.ascontiguousarray(steps[order])
+        self._pool_pos = 0
         self._pool_limit = limit
         return True
 
@@ -530,6 +535,7 @@ class KeyMap:
     def _drop_pool(self) -> None:
         self._pool_slots = np.empty(0, dtype=np.int64)
         self._pool_steps = np.empty(0, dtype=np.int64)
+        self._pool_pos = 0  # entries before it are used up
         self._pool_limit = _INT64_MIN
 
 
