@@ -331,3 +331,19 @@ def test_a_call_reads_only_the_pool_entries_it_takes_or_passes_over():
     update = km.lookup(np.arange(cap + 5, cap + 8, dtype=np.int64), 4)
     assert km._pool_pos == 18  # passed over the ten touched, took three
     np.testing.assert_array_equal(np.sort(update.evicted_keys_K), [15, 16, 17])  # (step 1, key) order
+
+
+def test_distinct_and_has_repeats_agree_with_numpy():
+    """``distinct`` is ``np.unique`` (sorted distinct values) and ``has_repeats`` tells
+    whether any value repeats, on sorted, unsorted, empty, one-element and uint64 input."""
+    from recsys.store.keymap import distinct, has_repeats
+
+    rng = np.random.default_rng(3)
+    cases = [np.empty(0, np.int64), np.array([7], np.int64), np.arange(10, dtype=np.int64),
+             np.array([3, 3], np.int64), np.array([5, -1, 5, 2], np.int64),
+             rng.integers(-(2**63), 2**63 - 1, 1000), rng.integers(0, 50, 200),
+             np.sort(rng.integers(0, 50, 200)), rng.integers(0, 2**64 - 1, 100, dtype=np.uint64)]
+    for values in cases:
+        np.testing.assert_array_equal(distinct(values), np.unique(values))
+        assert distinct(values).dtype == values.dtype
+        assert has_repeats(values) == (np.unique(values).shape[0] != values.shape[0])

@@ -45,7 +45,7 @@ import pyarrow as pa
 import torch
 
 from recsys.store import optim
-from recsys.store.keymap import KeyMap, as_keys
+from recsys.store.keymap import KeyMap, as_keys, distinct
 from recsys.store.rowblock import RowBlock
 from recsys.store.table import EmbeddingTable, check_push
 
@@ -203,9 +203,9 @@ class DeviceCache(DeviceTier):
         key has no row, e.g. not yet admitted), its row on the device from now on."""
         keys = as_keys(keys_U)
         step = int(step)
-        if keys.shape[0] > self.rows and np.unique(keys).shape[0] > self.rows:
+        if keys.shape[0] > self.rows and distinct(keys).shape[0] > self.rows:
             raise ValueError(
-                f"table {self.name!r}: a call touches {np.unique(keys).shape[0]} distinct keys but the "
+                f"table {self.name!r}: a call touches {distinct(keys).shape[0]} distinct keys but the "
                 f"device cache holds {self.rows} rows; raise StoreConfig.device_cache_rows or send smaller batches"
             )
         clock = self._map.clock
@@ -320,7 +320,7 @@ class DeviceCache(DeviceTier):
         slots = self._map.find(keys)
         dirty = (slots >= 0) & self._dirty[np.maximum(slots, 0)]
         if dirty.any():
-            sel = np.unique(slots[dirty])
+            sel = distinct(slots[dirty])
             self.host.write_back(self._block(self._map.slot_key[sel], sel, self._map.slot_step[sel]))
             self._counters["writebacks"] += sel.shape[0]
         self._drop(keys)

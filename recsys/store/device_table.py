@@ -39,7 +39,7 @@ import pyarrow as pa
 import torch
 
 from recsys.store.device_cache import DeviceTier, _allocate
-from recsys.store.keymap import as_keys
+from recsys.store.keymap import as_keys, distinct
 from recsys.store.table import EmbeddingTable, check_push
 
 __all__ = ["DeviceTable", "fits_whole"]
@@ -186,7 +186,7 @@ class DeviceTable(DeviceTier):
         inserted rows) to the device at their slots."""
         if not self._written:
             return
-        slots = np.unique(np.concatenate(self._written))
+        slots = distinct(np.concatenate(self._written))
         self._written.clear()
         idx = torch.from_numpy(slots).to(self.device)
         self._w.index_copy_(0, idx, torch.from_numpy(self.host.weights_CD[slots]).to(self.device))

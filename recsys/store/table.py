@@ -71,7 +71,7 @@ from recsys.store.config import StoreConfig
 from recsys.store.float16 import f16_lut, gather_f16_kernel, scatter_f16_kernel, to_float32
 from recsys.store.initial import init_kernel as _init_kernel
 from recsys.store.initial import init_salt, init_vectors
-from recsys.store.keymap import FrequencySketch, KeyMap, as_keys, commit_pages
+from recsys.store.keymap import FrequencySketch, KeyMap, as_keys, commit_pages, distinct, has_repeats
 from recsys.store.prefetch import ROWS_AHEAD, prefetch
 from recsys.store.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column
 
@@ -338,9 +338,9 @@ class EmbeddingTable:
             raise ValueError(
                 f"lookup step {step} is before the previous lookup's step {int(clock)}; steps must not decrease"
             )
-        if self._sketch is None and keys.shape[0] > self.capacity and np.unique(keys).shape[0] > self.capacity:
+        if self._sketch is None and keys.shape[0] > self.capacity and distinct(keys).shape[0] > self.capacity:
             raise ValueError(
-                f"a call touches {np.unique(keys).shape[0]} distinct keys but the map holds at most "
+                f"a call touches {distinct(keys).shape[0]} distinct keys but the map holds at most "
                 f"{self.capacity}; raise the table's capacity or send smaller batches"
             )
 
@@ -390,8 +390,8 @@ class EmbeddingTable:
             spilled = self.spill.rows()  # flushes pending writes first
             spilled = spilled.take(self._map.find(spilled.keys) < 0)  # the host copy wins
             block = RowBlock.concat([block, spilled])
-            return self._block_table(block.take(np.argsort(block.keys, kind="stable")))
-        order = np.argsort(keys, kind="stable")
+            return self._block_table(block.take(np.argsort(block.keys)))
+        order = np.argsort(keys)  # distinct keys: any sort gives the one order (quicksort: 2x a stable one)
         return self._rows_table(keys[order], slots[order], steps[order])
 
     def load_state_dict(self, rows: pa.Table) -> None:
@@ -477,7 +477,7 @@ class EmbeddingTable:
         if state is not None:
             self._sketch.load_state(state)
             step = int(state.get("step", -1))
-            keys = np.unique(as_keys(np.asarray(state.get("step_keys", np.empty(0)), dtype=np.int64)))
+            keys = distinct(as_keys(np.asarray(state.get("step_keys", np.empty(0)), dtype=np.int64)))
             self._sighted_step, self._sighted_keys = (step, keys) if step >= 0 else (-1, keys[:0])
             self._replay = None
 
@@ -634,7 +634,7 @@ class EmbeddingTable:
                 f"({self.cfg.optimizer}, dim {self.dim}): expected {expected}"
             )
         keys = int64_column(rows, "key", where)
-        if np.unique(keys).shape[0] != keys.shape[0]:
+        if has_repeats(keys):
             raise ValueError(f"{where}: column 'key' repeats keys")
         last_seen = int64_column(rows, "last_seen", where)
         emb = matrix_column(rows, "embedding", self.dim, where, (np.float32, np.float16))
