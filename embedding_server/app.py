@@ -47,6 +47,7 @@ from embedding_server.catalog import IdError
 from embedding_server.fastpath import FastLookup
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServeSettings
+from recsys.store.keymap import distinct_inverse
 
 log = logging.getLogger(__name__)
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -304,7 +305,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
                 keys = cat.keys(feat, lk.ids, table)
             except IdError as exc:
                 raise _field_error(422, [*loc, "ids", exc.index], str(exc), "id_type") from None
-            uniq, inverse = np.unique(keys, return_inverse=True)
+            uniq, inverse = distinct_inverse(keys)
             prepared.append((table, uniq, inverse))
         fetched, live_step = await backend.rows(snap, [(table.name, uniq) for table, uniq, _ in prepared])
         out = []

@@ -39,11 +39,22 @@ request serves the newest row this worker has seen.
 from __future__ import annotations
 
 import numpy as np
+from numba import njit
 
 from recsys.store.keymap import KeyMap
 
 ENTRY_OVERHEAD = 100
 MIN_ROWS = 4096
+
+
+@njit(nogil=True, cache=True)
+def _gather_hits_kernel(slots_U, rows_CD, found_C, rows_UD, found_U):
+    """Copy the cached row and found flag of every key with a slot (>= 0)."""
+    for i in range(slots_U.shape[0]):
+        s = slots_U[i]
+        if s >= 0:
+            rows_UD[i] = rows_CD[s]
+            found_U[i] = found_C[s]
 
 
 class TableCache:
@@ -74,14 +85,10 @@ class TableCache:
         """Return (hit mask, float32 [U, D] rows, found [U]) for distinct ``keys_U``; rows and
         found are valid where hit. Touches nothing (``put`` does)."""
         slots = self._map.find(keys_U)
-        hit = slots >= 0
         rows = np.zeros((keys_U.shape[0], self.dim), dtype=np.float32)
         found = np.zeros(keys_U.shape[0], dtype=bool)
-        if hit.any():
-            s = slots[hit]
-            rows[hit] = self._rows[s]
-            found[hit] = self._found[s]
-        return hit, rows, found
+        _gather_hits_kernel(slots, self._rows, self._found, rows, found)
+        return slots >= 0, rows, found
 
     def put(self, keys_U: np.ndarray, rows_UD: np.ndarray, found_U: np.ndarray) -> None:
         """Cache the rows (and found flags) of distinct ``keys_U``, the request's most recent."""

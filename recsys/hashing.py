@@ -25,6 +25,8 @@ what the tests compare against.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 from numba import njit
 
@@ -128,7 +130,10 @@ def table_salt(table: str) -> int:
     return _str_hash_py(table.encode("utf-8"), 0)
 
 
+@functools.lru_cache(maxsize=4096)
 def _salt_u64(salt: int | str) -> np.uint64:
+    # remembered: every batch column and every served request hashes with its table's
+    # salt, and the name's hash is pure Python
     return np.uint64(table_salt(salt) if isinstance(salt, str) else salt & _MASK)
 
 

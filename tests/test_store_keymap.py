@@ -347,3 +347,16 @@ def test_distinct_and_has_repeats_agree_with_numpy():
         np.testing.assert_array_equal(distinct(values), np.unique(values))
         assert distinct(values).dtype == values.dtype
         assert has_repeats(values) == (np.unique(values).shape[0] != values.shape[0])
+
+
+def test_distinct_inverse_is_numpys_unique_with_inverse():
+    from recsys.store.keymap import distinct_inverse
+
+    rng = np.random.default_rng(4)
+    for keys in (np.empty(0, np.int64), np.array([9], np.int64), rng.integers(-5, 5, 300),
+                 rng.integers(-(2**63), 2**63 - 1, 256), np.repeat(np.array([3, -1, 7]), 5)):
+        uniq, inverse = distinct_inverse(keys)
+        want_uniq, want_inverse = np.unique(keys, return_inverse=True)
+        np.testing.assert_array_equal(uniq, want_uniq)
+        np.testing.assert_array_equal(inverse, want_inverse)
+        np.testing.assert_array_equal(uniq[inverse], keys)

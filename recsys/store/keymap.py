@@ -64,7 +64,8 @@ from recsys.hashing import fmix
 from recsys.store import pages
 from recsys.store.prefetch import KEYS_AHEAD, prefetch
 
-__all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "distinct", "has_repeats", "merge_sketch_states"]
+__all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "distinct", "distinct_inverse", "has_repeats",
+           "merge_sketch_states"]
 
 _EMPTY = -1
 _MAP_TAG = np.uint64(0x2545F4914F6CDD1D)
@@ -566,6 +567,29 @@ def distinct(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(values[1:], values[:-1], out=keep[1:])
     return values[keep]
+
+
+def distinct_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Return ``np.unique(keys, return_inverse=True)`` of int64 keys: the sorted distinct
+    keys and each key's index among them. One compiled call: for the few hundred keys of a
+    served request, numpy's eight array calls cost ~5x more than the work."""
+    return _distinct_inverse_kernel(as_keys(keys))
+
+
+@njit(nogil=True, cache=True)
+def _distinct_inverse_kernel(keys):
+    n = keys.shape[0]
+    order = np.argsort(keys)
+    uniq = np.empty(n, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    m = 0
+    for i in range(n):
+        k = keys[order[i]]
+        if m == 0 or uniq[m - 1] != k:
+            uniq[m] = k
+            m += 1
+        inverse[order[i]] = m - 1
+    return uniq[:m].copy(), inverse
 
 
 def has_repeats(values: np.ndarray) -> bool:
