@@ -30,3 +30,8 @@ def test_bench_serve_quick(tmp_path):
         assert 0 < lat["p50_ms"]["median"] <= lat["p99_ms"]["median"]
     assert result["environment"]["cpu"]["cores"] >= 1 and "simd" in result["environment"]["cpu"]
     assert "service vs raw redis MGET" in run.stdout
+    paired = [c for c in result["comparisons"] if "median_paired_ratio" in c]
+    assert len(paired) == 4  # every ratio of two targets' rounds, its per-round pairs printed too
+    for c in paired:
+        assert c["spread"][0] <= c["median_paired_ratio"] <= c["spread"][1]
+        assert f"{c['median_paired_ratio']:.3f} ({c['spread'][0]:.3f}-{c['spread'][1]:.3f})" in run.stdout
