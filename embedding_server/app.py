@@ -28,6 +28,7 @@ of the app (same handlers, without the framework's per-request stack).
 from __future__ import annotations
 
 import contextlib
+import gc
 import hmac
 import logging
 import os
@@ -240,6 +241,12 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         await backend.start()
+        # Everything built so far (the app, its libraries, the first version's catalog) lives
+        # as long as the process: frozen, out of the collector's sight, so a full collection
+        # reads only what came after. Measured on one worker: a full collection while serving
+        # stalled it 115 ms without this, 34 ms with it (one in 12,000 requests each).
+        gc.collect()
+        gc.freeze()
         try:
             yield
         finally:
