@@ -48,8 +48,7 @@ key older than the current step remains, victims are chosen by an exact, uncache
 Costs: 65–97 bytes per slot (buckets 32–64, slot arrays 33). A lookup is one probe per
 input key (repeats included), plus for its new keys a second probe, and per evicted key a
 backward-shift deletion; a pool scan (a selection and a sort of P entries) reads the slot
-arrays once per ~C/8 evictions. Keys
-are not validated beyond dtype and shape (hot path).
+arrays once per ~C/8 evictions. Keys are not validated beyond dtype and shape (hot path).
 """
 
 from __future__ import annotations
