@@ -491,9 +491,13 @@ def serve(settings: ServeSettings) -> None:
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
         tls = uvicorn_tls(settings)
-        if settings.workers > 1:
-            uvicorn.run("embedding_server.app:create_app_from_env", factory=True, host=settings.host,
-                        port=settings.port, workers=settings.workers, log_level="info", access_log=False, **tls)
+        if settings.workers > 1:  # each worker on its own socket: embedding_server.workers says why
+            from embedding_server.workers import run_workers
+
+            code = run_workers(settings.workers, settings.host, settings.port,
+                               {"log_level": "info", "access_log": False, **tls})
+            if code:
+                raise SystemExit(code)
         else:
             uvicorn.run(create_app_from_env(), host=settings.host, port=settings.port, log_level="info",
                         access_log=False, **tls)

@@ -5,11 +5,13 @@ single- and multi-hot features, unseen ids (the initial vector, found=false)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
 import httpx
 import numpy as np
+import psutil
 import pyarrow.parquet as pq
 import pytest
 
@@ -140,6 +142,18 @@ def test_eval_accepts_the_latest_file(tiny_run):
     assert '"auc"' in out.stdout
 
 
+def serve_workers(pid: int) -> list[psutil.Process]:
+    """Return the worker processes of the ``recsys serve --workers N`` process ``pid``."""
+    out = []
+    for child in psutil.Process(pid).children():
+        try:
+            if "spawn_main" in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 @pytest.mark.multiproc
 def test_workers_share_one_port_and_sum_their_metrics(tiny_run):
     from recsys.spawn import free_port
@@ -164,6 +178,47 @@ def test_workers_share_one_port_and_sum_their_metrics(tiny_run):
         text = httpx.get(url + "/metrics").text
         assert 'recsys_serve_requests_total{route="/v1/lookup",status="200"} 30.0' in text
         assert "recsys_serve_ids_per_request_count 30.0" in text
+
+        # 16 connections opened at once reach both workers: each listens on its own socket and
+        # the kernel spreads connections by address hash (one worker gets none with
+        # probability 2**-15). On one shared socket, a burst went mostly to one worker.
+        held = [socket.create_connection(("127.0.0.1", port)) for _ in range(16)]
+        try:
+            workers = serve_workers(proc.pid)
+            assert len(workers) == 2
+
+            def served() -> list[int]:
+                return [sum(c.status == psutil.CONN_ESTABLISHED and c.laddr.port == port
+                            for c in w.net_connections("tcp")) for w in workers]
+
+            wait_until(lambda: sum(served()) == 16, 30, "the workers to accept 16 connections")
+            assert min(served()) >= 1, served()
+        finally:
+            for sock in held:
+                sock.close()
+
+        # a worker killed is replaced, and the service answers on
+        workers[0].kill()
+        wait_until(lambda: len(serve_workers(proc.pid)) == 2
+                   and workers[0].pid not in [w.pid for w in serve_workers(proc.pid)], 60,
+                   "a new worker in place of the killed one")
+        wait_until(ready, 120, "the service after a worker was killed")
+        for i in range(10):
+            assert httpx.post(url + "/v1/lookup", json={"feature": "c1", "ids": [i]}).status_code == 200
     finally:
         proc.terminate()
-        proc.wait(timeout=60)
+        assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.multiproc
+def test_workers_that_cannot_start_stop_the_service_with_their_error(tmp_path):
+    """A worker that dies before it serves (here: no checkpoint where one was named) stops
+    the service with its error and a non-zero exit, instead of being restarted forever."""
+    from recsys.spawn import free_port
+
+    out = subprocess.run([sys.executable, "-m", "recsys.cli", "serve", "--checkpoint", str(tmp_path),
+                          "--workers", "2", "--port", str(free_port())], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    assert "not a checkpoint" in out.stderr
+    assert "before it served" in out.stderr
