@@ -83,6 +83,7 @@ def run_workers(workers: int, host: str, port: int, uvicorn_args: dict) -> int:
     if not hasattr(socket, "SO_REUSEPORT"):
         raise RuntimeError("--workers above 1 needs SO_REUSEPORT, which this platform lacks; run one worker")
     holder = listen_socket(host, port, listen=False)
+    port = holder.getsockname()[1]  # port 0: the one the system gave, the same for every worker
     ctx = multiprocessing.get_context("spawn")  # a fresh interpreter each: no state forked from here
     stopping: list[int] = []
     previous = {s: signal.signal(s, lambda signum, _frame: stopping.append(signum))
