@@ -203,9 +203,9 @@ class DeviceCache(DeviceTier):
         key has no row, e.g. not yet admitted), its row on the device from now on."""
         keys = as_keys(keys_U)
         step = int(step)
-        if keys.shape[0] > self.rows and distinct(keys).shape[0] > self.rows:
+        if keys.shape[0] > self.rows and (touched := distinct(keys).shape[0]) > self.rows:
             raise ValueError(
-                f"table {self.name!r}: a call touches {distinct(keys).shape[0]} distinct keys but the "
+                f"table {self.name!r}: a call touches {touched} distinct keys but the "
                 f"device cache holds {self.rows} rows; raise StoreConfig.device_cache_rows or send smaller batches"
             )
         clock = self._map.clock

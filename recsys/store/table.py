@@ -338,9 +338,10 @@ class EmbeddingTable:
             raise ValueError(
                 f"lookup step {step} is before the previous lookup's step {int(clock)}; steps must not decrease"
             )
-        if self._sketch is None and keys.shape[0] > self.capacity and distinct(keys).shape[0] > self.capacity:
+        if (self._sketch is None and keys.shape[0] > self.capacity
+                and (touched := distinct(keys).shape[0]) > self.capacity):
             raise ValueError(
-                f"a call touches {distinct(keys).shape[0]} distinct keys but the map holds at most "
+                f"a call touches {touched} distinct keys but the map holds at most "
                 f"{self.capacity}; raise the table's capacity or send smaller batches"
             )
 
