@@ -146,6 +146,28 @@ def test_long_zipf_run_matches_reference():
     check_same(km, ref)
 
 
+def test_call_ids_that_wrap_keep_the_policy():
+    """The per-slot call ids are int32: a map whose call counter wraps mid-run (forced here
+    instead of 2**31 calls) still protects each call's keys and evicts what the reference does."""
+    import recsys.store.keymap as keymap
+
+    rng = np.random.default_rng(1)
+    capacity = 12
+    km, ref = KeyMap(capacity, pool_fraction=0.25), RefMap(capacity)
+    km._call_id = keymap._CALL_ID_MAX - 5
+    universe = rng.integers(I64_MIN, I64_MAX, size=40, dtype=np.int64)
+    wrapped = False
+    for step in range(30):
+        keys = universe[rng.integers(0, 40, size=int(rng.integers(1, capacity + 1)))]
+        want_new, want_evicted = ref.lookup(keys.tolist(), step)
+        upd = km.lookup(keys, step)
+        wrapped |= km._call_id < 10
+        assert upd.new_keys_M.tolist() == want_new
+        assert sorted(upd.evicted_keys_K.tolist()) == sorted(k for k, _ in want_evicted)
+        check_same(km, ref)
+    assert wrapped
+
+
 def test_corner_keys_are_ordinary_keys():
     km = KeyMap(8)
     keys = np.array([0, -1, I64_MIN, I64_MAX, 1], dtype=np.int64)

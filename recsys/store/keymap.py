@@ -1,7 +1,7 @@
 """A vectorized 64-bit key → slot map with exact LRU eviction, and the admission sketch.
 
 Legend: ``N`` keys in one call (may repeat), ``M`` new keys of a call, ``K`` keys evicted by
-a call, ``C`` capacity (slots), ``NB`` hash buckets (a power of two, > 2·C), ``P`` the
+a call, ``C`` capacity (slots), ``NB`` hash buckets (2.5·C + 1), ``P`` the
 eviction candidate pool.
 
 Keys are int64 arrays holding uint64 bit patterns (``recsys.hashing``): every value,
@@ -14,13 +14,16 @@ a sentinel key. Layout::
     slot_key_C   int64 [C]       key held by each slot
     slot_step_C  int64 [C]       step of the slot's last access (its LRU time, "last_seen")
     slot_used_C  bool  [C]       occupancy
-    slot_call_C  int64 [C]       id of the last call that touched the slot
-    free_C       int64 [C]       stack of free slots (first ``n_free`` entries)
+    slot_call_C  int32 [C]       id of the last call that touched the slot (ids wrap: the
+                                 map forgets every earlier call when they do)
+    free_C       int32 [C]       stack of free slots (first ``n_free`` entries)
 
-Open addressing with linear probing from ``fmix64(key ^ tag) & (NB - 1)``; deletion is
+Open addressing with linear probing from ``(fmix64(key ^ tag) >> 32) · NB >> 32`` (the
+hash's top bits scaled to NB, so NB need not be a power of two); deletion is
 backward-shift (no tombstones, so probe lengths never degrade). At most 50 % of the
-buckets hold rows, so probes stay short; a call's new keys enter as *pending* entries
-during the call, which lets one pass deduplicate repeated keys.
+buckets hold keys during a call (held and pending ones), 40 % in a full map, so probes stay
+short; a call's new keys enter as *pending* entries during the call, which lets one pass
+deduplicate repeated keys.
 
 Eviction policy (exact, and what the tests' reference model implements):
 
@@ -45,7 +48,7 @@ were newer at scan time, and touches and inserts only happen at steps >= the sca
 ``assign`` may insert rows of any age: one older than the scan step drops the pool. When no
 key older than the current step remains, victims are chosen by an exact, uncached selection.
 
-Costs: 65–97 bytes per slot (buckets 32–64, slot arrays 33). A lookup is one probe per
+Costs: 65 bytes per slot (buckets 40, slot arrays 25). A lookup is one probe per
 input key (repeats included), plus for its new keys a second probe, and per evicted key a
 backward-shift deletion; a pool scan (a selection and a sort of P entries) reads the slot
 arrays once per ~C/8 evictions. Keys are not validated beyond dtype and shape (hot path).
@@ -70,6 +73,14 @@ _EMPTY = -1
 _MAP_TAG = np.uint64(0x2545F4914F6CDD1D)
 _SKETCH_TAG = np.uint64(0x94D049BB133111EB)
 _INT64_MIN = np.iinfo(np.int64).min
+_CALL_ID_MAX = np.iinfo(np.int32).max
+BUCKETS_PER_SLOT = 2.5
+"""Hash buckets per slot (> 2: see ``KeyMap.__init__``). A full map's probes then read 1.33
+buckets for a held key and 1.9 for an absent one; at 2.0 a lookup costs ~1.14x as much, at 4.0
+0.83-0.90x, for 8 bytes a slot per 0.5 (2026-11-27, 0.75 M and 3 M slots)."""
+MAX_CAPACITY = 2**30
+"""Slots one map holds at most: its buckets (``BUCKETS_PER_SLOT`` a slot) must number below
+2**32 for the home bucket's scaling, and its slots fit int32."""
 
 
 class MapUpdate(NamedTuple):
@@ -95,61 +106,70 @@ class MapUpdate(NamedTuple):
 
 
 @njit(inline="always")
-def _home(key, mask_u):
-    return np.int64(fmix(np.uint64(key) ^ _MAP_TAG) & mask_u)
+def _home(key, nb_u):
+    """Return the home bucket of ``key`` among ``nb_u`` (< 2**32) buckets: the hash's top 32
+    bits scaled to the bucket count (a multiply and a shift, for any count)."""
+    return np.int64(((fmix(np.uint64(key) ^ _MAP_TAG) >> np.uint64(32)) * nb_u) >> np.uint64(32))
 
 
 @njit(inline="always")
-def _slot_of(buckets, key, mask, mask_u):
+def _next(h, nb):
+    """Return the bucket after ``h`` (linear probing, wrapping at ``nb``)."""
+    h += 1
+    return h if h < nb else np.int64(0)
+
+
+@njit(inline="always")
+def _slot_of(buckets, key, nb, nb_u):
     """Return the slot of ``key`` (-1: absent)."""
-    h = _home(key, mask_u)
+    h = _home(key, nb_u)
     while True:
         code = buckets[h, 1]
         if code == _EMPTY:
             return np.int64(-1)
         if buckets[h, 0] == key:
             return code
-        h = (h + 1) & mask
+        h = _next(h, nb)
 
 
 @njit(nogil=True, cache=True)
 def _find_kernel(buckets, keys, out):
-    mask = np.int64(buckets.shape[0] - 1)
-    mask_u = np.uint64(mask)
+    nb = np.int64(buckets.shape[0])
+    nb_u = np.uint64(nb)
     for i in range(keys.shape[0]):
-        out[i] = _slot_of(buckets, keys[i], mask, mask_u)
+        out[i] = _slot_of(buckets, keys[i], nb, nb_u)
 
 
 @njit(nogil=True, cache=True)
 def _find_hinted_kernel(buckets, slot_key, slot_used, keys, hints, out):
     """``_find_kernel`` that first tries each key's hinted slot (one read instead of a probe)."""
-    mask = np.int64(buckets.shape[0] - 1)
-    mask_u = np.uint64(mask)
+    nb = np.int64(buckets.shape[0])
+    nb_u = np.uint64(nb)
     for i in range(keys.shape[0]):
         s = hints[i]
         if s >= 0 and slot_used[s] and slot_key[s] == keys[i]:
             out[i] = s
         else:
-            out[i] = _slot_of(buckets, keys[i], mask, mask_u)
+            out[i] = _slot_of(buckets, keys[i], nb, nb_u)
 
 
 @njit(nogil=True, cache=True)
 def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
     """Resolve present keys, enter absent ones as pending; return (pending, distinct hits,
     hit positions, overflow). Stops early on overflow (the caller removes the pending)."""
-    mask = np.int64(buckets.shape[0] - 1)
-    mask_u = np.uint64(mask)
+    nb = np.int64(buckets.shape[0])
+    nb_u = np.uint64(nb)
     n_pend = 0
     n_hit = 0
     n_hit_pos = 0
     n = keys.shape[0]
     for i in range(min(KEYS_AHEAD, n)):
-        prefetch(buckets, _home(keys[i], mask_u))
+        prefetch(buckets, _home(keys[i], nb_u))
     for i in range(n):
         if i + KEYS_AHEAD < n:
-            prefetch(buckets, _home(keys[i + KEYS_AHEAD], mask_u))
+            prefetch(buckets, _home(keys[i + KEYS_AHEAD], nb_u))
         key = keys[i]
-        h = _home(key, mask_u)
+        h = _home(key, nb_u)
         n_probe = 0
         while True:
             code = buckets[h, 1]
@@ -172,9 +192,9 @@ def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
                         if n_hit + n_pend > capacity:
                             return n_pend, n_hit, n_hit_pos, True
                 break
-            h = (h + 1) & mask
+            h = _next(h, nb)
             n_probe += 1
-            if n_probe > mask:  # every bucket is taken: only possible past capacity
+            if n_probe >= nb:  # every bucket is taken: only possible past capacity
                 return n_pend, n_hit, n_hit_pos, True
     return n_pend, n_hit, n_hit_pos, False
 
@@ -182,17 +202,17 @@ def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
 @njit(nogil=True)
 def _delete(buckets, key):
     """Remove ``key`` (present) by backward-shift deletion."""
-    mask = np.int64(buckets.shape[0] - 1)
-    mask_u = np.uint64(mask)
-    i = _home(key, mask_u)
+    nb = np.int64(buckets.shape[0])
+    nb_u = np.uint64(nb)
+    i = _home(key, nb_u)
     while not (buckets[i, 0] == key and buckets[i, 1] != _EMPTY):
-        i = (i + 1) & mask
+        i = _next(i, nb)
     j = i
     while True:
-        j = (j + 1) & mask
+        j = _next(j, nb)
         if buckets[j, 1] == _EMPTY:
             break
-        k = _home(buckets[j, 0], mask_u)
+        k = _home(buckets[j, 0], nb_u)
         # the entry at j may fill the hole at i unless its home lies cyclically in (i, j]
         if i <= j:
             stays = i < k <= j
@@ -215,16 +235,16 @@ def _delete_keys_kernel(buckets, keys, n):
 def _commit_kernel(buckets, pend_keys, n_pend, free, n_free, slot_key, slot_used, slot_step,
                    steps, per_key_step, out, new_slots):
     """Give pending keys free slots, then set every input key's slot and last-access step."""
-    mask = np.int64(buckets.shape[0] - 1)
-    mask_u = np.uint64(mask)
+    nb = np.int64(buckets.shape[0])
+    nb_u = np.uint64(nb)
     for j in range(n_pend):
         n_free -= 1
         s = free[n_free]
         key = pend_keys[j]
-        h = _home(key, mask_u)
+        h = _home(key, nb_u)
         code = -2 - j
         while buckets[h, 1] != code:
-            h = (h + 1) & mask
+            h = _next(h, nb)
         buckets[h, 1] = s
         slot_key[s] = key
         slot_used[s] = True
@@ -258,10 +278,10 @@ def _evict_kernel(buckets, victims, slot_key, slot_used, slot_step, free, n_free
 
 @njit(nogil=True, cache=True)
 def _remove_kernel(buckets, keys, slot_used, free, n_free, out):
-    mask = np.int64(buckets.shape[0] - 1)
-    mask_u = np.uint64(mask)
+    nb = np.int64(buckets.shape[0])
+    nb_u = np.uint64(nb)
     for i in range(keys.shape[0]):
-        code = _slot_of(buckets, keys[i], mask, mask_u)
+        code = _slot_of(buckets, keys[i], nb, nb_u)
         out[i] = code
         if code >= 0:
             _delete(buckets, keys[i])
@@ -306,6 +326,10 @@ def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, slot_step, s
 # --------------------------------------------------------------------------- the map
 
 
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
 def commit_pages(zeroed: np.ndarray, page: int = 4096) -> None:
     """Write a zero byte every ``page`` bytes of the all-zero array ``zeroed``, so the kernel
     backs all of it with memory now rather than at the first write of each page (a read
@@ -313,9 +337,6 @@ def commit_pages(zeroed: np.ndarray, page: int = 4096) -> None:
     flat = zeroed.reshape(-1).view(np.uint8)  # a view: C-contiguous, as every array here
     flat[::page] = 0
 
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
 
 
 class KeyMap:
@@ -325,17 +346,19 @@ class KeyMap:
         """``huge_pages``: the buckets and per-slot arrays on 2 MiB pages (``recsys.store.pages``)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, found {capacity}")
+        if capacity > MAX_CAPACITY:
+            raise ValueError(f"capacity must be <= {MAX_CAPACITY} slots per map, found {capacity}")
         self.capacity = int(capacity)
         # > 2·C: during a call, C held keys plus up to C pending ones still leave an empty
-        # bucket, which every probe and backward shift needs to stop
-        nb = _next_pow2(2 * self.capacity + 1)
-        self._buckets = pages.zeros((nb, 2), np.int64, huge_pages)
+        # bucket, which every probe and backward shift needs to stop (any count will do: the
+        # home bucket is scaled, not masked)
+        self._buckets = pages.zeros((int(BUCKETS_PER_SLOT * self.capacity) + 1, 2), np.int64, huge_pages)
         self._buckets[:, 1] = _EMPTY
         self.slot_key = pages.zeros(self.capacity, np.int64, huge_pages)
         self.slot_step = pages.zeros(self.capacity, np.int64, huge_pages)
         self._slot_used = pages.zeros(self.capacity, np.bool_, huge_pages)
-        self._slot_call = pages.zeros(self.capacity, np.int64, huge_pages)
-        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # pops slot 0 first
+        self._slot_call = pages.zeros(self.capacity, np.int32, huge_pages)
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)  # pops slot 0 first
         self._n_free = self.capacity
         self.departures = 0
         """How many calls may have taken keys out of their slots (evictions, ``remove``). While
@@ -435,6 +458,9 @@ class KeyMap:
 
     def _place(self, keys: np.ndarray, steps: np.ndarray, per_key: bool, limit: int | None) -> MapUpdate:
         """Place ``keys``; victims older than ``limit`` may come from the pool (None: exact scan)."""
+        if self._call_id == _CALL_ID_MAX:  # the int32 call ids wrap: forget every earlier call
+            self._slot_call[:] = 0
+            self._call_id = 0
         self._call_id += 1
         call_id = self._call_id
         n = keys.shape[0]
