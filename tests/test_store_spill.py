@@ -89,7 +89,10 @@ def test_key_is_the_same_for_every_world_size_and_rank():
     owned_by_rank_1 = SpillTier("user", D, tier_cfg, owns=lambda k: hashing.owner_of(k, 2) == 1)
     try:
         keys = np.array([5, -1, 123456789], dtype=np.int64)
-        assert owned_by_rank_1._names(keys) == [spill_key("recsys", "user", int(k)) for k in keys]
+        assert owned_by_rank_1._names(keys) == [spill_key("recsys", "user", int(k)).encode() for k in keys]
+        many = np.random.default_rng(0).integers(-(1 << 63), (1 << 63) - 1, size=1000, dtype=np.int64)
+        assert owned_by_rank_1._names(many) == [spill_key("recsys", "user", int(k)).encode() for k in many]
+        assert owned_by_rank_1._names(keys[:0]) == []
     finally:
         owned_by_rank_1.close()  # never connected: nothing to flush
 
@@ -124,6 +127,12 @@ def test_value_is_raw_little_endian_with_a_version_header(optimizer, dtype):
         bad = bytes([FORMAT_VERSION + 1]) + v[1:]
         with pytest.raises(SpillError, match=r"format version 2.*reads format version 1"):
             tier._decode([bad], block.keys[1:])
+        # among good ones, the bad value is the one named; so is a short value whose bytes a
+        # long one makes up for (the values' total is right, their boundaries are not)
+        with pytest.raises(SpillError, match=r"0000000000000007 has format version 2"):
+            tier._decode([values[1], bytes([FORMAT_VERSION + 1]) + values[0][1:]], block.keys[::-1])
+        with pytest.raises(SpillError, match=rf"fffffffffffffffd has format version 1.*\({dt.itemsize - 1} bytes\)"):
+            tier._decode([values[0], values[1][:-1], values[1] + b"x"], np.array([7, -3, -3]))
     finally:
         tier.close()
 

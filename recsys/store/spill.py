@@ -101,6 +101,8 @@ from recsys.store.spill_protocol import (DTYPE_CODES, FORMAT_VERSION, HEADER, OP
 __all__ = ["SpillTier", "SpillError", "clear_tables"]
 
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
+_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
+_NIBBLE_SHIFTS = np.arange(60, -4, -4, dtype=np.uint64)  # a key's hex digits, most significant first
 _BATCHES_PER_ROUND = 16  # commands per pipelined round trip of the writer
 _HOLD_MAX_DELAY_S = 1.0  # "hold": the longest wait between two tries during an outage
 _UNKNOWN = object()  # fetch: the buffer does not know the key
@@ -282,15 +284,18 @@ class SpillTier:
                 unknown = np.asarray(rest, dtype=np.int64)
             ask = unknown[self._index.contains(keys[unknown])] if unknown.shape[0] else unknown
         n_buffer = int(found.sum())
+        got: list = []
         if ask.shape[0]:
             got = self._mget(self._names(keys[ask]), "read (MGET) of spilled rows")
-            lost = [i for i, v in zip(ask.tolist(), got) if v is None]
-            if lost:
-                raise self._lost_error(keys[np.asarray(lost)])
+            if None in got:
+                raise self._lost_error(keys[ask[[v is None for v in got]]])
+            found[ask] = True
+        if n_buffer == 0:  # Redis's values are in input order already (``ask`` ascends)
+            block = self._decode(got, keys[ask])
+        else:
             for i, v in zip(ask.tolist(), got):
                 values[i] = v
-                found[i] = True
-        block = self._decode([v for v in values if v is not None], keys[found])
+            block = self._decode([v for v in values if v is not None], keys[found])
         if count:
             with self._cond:
                 c = self._counters
@@ -421,7 +426,7 @@ class SpillTier:
             keys = keys[np.asarray(self._owns(keys), dtype=bool)]
         return keys
 
-    def _unlink(self, names: list[str]) -> int:
+    def _unlink(self, names: list[bytes]) -> int:
         if not names:
             return 0
         B = self.cfg.spill_batch_rows
@@ -465,10 +470,21 @@ class SpillTier:
 
     def _decode(self, values: list[bytes], keys: np.ndarray) -> RowBlock:
         size = self.dtype.itemsize
-        for v, k in zip(values, keys.tolist()):
-            if len(v) != size or v[:8] != self._header.tobytes():
-                raise SpillError(self._format_message(v, k))
-        rec = np.frombuffer(b"".join(values), dtype=self.dtype) if values else np.zeros(0, self.dtype)
+        rec = np.zeros(0, self.dtype)
+        if values:
+            # checked as arrays, not value by value (a row costs ~1 µs less): every value has
+            # the row's size and this store's 8-byte header, else the first that does not is named
+            raw = b"".join(values)
+            ok = len(raw) == len(values) * size and set(map(len, values)) == {size}
+            if ok:
+                head = np.frombuffer(raw, dtype=np.uint8).reshape(len(values), size)[:, : HEADER.itemsize]
+                ok = bool((head == self._header.view(np.uint8)).all())
+            if not ok:
+                want = self._header.tobytes()
+                for v, k in zip(values, keys.tolist()):
+                    if len(v) != size or v[:8] != want:
+                        raise SpillError(self._format_message(v, k))
+            rec = np.frombuffer(raw, dtype=self.dtype)
         if not np.array_equal(rec["key"], keys):
             bad = int(np.flatnonzero(rec["key"] != keys)[0])
             raise SpillError(
@@ -511,9 +527,17 @@ class SpillTier:
 
     # ------------------------------------------------------------------ Redis
 
-    def _names(self, keys: np.ndarray) -> list[str]:
-        p = self.prefix
-        return [f"{p}{k:016x}" for k in as_keys(keys).view(np.uint64).tolist()]
+    def _names(self, keys: np.ndarray) -> list[bytes]:
+        """Return the Redis names of ``keys`` (``spill_key``'s, as bytes), formatted as one
+        array of hex digits rather than one string at a time."""
+        u = as_keys(keys).view(np.uint64)
+        n, p = u.shape[0], np.frombuffer(self._prefix_b, dtype=np.uint8)
+        width = p.shape[0] + 16
+        chars = np.empty((n, width), dtype=np.uint8)
+        chars[:, : p.shape[0]] = p
+        chars[:, p.shape[0] :] = _HEX_DIGITS[(u[:, None] >> _NIBBLE_SHIFTS) & np.uint64(15)]
+        raw = chars.tobytes()
+        return [raw[i : i + width] for i in range(0, n * width, width)]
 
     def _parse_names(self, names: list[bytes]) -> np.ndarray:
         n0 = len(self._prefix_b)
@@ -536,7 +560,7 @@ class SpillTier:
             pipe = self._client.pipeline(transaction=False)
             for start in range(0, len(names), B):
                 pipe.execute_command("MGET", *names[start : start + B])
-            return [v for chunk in pipe.execute() for v in chunk]
+            return list(itertools.chain.from_iterable(pipe.execute()))
 
         return self._redis(what, op)
 
@@ -691,7 +715,7 @@ class SpillTier:
         is_set = np.fromiter((v is not None for v in batch.values()), dtype=bool, count=len(batch))
         names = self._names(keys)
         sets: list = []
-        unlinks: list[str] = []
+        unlinks: list[bytes] = []
         for name, value in zip(names, batch.values()):
             if value is None:
                 unlinks.append(name)
