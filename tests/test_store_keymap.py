@@ -382,3 +382,15 @@ def test_distinct_inverse_is_numpys_unique_with_inverse():
         np.testing.assert_array_equal(uniq, want_uniq)
         np.testing.assert_array_equal(inverse, want_inverse)
         np.testing.assert_array_equal(uniq[inverse], keys)
+
+
+@pytest.mark.parametrize("capacity", [1, 1000, 1024, 1025, 65_537])
+def test_memory_per_slot_does_not_depend_on_the_capacity(capacity):
+    """65 bytes a slot at any capacity (the buckets no longer round up to a power of two),
+    and a full map at 40 % of its buckets still finds every key."""
+    km = KeyMap(capacity)
+    arrays = (km._buckets, km.slot_key, km.slot_step, km._slot_used, km._slot_call, km._free)
+    assert sum(a.nbytes for a in arrays) <= 65 * capacity + 16 + 16
+    keys = np.random.default_rng(capacity).integers(I64_MIN, I64_MAX, size=capacity, dtype=np.int64)
+    km.lookup(keys, 0)
+    assert len(km) == capacity and (km.slot_key[km.find(keys)] == keys).all()

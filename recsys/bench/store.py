@@ -371,8 +371,9 @@ def _measure_memory(s: Settings) -> dict:
     del table
     gc.collect()
 
-    # what admission (min_count > 1) and an unlucky capacity (just above a power of two,
-    # so the bucket array doubles) add: every array is preallocated, so no filling needed
+    # what admission (min_count > 1) adds, and a capacity just above a power of two (the key
+    # map's buckets doubled there until 2026-11-27; they now scale with the capacity, and
+    # this shows it): every array is preallocated, so no filling needed
     variants = {}
     for label, cap, mc in (("min_count=2", C, 2), ("capacity=2^k+1", (1 << max(1, (C - 1).bit_length())) + 1, 1)):
         t = EmbeddingTable("mem", TableSpec(dim=D, capacity=cap), StoreConfig(min_count=mc))
