@@ -93,6 +93,10 @@ def test_key_is_the_same_for_every_world_size_and_rank():
         many = np.random.default_rng(0).integers(-(1 << 63), (1 << 63) - 1, size=1000, dtype=np.int64)
         assert owned_by_rank_1._names(many) == [spill_key("recsys", "user", int(k)).encode() for k in many]
         assert owned_by_rank_1._names(keys[:0]) == []
+        # and back: names that are not this table's keys (another table, not 16 hex digits) are skipped
+        junk = [b"recsys:spill:user:zz", b"recsys:spill:user:000000000000000g", b"recsys:spill:usex:0000000000000001"]
+        assert owned_by_rank_1._parse_names(junk + owned_by_rank_1._names(many)).tolist() == many.tolist()
+        assert owned_by_rank_1._parse_names(junk).shape == (0,)
     finally:
         owned_by_rank_1.close()  # never connected: nothing to flush
 

@@ -103,6 +103,9 @@ __all__ = ["SpillTier", "SpillError", "clear_tables"]
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
 _NIBBLE_SHIFTS = np.arange(60, -4, -4, dtype=np.uint64)  # a key's hex digits, most significant first
+_HEX_VALUES = np.full(256, 16, dtype=np.uint8)  # a byte's hex value (16: not a hex digit)
+_HEX_VALUES[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16)
+_HEX_VALUES[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16)
 _BATCHES_PER_ROUND = 16  # commands per pipelined round trip of the writer
 _HOLD_MAX_DELAY_S = 1.0  # "hold": the longest wait between two tries during an outage
 _UNKNOWN = object()  # fetch: the buffer does not know the key
@@ -540,16 +543,21 @@ class SpillTier:
         return [raw[i : i + width] for i in range(0, n * width, width)]
 
     def _parse_names(self, names: list[bytes]) -> np.ndarray:
-        n0 = len(self._prefix_b)
-        out = []
-        for name in names:
-            suffix = name[n0:]
-            if len(suffix) == 16 and name.startswith(self._prefix_b):
-                try:
-                    out.append(int(suffix, 16))
-                except ValueError:
-                    continue  # not one of ours
-        return np.array(out, dtype=np.uint64).view(np.int64)
+        """Return the keys of the names that are this table's spill keys (others are skipped),
+        parsed as one array of hex digits."""
+        p = np.frombuffer(self._prefix_b, dtype=np.uint8)
+        width = p.shape[0] + 16
+        lens = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
+        fit = lens == width
+        chosen = names if fit.all() else [names[i] for i in np.flatnonzero(fit).tolist()]
+        if not chosen:
+            return np.zeros(0, dtype=np.int64)
+        chars = np.frombuffer(b"".join(chosen), dtype=np.uint8).reshape(len(chosen), width)
+        digits = _HEX_VALUES[chars[:, p.shape[0] :]]
+        ours = (chars[:, : p.shape[0]] == p).all(axis=1) & (digits < 16).all(axis=1)
+        digits = digits[ours]
+        packed = np.ascontiguousarray((digits[:, 0::2] << 4) | digits[:, 1::2])  # 8 bytes a key, big-endian
+        return packed.view(">u8")[:, 0].astype(np.uint64).view(np.int64)
 
     def _mget(self, names: list[str], what: str) -> list[bytes | None]:
         if not names:
