@@ -674,3 +674,10 @@ def test_gather_kernel_copies_rows_and_zeros_absent_slots():
         _gather_kernel(w, slots, out)
         want = np.where((slots >= 0)[:, None], w[np.maximum(slots, 0)], 0.0)
         np.testing.assert_array_equal(out, want)
+
+
+def test_a_shard_above_the_key_maps_limit_is_refused_by_name():
+    from recsys.store.keymap import MAX_CAPACITY
+
+    with pytest.raises(ValueError, match=r"table 'huge': 1073741825 rows in one shard, above the 1073741824"):
+        EmbeddingTable("huge", TableSpec(dim=4, capacity=MAX_CAPACITY + 1), StoreConfig())

@@ -326,10 +326,6 @@ def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, slot_step, s
 # --------------------------------------------------------------------------- the map
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
 def commit_pages(zeroed: np.ndarray, page: int = 4096) -> None:
     """Write a zero byte every ``page`` bytes of the all-zero array ``zeroed``, so the kernel
     backs all of it with memory now rather than at the first write of each page (a read
@@ -337,6 +333,9 @@ def commit_pages(zeroed: np.ndarray, page: int = 4096) -> None:
     flat = zeroed.reshape(-1).view(np.uint8)  # a view: C-contiguous, as every array here
     flat[::page] = 0
 
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
 
 
 class KeyMap:

@@ -71,7 +71,7 @@ from recsys.store.config import StoreConfig
 from recsys.store.float16 import f16_lut, gather_f16_kernel, scatter_f16_kernel, to_float32
 from recsys.store.initial import init_kernel as _init_kernel
 from recsys.store.initial import init_salt, init_vectors
-from recsys.store.keymap import FrequencySketch, KeyMap, as_keys, commit_pages, distinct, has_repeats
+from recsys.store.keymap import MAX_CAPACITY, FrequencySketch, KeyMap, as_keys, commit_pages, distinct, has_repeats
 from recsys.store.prefetch import ROWS_AHEAD, prefetch
 from recsys.store.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column
 
@@ -157,6 +157,9 @@ class EmbeddingTable:
         # a fixed-size table's keys are already folded into [0, num_rows) (recsys.hashing.fold)
         self.capacity = spec.capacity if spec.num_rows is None else min(spec.capacity, spec.num_rows)
         self.on_evict = on_evict
+        if self.capacity > MAX_CAPACITY:
+            raise ValueError(f"table {name!r}: {self.capacity} rows in one shard, above the {MAX_CAPACITY} a shard holds; "
+                             "lower the table's capacity or train on more ranks (each holds capacity / ranks)")
         self._map = KeyMap(self.capacity, huge_pages=cfg.huge_pages)
         self._np_dtype = np.dtype(cfg.dtype)
         self.weights_CD = pages.zeros((self.capacity, self.dim), self._np_dtype, cfg.huge_pages)
