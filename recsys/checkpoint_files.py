@@ -18,6 +18,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import pyarrow as pa
@@ -33,7 +34,7 @@ class CheckpointError(UserError):
     """A checkpoint this recsys cannot read (another format, a damaged meta.json)."""
 
 
-__all__ = ["CheckpointError", "FORMAT_VERSION", "MARKER", "incomplete", "latest", "resolve", "load_meta", "load_sparse",
+__all__ = ["CheckpointError", "FORMAT_VERSION", "MARKER", "SavedTables", "incomplete", "latest", "resolve", "load_meta", "load_sparse",
            "sparse_files"]
 
 log = logging.getLogger(__name__)
@@ -157,11 +158,31 @@ def sparse_files(path: str | os.PathLike, table: str) -> list[Path]:
     return files
 
 
-def load_sparse(path: str | os.PathLike, tables: list[str] | None = None) -> dict[str, pa.Table]:
-    """Return every saved row per table (all ranks' shards concatenated)."""
+class SavedTables(Mapping):
+    """A checkpoint's saved rows per table (all ranks' shards concatenated), read from its
+    files when a table is asked for and not kept: a caller that walks the tables (a store's
+    restore) holds one table's rows at a time, not every table's. Every table's shards are
+    checked to exist up front."""
+
+    def __init__(self, path: str | os.PathLike, names: list[str]) -> None:
+        self.path = Path(path)
+        self._files = {name: sparse_files(path, name) for name in names}
+
+    def __getitem__(self, name: str) -> pa.Table:
+        return pa.concat_tables(pq.read_table(f) for f in self._files[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+
+def load_sparse(path: str | os.PathLike, tables: list[str] | None = None) -> SavedTables:
+    """Return every saved row per table (``SavedTables``: read per table on access)."""
     root = Path(path) / "sparse"
     names = tables if tables is not None else sorted(p.name for p in root.iterdir() if p.is_dir())
-    return {name: pa.concat_tables(pq.read_table(f) for f in sparse_files(path, name)) for name in names}
+    return SavedTables(path, names)
 
 
 def load_dense(path: str | os.PathLike) -> dict[str, Any]:

@@ -197,3 +197,24 @@ def test_a_run_whose_first_pointer_was_never_written_resolves_to_its_checkpoint(
     (root / "latest").unlink()
     for form in (tmp_path / "run", root):
         assert cf.resolve(form) == root / "step-00000004"
+
+
+def test_load_sparse_reads_a_table_when_it_is_asked_for(tmp_path, monkeypatch):
+    """A restore walks the tables one at a time: nothing is read up front, and each access
+    reads only that table's shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from recsys.train import checkpoint as ckpt
+
+    from pathlib import Path
+
+    tables = {t: pa.table({"key": pa.array([i, i + 10], pa.int64())}) for i, t in enumerate(["a", "b", "c"])}
+    path = ckpt.save(tmp_path / "ck", 1, sparse=tables, dense={}, meta={"config": ""}, keep_last=2)
+    read = []
+    real = pq.read_table
+    monkeypatch.setattr(pq, "read_table", lambda f, *a, **k: read.append(Path(f).parent.name) or real(f, *a, **k))
+    saved = cf.load_sparse(path)
+    assert read == [] and sorted(saved) == ["a", "b", "c"] and len(saved) == 3
+    assert saved["b"].equals(tables["b"]) and read == ["b"]
+    assert {n: t.num_rows for n, t in saved.items()} == {"a": 2, "b": 2, "c": 2} and read == ["b", "a", "b", "c"]

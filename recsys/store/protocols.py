@@ -61,6 +61,10 @@ class EmbeddingStore(Protocol):
     def state_dict(self) -> dict:
         """Return every row this shard owns, per table (a checkpoint's sparse part)."""
 
+    def write_state(self, each) -> None:
+        """Call ``each(table, rows)`` with ``state_dict``'s tables one at a time, from one
+        consistent snapshot, holding only one table's copy of the rows at a time."""
+
     def load_state_dict(self, state: dict, admission: dict | None = None) -> None:
         """Load rows saved at any world size (each rank keeps the keys it owns)."""
 

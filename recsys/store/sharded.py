@@ -412,6 +412,18 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         """Return this shard's rows per table (``flush`` first for a consistent snapshot)."""
         return self._call(lambda: {name: table.state_dict() for name, table in self.tables.items()})
 
+    def write_state(self, each: Callable[[str, pa.Table], None]) -> None:
+        """Call ``each(name, rows)`` per table with ``state_dict``'s rows, all in one call on
+        the store's worker (the same snapshot), one table's copy of the rows alive at a time:
+        a checkpoint's peak memory is the store plus its largest table, not twice the store."""
+        def write() -> None:
+            for name, table in self.tables.items():
+                rows = table.state_dict()
+                each(name, rows)
+                del rows
+
+        self._call(write)
+
     def load_state_dict(self, state: dict[str, pa.Table], admission: dict | None = None) -> None:
         """Load rows saved at any world size: this rank keeps the rows it owns.
 
@@ -428,10 +440,12 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                 from recsys.store.spill import clear_tables
 
                 clear_tables(tiers)  # one SCAN per namespace for all of them
-            for name, rows in state.items():
+            for name in state:  # one table's saved rows in memory at a time (``SavedTables`` reads on access)
+                rows = state[name]
                 keys = rows.column("key").to_numpy()
                 mine = hashing.owner_of(keys, self.world_size) == self.rank
-                self.tables[name].load_state_dict(rows.filter(pa.array(mine)))
+                self.tables[name].load_state_dict(rows if mine.all() else rows.filter(pa.array(mine)))
+                del rows, keys, mine
             if admission is not None and self.cfg.min_count > 1:
                 self._load_admission(admission)
 

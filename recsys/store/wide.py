@@ -18,6 +18,7 @@ eval`` drive both with the same calls (a lookup, a push, a checkpoint).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Callable
 
 from recsys.schema import FeatureSpec, Schema, TableSpec
@@ -40,6 +41,26 @@ def wide_schema(schema: Schema) -> Schema:
                           table=wide_table(f.table), pooling=f.pooling, weighted=f.weighted,
                           weight_column=f.weight_column) for f in schema.sparse]
     return Schema(label=schema.label, sparse=sparse, tables=tables)
+
+
+class _Only(Mapping):
+    """The tables of ``state`` that ``names`` holds, read from ``state`` when asked for (a
+    checkpoint's ``SavedTables`` stays lazy: one table in memory at a time)."""
+
+    def __init__(self, state: Mapping, names) -> None:
+        self._state = state
+        self._names = [n for n in state if n in names]
+
+    def __getitem__(self, name: str):
+        if name not in self._names:
+            raise KeyError(name)
+        return self._state[name]
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 class _PairFuture:
@@ -126,10 +147,14 @@ class WideStore:
     def state_dict(self) -> dict:
         return {**self.deep.state_dict(), **self.wide.state_dict()}
 
+    def write_state(self, each) -> None:
+        self.deep.write_state(each)
+        self.wide.write_state(each)
+
     def load_state_dict(self, state: dict, admission: dict | None = None) -> None:
         """Load both stores' tables; ``admission`` holds both stores' tables (names differ)."""
-        self.deep.load_state_dict({n: t for n, t in state.items() if n in self.deep.tables}, admission=admission)
-        self.wide.load_state_dict({n: t for n, t in state.items() if n in self.wide.tables}, admission=admission)
+        self.deep.load_state_dict(_Only(state, self.deep.tables), admission=admission)
+        self.wide.load_state_dict(_Only(state, self.wide.tables), admission=admission)
 
     def admission_state_dict(self) -> dict:
         """One ``admission`` payload with both stores' tables (collective; ``{}`` off rank 0)."""

@@ -55,7 +55,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -114,12 +114,15 @@ def save(
     ckpt_root: str | os.PathLike,
     step: int,
     *,
-    sparse: dict[str, pa.Table],
+    sparse: Mapping[str, pa.Table] | Callable[[Callable[[str, pa.Table], None]], None],
     dense: dict[str, Any],
     meta: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Write a checkpoint (collective: every rank calls it); return its final path."""
+    """Write a checkpoint (collective: every rank calls it); return its final path.
+
+    ``sparse``: the rows per table, or a store's ``write_state``, which hands them over one
+    table at a time (so only one table's copy is in memory besides the store)."""
     root = Path(ckpt_root)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -132,17 +135,26 @@ def save(
         tmp.mkdir(parents=True)
     _barrier()
     _reached(fault, "before-sparse")
-    for i, (table, rows) in enumerate(sparse.items()):
+    tables: list[str] = []
+
+    def write(table: str, rows: pa.Table) -> None:
         out = tmp / "sparse" / table
         out.mkdir(parents=True, exist_ok=True)
         pq.write_table(rows, out / f"rank-{rank:05d}-of-{world:05d}.parquet", compression="zstd")
-        if i == 0:
+        tables.append(table)
+        if len(tables) == 1:
             _reached(fault, "mid-sparse")
+
+    if callable(sparse):
+        sparse(write)
+    else:
+        for table, rows in sparse.items():
+            write(table, rows)
     _reached(fault, "after-sparse")
     if rank == 0:
         torch.save(dense, tmp / "dense.pt")
         info = {"format_version": FORMAT_VERSION, "step": step, "world_size": world,
-                "saved_at": time.time(), "tables": sorted(sparse), **meta}
+                "saved_at": time.time(), "tables": sorted(tables), **meta}
         (tmp / "meta.json").write_text(json.dumps(info, indent=2))
     _barrier()
     final = root / name

@@ -360,7 +360,7 @@ class Trainer:
                 "evals_without_improvement": self.evals_without_improvement}
         if self.dense_stats is not None:  # eval and serving transform exactly as training did
             meta["dense_stats"] = self.dense_stats.to_json()
-        path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.state_dict(),
+        path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.write_state,
                          dense={**dense, **self.store.admission_state_dict()},
                          meta=meta, keep_last=self.job.train.keep_last)
         self.log.event("checkpoint", step=self.step, path=str(path))
