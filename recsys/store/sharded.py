@@ -410,7 +410,9 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
 
     def state_dict(self) -> dict[str, pa.Table]:
         """Return this shard's rows per table (``flush`` first for a consistent snapshot)."""
-        return self._call(lambda: {name: table.state_dict() for name, table in self.tables.items()})
+        state: dict[str, pa.Table] = {}
+        self.write_state(state.__setitem__)
+        return state
 
     def write_state(self, each: Callable[[str, pa.Table], None]) -> None:
         """Call ``each(name, rows)`` per table with ``state_dict``'s rows, all in one call on

@@ -145,7 +145,9 @@ class WideStore:
         return {**self.deep.counters(), **self.wide.counters()}
 
     def state_dict(self) -> dict:
-        return {**self.deep.state_dict(), **self.wide.state_dict()}
+        state: dict = {}
+        self.write_state(state.__setitem__)
+        return state
 
     def write_state(self, each) -> None:
         self.deep.write_state(each)
