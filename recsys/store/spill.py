@@ -19,7 +19,9 @@ rows at start (``clear_tables``): the checkpoint it resumes from holds every spi
 
 Values: raw little-endian bytes, one fixed-size record per row, decoded with
 ``np.frombuffer`` (no pickle, no JSON). The layout of the values, the keys and the owner
-record is in ``recsys.store.spill_protocol``.
+record is in ``recsys.store.spill_protocol``. Fixed-size names and values let a batch's
+MSET / MGET / UNLINK commands be packed as one byte array (``recsys.store.spill_wire``),
+not argument by argument.
 
 The index (``recsys.store.spill_index``): the exact set of keys this tier has in Redis
 (built by one SCAN on first use, or known empty after ``clear``; then kept by the writer: a
@@ -42,7 +44,8 @@ Semantics, exactly:
   value of another format raises; so does a key of the index that Redis does not have.
 - After the table restored rows it calls ``forget``: tombstones, written as UNLINK by the
   writer, after any in-flight SET of the same key (batches are written in order), so a
-  later eviction's copy is the only one that counts.
+  later eviction's copy is the only one that counts. Once the index is built, only keys it
+  or the buffer holds get one (the others are not spilled: nothing to delete).
 - Every Redis call is retried ``spill_retries`` times on connection errors and timeouts,
   waiting ``spill_backoff_s`` and doubling. Then, by ``spill_outage``:
 
@@ -89,7 +92,7 @@ from recsys.errors import UserError
 from recsys.redis_util import client_options as _client_options
 from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
-from recsys.store import optim
+from recsys.store import optim, spill_wire
 from recsys.store.config import StoreConfig
 from recsys.store.float16 import to_float16
 from recsys.store.keymap import as_keys
@@ -254,6 +257,16 @@ class SpillTier:
         if keys.shape[0] == 0:
             return
         with self._cond:
+            if self._index is not None:
+                # only a key Redis has or the buffer holds needs a tombstone: the others are not
+                # spilled already (a restore after a clear inserts millions of such keys)
+                pending, inflight = self._pending, self._inflight
+                held = self._index.contains(keys)
+                rest = np.flatnonzero(~held)
+                if (pending or inflight) and rest.shape[0]:
+                    held[rest] = np.fromiter((k in pending or k in inflight for k in keys[rest].tolist()),
+                                             dtype=bool, count=rest.shape[0])
+                keys = keys[held]
             self._pending.update(dict.fromkeys(keys.tolist()))
             self._cond.notify_all()
 
@@ -289,7 +302,7 @@ class SpillTier:
         n_buffer = int(found.sum())
         got: list = []
         if ask.shape[0]:
-            got = self._mget(self._names(keys[ask]), "read (MGET) of spilled rows")
+            got = self._mget(keys[ask], "read (MGET) of spilled rows")
             if None in got:
                 raise self._lost_error(keys[ask[[v is None for v in got]]])
             found[ask] = True
@@ -355,7 +368,7 @@ class SpillTier:
         self.flush()
         with self._cond:
             keys = self._index.keys()
-        values = self._mget(self._names(keys), "read (MGET) of spilled rows")
+        values = self._mget(keys, "read (MGET) of spilled rows")
         lost = np.array([v is None for v in values], dtype=bool)
         if lost.any():
             raise self._lost_error(keys[lost])
@@ -367,7 +380,7 @@ class SpillTier:
         were unlinked."""
         self.flush()
         keys = self._scan_keys()
-        n = self._unlink(self._names(keys))
+        n = self._unlink(keys)
         with self._cond:
             self._index = KeyIndex()
         return n
@@ -429,19 +442,13 @@ class SpillTier:
             keys = keys[np.asarray(self._owns(keys), dtype=bool)]
         return keys
 
-    def _unlink(self, names: list[bytes]) -> int:
-        if not names:
+    def _unlink(self, keys: np.ndarray) -> int:
+        """UNLINK the names of ``keys``; return how many Redis had."""
+        if not keys.shape[0]:
             return 0
-        B = self.cfg.spill_batch_rows
-
-        def unlink():
-            pipe = self._client.pipeline(transaction=False)
-            for start in range(0, len(names), B):
-                pipe.execute_command("UNLINK", *names[start : start + B])
-            return sum(pipe.execute())
-
+        packed, n = self._packed(b"UNLINK", keys)
         self._used_redis = True
-        return int(self._redis("UNLINK of spilled keys", unlink))
+        return int(self._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(self._client, [packed], n))))
 
     def _lost_error(self, keys: np.ndarray) -> SpillError:
         return SpillError(
@@ -530,17 +537,19 @@ class SpillTier:
 
     # ------------------------------------------------------------------ Redis
 
-    def _names(self, keys: np.ndarray) -> list[bytes]:
-        """Return the Redis names of ``keys`` (``spill_key``'s, as bytes), formatted as one
-        array of hex digits rather than one string at a time."""
+    def _name_chars(self, keys: np.ndarray) -> np.ndarray:
+        """Return the Redis names of ``keys`` (``spill_key``'s) as rows of bytes [N, W],
+        formatted as one array of hex digits rather than one string at a time."""
         u = as_keys(keys).view(np.uint64)
         n, p = u.shape[0], np.frombuffer(self._prefix_b, dtype=np.uint8)
-        width = p.shape[0] + 16
-        chars = np.empty((n, width), dtype=np.uint8)
+        chars = np.empty((n, p.shape[0] + 16), dtype=np.uint8)
         chars[:, : p.shape[0]] = p
         chars[:, p.shape[0] :] = _HEX_DIGITS[(u[:, None] >> _NIBBLE_SHIFTS) & np.uint64(15)]
-        raw = chars.tobytes()
-        return [raw[i : i + width] for i in range(0, n * width, width)]
+        return chars
+
+    def _packed(self, command: bytes, keys: np.ndarray, values_NV: np.ndarray | None = None) -> tuple[bytes, int]:
+        """Return ``spill_wire.pack`` of ``command`` over the names of ``keys`` (and values)."""
+        return spill_wire.pack(command, self._name_chars(keys), values_NV, self.cfg.spill_batch_rows)
 
     def _parse_names(self, names: list[bytes]) -> np.ndarray:
         """Return the keys of the names that are this table's spill keys (others are skipped),
@@ -559,18 +568,12 @@ class SpillTier:
         packed = np.ascontiguousarray((digits[:, 0::2] << 4) | digits[:, 1::2])  # 8 bytes a key, big-endian
         return packed.view(">u8")[:, 0].astype(np.uint64).view(np.int64)
 
-    def _mget(self, names: list[bytes], what: str) -> list[bytes | None]:
-        if not names:
+    def _mget(self, keys: np.ndarray, what: str) -> list[bytes | None]:
+        """Return Redis's values of ``keys`` in order (None: Redis has none)."""
+        if not keys.shape[0]:
             return []
-        B = self.cfg.spill_batch_rows
-
-        def op():
-            pipe = self._client.pipeline(transaction=False)
-            for start in range(0, len(names), B):
-                pipe.execute_command("MGET", *names[start : start + B])
-            return list(itertools.chain.from_iterable(pipe.execute()))
-
-        return self._redis(what, op)
+        packed, n = self._packed(b"MGET", keys)
+        return self._redis(what, lambda: list(itertools.chain.from_iterable(spill_wire.call(self._client, [packed], n))))
 
     def _redis(self, what: str, op):
         """Return ``op()`` run by ``_retry``; with ``spill_outage = "hold"`` an outage is
@@ -720,29 +723,17 @@ class SpillTier:
     def _write(self, batch: dict[int, bytes | None]) -> tuple[np.ndarray, np.ndarray]:
         """Write ``batch`` (SETs and UNLINKs); return the keys set and the keys unlinked."""
         keys = np.fromiter(batch.keys(), dtype=np.int64, count=len(batch))
-        is_set = np.fromiter((v is not None for v in batch.values()), dtype=bool, count=len(batch))
-        names = self._names(keys)
-        sets: list = []
-        unlinks: list[bytes] = []
-        for name, value in zip(names, batch.values()):
-            if value is None:
-                unlinks.append(name)
-            else:
-                sets.append(name)
-                sets.append(value)
-        B = self.cfg.spill_batch_rows
-
-        def op():
-            pipe = self._client.pipeline(transaction=False)
-            for start in range(0, len(sets), 2 * B):
-                pipe.execute_command("MSET", *sets[start : start + 2 * B])
-            for start in range(0, len(unlinks), B):
-                pipe.execute_command("UNLINK", *unlinks[start : start + B])
-            pipe.execute()
-
+        values = list(batch.values())
+        is_set = np.fromiter((v is not None for v in values), dtype=bool, count=len(values))
+        set_keys, unlink_keys = keys[is_set], keys[~is_set]
+        # every value is one record of ``self.dtype`` (``_encode``): rows of a byte matrix
+        rows = np.frombuffer(b"".join(v for v in values if v is not None), dtype=np.uint8)
+        sets, n_sets = self._packed(b"MSET", set_keys, rows.reshape(set_keys.shape[0], self.dtype.itemsize))
+        unlinks, n_unlinks = self._packed(b"UNLINK", unlink_keys)
         self._used_redis = True
-        self._retry(f"write (MSET of {len(sets) // 2} rows, UNLINK of {len(unlinks)} keys)", op)
-        return keys[is_set], keys[~is_set]
+        self._retry(f"write (MSET of {set_keys.shape[0]} rows, UNLINK of {unlink_keys.shape[0]} keys)",
+                    lambda: spill_wire.call(self._client, [sets, unlinks], n_sets + n_unlinks))
+        return set_keys, unlink_keys
 
 
 # --------------------------------------------------------------------------- namespaces
@@ -772,11 +763,17 @@ def _clear_namespace(tiers: list[SpillTier]) -> int:
     for name in names:
         if len(name) > 16 and name[:-16] in by_prefix:
             per_tier.setdefault(name[:-16], []).append(name)
-    doomed: list[bytes] = []
+    packed: list[bytes] = []
+    commands = 0
     for prefix, found in per_tier.items():
         t = by_prefix[prefix]
-        doomed += t._names(t._owned(t._parse_names(found)))
-    n = first._unlink(doomed)
+        keys = t._owned(t._parse_names(found))
+        if keys.shape[0]:
+            buf, n = t._packed(b"UNLINK", keys)
+            packed.append(buf)
+            commands += n
+            t._used_redis = True
+    n = int(first._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(first._client, packed, commands))))
     for t in tiers:
         t.mark_empty()
     return n

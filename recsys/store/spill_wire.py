@@ -1,0 +1,63 @@
+"""The spill tier's Redis commands, packed as arrays (``recsys.store.spill``).
+
+Legend: ``N`` keys, ``W`` bytes of a Redis name, ``V`` bytes of a value, ``B`` keys per command.
+
+Every name a tier sends has the same length (its prefix and 16 hex digits) and every value
+too (one fixed-size record), so a run of ``MSET name value name value ...`` (or ``UNLINK`` /
+``MGET name name ...``) commands is one fixed-stride array of bytes: the RESP framing of a key
+(``$W\\r\\n<name>\\r\\n`` and ``$V\\r\\n<value>\\r\\n``) is filled for all N keys at once, and
+each command adds a short header. redis-py packs a command argument by argument in Python
+(about 1 µs a row for MSET, most of the writer's CPU); this is a few numpy copies.
+
+``call`` sends the packed commands on one of the client's pooled connections and reads their
+replies in order (parsed by the connection's reader, hiredis when installed); a connection
+that failed in between is dropped, not reused, so no reply is ever read by the wrong call.
+Errors are redis-py's (``ConnectionError``, ``TimeoutError``, ``ResponseError``): the tier's
+retry policy applies as for any other call.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import redis
+
+
+def pack(command: bytes, names_NW: np.ndarray, values_NV: np.ndarray | None, per: int) -> tuple[bytes, int]:
+    """Return (the RESP of ``command`` over ``names_NW`` in commands of at most ``per`` keys,
+    each key followed by its row of ``values_NV`` if given; how many commands)."""
+    n, w = names_NW.shape
+    fields: list = [b"$%d\r\n" % w, names_NW, b"\r\n"]
+    if values_NV is not None:
+        if values_NV.shape[0] != n:
+            raise ValueError(f"{n} names but {values_NV.shape[0]} values")
+        fields += [b"$%d\r\n" % values_NV.shape[1], values_NV, b"\r\n"]
+    widths = [len(f) if isinstance(f, bytes) else f.shape[1] for f in fields]
+    rec = np.empty((n, sum(widths)), dtype=np.uint8)
+    at = 0
+    for f, width in zip(fields, widths):
+        rec[:, at : at + width] = np.frombuffer(f, dtype=np.uint8) if isinstance(f, bytes) else f
+        at += width
+    args_per_key = 1 if values_NV is None else 2
+    chunks: list = []
+    for start in range(0, n, per):
+        m = min(per, n - start)
+        chunks.append(b"*%d\r\n$%d\r\n%s\r\n" % (1 + args_per_key * m, len(command), command))
+        chunks.append(rec[start : start + m].data)
+    return b"".join(chunks), len(chunks) // 2
+
+
+def call(client: redis.Redis, packed: list[bytes], commands: int) -> list:
+    """Send ``pack``'s outputs (``commands`` commands in all) on one pooled connection, in
+    order; return their replies in order."""
+    if not commands:
+        return []
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        conn.send_packed_command(packed)
+        return [conn.read_response() for _ in range(commands)]
+    except BaseException:
+        conn.disconnect()  # replies may be left unread on it: never reuse it
+        raise
+    finally:
+        pool.release(conn)
