@@ -21,7 +21,9 @@ from conftest import wait_until
 from recsys import hashing
 from recsys.harness import RedisServer
 from recsys.schema import TableSpec
+from recsys.store import optim
 from recsys.store.config import StoreConfig
+from recsys.store.rowblock import RowBlock
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.spill import SpillError, SpillTier
 from recsys.store.spill_protocol import FORMAT_VERSION, spill_key, value_dtype
@@ -467,3 +469,27 @@ def test_only_keys_redis_or_the_buffer_holds_get_tombstones(redis_server, closin
     closing(r)
     assert sorted(r.keys(b"recsys:spill:user:*")) == sorted(
         spill_key("recsys", "user", i).encode() for i in (2, 4))
+
+
+def test_a_read_of_many_rows_never_piles_up_replies(redis_server, closing):
+    """A checkpoint reads every spilled row in a few calls: commands go out a window at a time
+    and each window's replies are read before the next, so Redis never holds more than a
+    window of replies for us. Here it may hold 1 MB at most (it drops a client past that);
+    sending all 4,000 commands (~10 MB of replies) before reading one was dropped."""
+    r = raw_client(redis_server)
+    closing(r)
+    r.config_set("client-output-buffer-limit", "normal 1mb 1mb 0")
+    tier = SpillTier("user", D, cfg_for(redis_server.url, spill_batch_rows=100, spill_retries=0))
+    closing(tier)
+    n = 400_000
+    keys = np.arange(1, n + 1, dtype=np.int64)
+    emb = np.random.default_rng(0).standard_normal((n, D)).astype(np.float32)
+    states = {c.name: np.zeros((n, D) if c.per_dim else n, dtype=c.dtype)
+              for c in optim.state_columns(tier.cfg.optimizer)}
+    tier.put(RowBlock(keys, emb, states, np.zeros(n, dtype=np.int64)))
+    tier.flush()
+    assert r.dbsize() == n
+    block = tier.rows()
+    order = np.argsort(block.keys)
+    assert block.keys[order].tolist() == keys.tolist()
+    assert block.emb[order].tobytes() == emb.tobytes()

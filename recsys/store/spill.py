@@ -110,6 +110,7 @@ _HEX_VALUES = np.full(256, 16, dtype=np.uint8)  # a byte's hex value (16: not a 
 _HEX_VALUES[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16)
 _HEX_VALUES[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16)
 _BATCHES_PER_ROUND = 16  # commands per pipelined round trip of the writer
+_ROWS_PER_READ = 1 << 20  # ``rows``: spilled rows read and decoded per piece
 _HOLD_MAX_DELAY_S = 1.0  # "hold": the longest wait between two tries during an outage
 _UNKNOWN = object()  # fetch: the buffer does not know the key
 COUNTERS = ("spill_writes", "spill_unlinks", "spill_hits", "spill_misses", "spill_buffer_hits", "spill_errors",
@@ -368,11 +369,16 @@ class SpillTier:
         self.flush()
         with self._cond:
             keys = self._index.keys()
-        values = self._mget(keys, "read (MGET) of spilled rows")
-        lost = np.array([v is None for v in values], dtype=bool)
-        if lost.any():
-            raise self._lost_error(keys[lost])
-        return self._decode(values, keys)
+        blocks = []
+        # a piece at a time: the replies as bytes objects take ~1.5x the decoded rows
+        for start in range(0, max(keys.shape[0], 1), _ROWS_PER_READ):
+            part = keys[start : start + _ROWS_PER_READ]
+            values = self._mget(part, "read (MGET) of spilled rows")
+            lost = np.array([v is None for v in values], dtype=bool)
+            if lost.any():
+                raise self._lost_error(part[lost])
+            blocks.append(self._decode(values, part))
+        return RowBlock.concat(blocks)
 
     def clear(self) -> int:
         """Delete this table's spilled rows (``owns``' keys only, found by SCAN, so rows
@@ -446,9 +452,9 @@ class SpillTier:
         """UNLINK the names of ``keys``; return how many Redis had."""
         if not keys.shape[0]:
             return 0
-        packed, n = self._packed(b"UNLINK", keys)
+        packed = self._packed(b"UNLINK", keys)
         self._used_redis = True
-        return int(self._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(self._client, [packed], n))))
+        return int(self._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(self._client, packed))))
 
     def _lost_error(self, keys: np.ndarray) -> SpillError:
         return SpillError(
@@ -547,7 +553,7 @@ class SpillTier:
         chars[:, p.shape[0] :] = _HEX_DIGITS[(u[:, None] >> _NIBBLE_SHIFTS) & np.uint64(15)]
         return chars
 
-    def _packed(self, command: bytes, keys: np.ndarray, values_NV: np.ndarray | None = None) -> tuple[bytes, int]:
+    def _packed(self, command: bytes, keys: np.ndarray, values_NV: np.ndarray | None = None) -> list[bytes]:
         """Return ``spill_wire.pack`` of ``command`` over the names of ``keys`` (and values)."""
         return spill_wire.pack(command, self._name_chars(keys), values_NV, self.cfg.spill_batch_rows)
 
@@ -572,8 +578,8 @@ class SpillTier:
         """Return Redis's values of ``keys`` in order (None: Redis has none)."""
         if not keys.shape[0]:
             return []
-        packed, n = self._packed(b"MGET", keys)
-        return self._redis(what, lambda: list(itertools.chain.from_iterable(spill_wire.call(self._client, [packed], n))))
+        packed = self._packed(b"MGET", keys)
+        return self._redis(what, lambda: list(itertools.chain.from_iterable(spill_wire.call(self._client, packed))))
 
     def _redis(self, what: str, op):
         """Return ``op()`` run by ``_retry``; with ``spill_outage = "hold"`` an outage is
@@ -728,11 +734,11 @@ class SpillTier:
         set_keys, unlink_keys = keys[is_set], keys[~is_set]
         # every value is one record of ``self.dtype`` (``_encode``): rows of a byte matrix
         rows = np.frombuffer(b"".join(v for v in values if v is not None), dtype=np.uint8)
-        sets, n_sets = self._packed(b"MSET", set_keys, rows.reshape(set_keys.shape[0], self.dtype.itemsize))
-        unlinks, n_unlinks = self._packed(b"UNLINK", unlink_keys)
+        packed = (self._packed(b"MSET", set_keys, rows.reshape(set_keys.shape[0], self.dtype.itemsize))
+                  + self._packed(b"UNLINK", unlink_keys))
         self._used_redis = True
         self._retry(f"write (MSET of {set_keys.shape[0]} rows, UNLINK of {unlink_keys.shape[0]} keys)",
-                    lambda: spill_wire.call(self._client, [sets, unlinks], n_sets + n_unlinks))
+                    lambda: spill_wire.call(self._client, packed))
         return set_keys, unlink_keys
 
 
@@ -764,16 +770,13 @@ def _clear_namespace(tiers: list[SpillTier]) -> int:
         if len(name) > 16 and name[:-16] in by_prefix:
             per_tier.setdefault(name[:-16], []).append(name)
     packed: list[bytes] = []
-    commands = 0
     for prefix, found in per_tier.items():
         t = by_prefix[prefix]
         keys = t._owned(t._parse_names(found))
         if keys.shape[0]:
-            buf, n = t._packed(b"UNLINK", keys)
-            packed.append(buf)
-            commands += n
+            packed += t._packed(b"UNLINK", keys)
             t._used_redis = True
-    n = int(first._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(first._client, packed, commands))))
+    n = int(first._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(first._client, packed))))
     for t in tiers:
         t.mark_empty()
     return n
