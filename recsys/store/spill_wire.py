@@ -7,11 +7,13 @@ too (one fixed-size record), so a run of ``MSET name value name value ...`` (or 
 ``MGET name name ...``) commands is one fixed-stride array of bytes: the RESP framing of a key
 (``$W\\r\\n<name>\\r\\n`` and ``$V\\r\\n<value>\\r\\n``) is filled for all N keys at once, and
 each command adds a short header. redis-py packs a command argument by argument in Python
-(about 1 µs a row for MSET, most of the writer's CPU); this is a few numpy copies.
+(the largest part of the writer thread's CPU in a profile of ``recsys bench scale``); this is
+a few numpy copies.
 
 ``call`` sends the packed commands on one of the client's pooled connections, a window of
-them at a time, and reads their replies in order (parsed by the connection's reader, hiredis when installed); a connection
-that failed in between is dropped, not reused, so no reply is ever read by the wrong call.
+them at a time, and reads their replies in order (parsed by the connection's reader: hiredis
+when installed). A connection that failed in between is dropped, not reused, so no reply is
+ever read by the wrong call.
 Errors are redis-py's (``ConnectionError``, ``TimeoutError``, ``ResponseError``): the tier's
 retry policy applies as for any other call.
 """
