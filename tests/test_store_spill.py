@@ -493,3 +493,92 @@ def test_a_read_of_many_rows_never_piles_up_replies(redis_server, closing):
     order = np.argsort(block.keys)
     assert block.keys[order].tolist() == keys.tolist()
     assert block.emb[order].tobytes() == emb.tobytes()
+
+
+# --------------------------------------------------------------------------- read-ahead
+
+
+def _mget_calls(r: redis.Redis) -> int:
+    return int(r.info("commandstats").get("cmdstat_mget", {}).get("calls", 0))
+
+
+def test_prefetched_rows_are_served_without_a_round_trip_and_never_go_stale(redis_server, closing):
+    """``prefetch`` reads a coming fetch's spilled rows ahead; that fetch sends no MGET for them,
+    and a key re-spilled after the read-ahead (``put``, then written) is read anew, not served
+    from the older read-ahead copy."""
+    r = raw_client(redis_server)
+    closing(r)
+    tier = SpillTier("user", D, cfg_for(redis_server.url))
+    closing(tier)
+    assert tier.prefetch(np.array([1, 2])) == 0  # no index yet: nothing read ahead
+    tier.clear()  # the index is known (empty)
+    n = 4
+    keys = np.arange(1, n + 1, dtype=np.int64)
+    states = {c.name: np.full((n, D) if c.per_dim else n, 0.25, dtype=c.dtype)
+              for c in optim.state_columns(tier.cfg.optimizer)}
+
+    def block(ks: np.ndarray, value: float) -> RowBlock:
+        sel = ks - 1
+        return RowBlock(ks, np.full((ks.shape[0], D), value, dtype=np.float32),
+                        {k: v[sel] for k, v in states.items()}, np.zeros(ks.shape[0], dtype=np.int64))
+
+    tier.put(block(keys, 1.0))
+    tier.flush()
+    assert tier.prefetch(np.array([1, 2, 3, 9])) == 3  # 9 was never spilled: not asked
+    calls = _mget_calls(r)
+    found, got = tier.fetch(np.array([9, 3, 1, 2]))
+    assert _mget_calls(r) == calls, "the fetch read rows Redis had already sent ahead"
+    assert found.tolist() == [False, True, True, True]
+    assert got.keys.tolist() == [3, 1, 2] and (got.emb == 1.0).all()
+    c = tier.counters()
+    assert (c["spill_hits"], c["spill_prefetch_hits"], c["spill_misses"]) == (3, 3, 1)
+    # read ahead, then key 1 spilled again with a new value and written: the old copy is dropped
+    assert tier.prefetch(np.array([1, 2])) == 2
+    tier.put(block(np.array([1]), 2.0))
+    tier.flush()
+    found, got = tier.fetch(np.array([1, 2]))
+    assert found.all() and got.emb[:, 0].tolist() == [2.0, 1.0]
+    # what a fetch does not ask for is dropped with it
+    assert tier.prefetch(np.array([3, 4])) == 2
+    tier.fetch(np.array([3]))
+    calls = _mget_calls(r)
+    tier.fetch(np.array([4]))
+    assert _mget_calls(r) == calls + 1
+
+
+def test_a_store_reads_spilled_rows_ahead_while_the_step_trains(redis_server, closing):
+    """The trainer's order (lookup of t+1 submitted before the push of t): the store's worker
+    reads the misses' spilled rows ahead while the push is awaited, and training is exactly
+    that of a store that never spills, at staleness 0 and 1."""
+    for staleness in (0, 1):
+        spilled = ShardedEmbeddingStore(three_feature_schema(D, 36), cfg_for(redis_server.url, staleness=staleness,
+                                                                               spill_namespace=f"ahead{staleness}"),
+                                        threaded=True)
+        closing(spilled)
+        plain = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(staleness=staleness), threaded=True)
+        closing(plain)
+        kjts = random_kjts(14, vocab=80, seed=5)
+        V = torch.linspace(-1, 1, 3 * D).view(1, 3, D)
+        outs = []
+        for store in (spilled, plain):
+            pooled_all = []
+            future = store.submit_lookup(kjts[0], 0)
+            for step in range(len(kjts)):
+                lookup = future.result()
+                if step + 1 < len(kjts):  # the next lookup goes in before this step's push
+                    future = store.submit_lookup(kjts[step + 1], step + 1)
+                pooled = lookup.pooled(3)
+                ((pooled * V).sum() / kjts[step].stride() + (pooled**2).sum()).backward()
+                store.push(lookup)
+                pooled_all.append(pooled.detach())
+            store.flush()
+            outs.append(pooled_all)
+        for step, (a, b) in enumerate(zip(*outs)):
+            assert torch.equal(a, b), f"staleness {staleness}, step {step}"
+        sa, sb = spilled.state_dict(), plain.state_dict()
+        for name in sa:
+            assert sa[name].equals(sb[name]), name
+        c = spilled.counters()["item"]
+        assert c["spill_hits"] > 0 and c["spill_errors"] == 0
+        if staleness == 0:  # each lookup waits for the push before it: its misses were read ahead
+            assert c["spill_prefetch_hits"] > 0

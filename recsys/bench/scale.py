@@ -160,12 +160,14 @@ class _Source(PausingSource):
 
 
 class SpillClock:
-    """Time the spill tiers' Redis reads (``_mget``, on the store's worker), ``fetch`` (the
-    whole miss path), ``put`` (encode, and waits while the write queue is full) and the
-    writer's ``_write`` (pipelined MSET / UNLINK, its own thread): instance wrappers, the
-    tier's code untouched."""
+    """Time the spill tiers' Redis reads (``_mget_once``, on the store's worker: the lookups'
+    own reads and their read-ahead), ``fetch`` (the whole miss path, in the lookup wait),
+    ``prefetch`` (the read-ahead, while the step trains), ``put`` (encode, and waits while
+    the write queue is full) and the writer's ``_write`` (pipelined MSET / UNLINK, its own
+    thread): instance wrappers, the tier's code untouched."""
 
-    FIELDS = ("mget_s", "mget_rows", "fetch_s", "fetch_calls", "put_s", "put_rows", "write_s", "write_rows")
+    FIELDS = ("mget_s", "mget_rows", "fetch_s", "fetch_calls", "prefetch_s", "put_s", "put_rows", "write_s",
+              "write_rows")
 
     def __init__(self) -> None:
         self.totals = dict.fromkeys(self.FIELDS, 0.0)
@@ -177,13 +179,19 @@ class SpillClock:
                 self.totals[k] += v
 
     def wrap(self, tier) -> None:
-        mget, fetch, put, write = tier._mget, tier.fetch, tier.put, tier._write
+        mget, fetch, prefetch, put, write = tier._mget_once, tier.fetch, tier.prefetch, tier.put, tier._write
 
-        def timed_mget(names, what):
+        def timed_mget(keys):
             t0 = time.perf_counter()
-            got = mget(names, what)
+            got = mget(keys)
             self._add(mget_s=time.perf_counter() - t0, mget_rows=sum(v is not None for v in got))
             return got
+
+        def timed_prefetch(keys):
+            t0 = time.perf_counter()
+            n = prefetch(keys)
+            self._add(prefetch_s=time.perf_counter() - t0)
+            return n
 
         def timed_fetch(keys, count=True):
             t0 = time.perf_counter()
@@ -202,7 +210,8 @@ class SpillClock:
             self._add(write_s=time.perf_counter() - t0, write_rows=int(out[0].shape[0]))
             return out
 
-        tier._mget, tier.fetch, tier.put, tier._write = timed_mget, timed_fetch, timed_put, timed_write
+        tier._mget_once, tier.fetch, tier.prefetch = timed_mget, timed_fetch, timed_prefetch
+        tier.put, tier._write = timed_put, timed_write
 
     def snapshot(self) -> dict:
         with self._lock:
@@ -429,7 +438,9 @@ def run_size(s: Settings, n: int, spill_fraction: float | None, redis_url: str, 
             "spill_buffer_hits_per_step": d.get("spill_buffer_hits", 0) / timed_steps,
             "spill_writes_per_step": d.get("spill_writes", 0) / timed_steps,
             "spill_read_us_per_row": 1e6 * sp["mget_s"] / sp["mget_rows"] if sp["mget_rows"] else float("nan"),
+            "spill_prefetch_hits_per_step": d.get("spill_prefetch_hits", 0) / timed_steps,
             "spill_fetch_ms_per_step": 1000 * sp["fetch_s"] / timed_steps,
+            "spill_prefetch_ms_per_step": 1000 * sp["prefetch_s"] / timed_steps,
             "spill_write_us_per_row": 1e6 * sp["write_s"] / sp["write_rows"] if sp["write_rows"] else float("nan"),
             "spill_put_ms_per_step": 1000 * sp["put_s"] / timed_steps,
             "spill_clock_timed": sp,

@@ -124,7 +124,9 @@ class StoreSchedule:
                         and not op[1].reserved):
                     # first in line: take its slots now (key work only), read rows later
                     try:
-                        self._reserve(op[1], op[2], True)
+                        # early: pushes it must see are still awaited (read ahead meanwhile)
+                        awaited = any(s <= self._visible_through(op[2]) for s in unpushed)
+                        self._reserve(op[1], op[2], True, early=awaited)
                     except BaseException as exc:  # noqa: BLE001 - surfaced through the future
                         exc = self._explain(exc)
                         self._failure = exc

@@ -582,7 +582,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             self._reserve(prep, step, train)
         return self._read(prep, step, train)
 
-    def _reserve(self, prep: _Prepared, step: int | None, train: bool) -> None:
+    def _reserve(self, prep: _Prepared, step: int | None, train: bool, early: bool = False) -> None:
         """The key work of a lookup: send keys to their owners (W > 1) and, for tables that
         allow it (``EmbeddingTable.reserves_early``), touch / insert / evict now.
 
@@ -590,6 +590,10 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         must see are applied: only row values depend on pushes (``_read``). Exact for
         such tables: their rows with a pending push can only leave (evicted: dropped in
         either order), never appear (every key gets its row at its own lookup).
+
+        ``early`` (the worker, before the pushes this lookup must see): tables with a spill
+        tier read ahead the spilled rows of their misses (``EmbeddingTable.prefetch``), so
+        that the Redis round trips overlap the step's dense work instead of the lookup wait.
         """
         if self.world_size > 1:
             prep.comm = self._exchange_keys(prep.parts)
@@ -602,9 +606,17 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                 p.slots = table.reserve(served(p), step)
                 p.departures = table.departures
 
+            def prefetch(p: _TablePart) -> None:
+                self.tables[p.name].prefetch(served(p))
+
             todo = [p for p in prep.parts
                     if len(served(p)) and getattr(self.tables[p.name], "reserves_early", False)]
             self._lanes.each(todo, [len(served(p)) for p in todo], reserve)
+            if early:  # the misses' spilled rows, read while the pushes are awaited
+                ahead = [p for p in prep.parts
+                         if len(served(p)) and getattr(self.tables[p.name], "spill", None) is not None
+                         and not getattr(self.tables[p.name], "reserves_early", False)]
+                self._lanes.each(ahead, [len(served(p)) for p in ahead], prefetch)
         prep.reserved = True
 
     def _read(self, prep: _Prepared, step: int | None, train: bool) -> Lookup:

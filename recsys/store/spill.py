@@ -7,8 +7,9 @@ One ``SpillTier`` per table and shard (``EmbeddingTable`` drives it; see its mod
     table evicts rows ──► put(rows) ──► encode ──► buffer {key: bytes} ──► writer thread
                                                    │   (pending, then in flight)   │ pipelined MSET
                                                    │                               ▼ / UNLINK, B keys
-    table misses ──► fetch(keys) ──► buffer first ─┤  else, keys in the index: MGET ──► Redis
+    table misses ──► fetch(keys) ──► buffer first ─┤  else, keys in the index: read ahead, or MGET ──► Redis
                                                    └─ else: not spilled (no round trip)
+    next lookup's misses ──► prefetch(keys) ──► MGET ahead (while the step trains)
     rows restored ──► forget(keys) ──► buffer {key: None} (a tombstone) ──► writer: UNLINK
 
 Keys: ``<namespace>:spill:<table>:<key as 16 lowercase hex digits>`` (the key's uint64
@@ -42,6 +43,10 @@ Semantics, exactly:
   the newest copy, a buffered tombstone means "not spilled". Keys the buffer does not know
   are read from Redis (MGET, read-only) if the index has them, else are not spilled. A
   value of another format raises; so does a key of the index that Redis does not have.
+- ``prefetch`` reads ahead (one MGET, one attempt) the rows of keys a coming ``fetch`` will
+  ask for: the store calls it with a training lookup's misses while that lookup still waits
+  for the pushes before it, so the round trip overlaps the step's dense work. It is a hint:
+  it never raises, and ``fetch`` reads itself whatever it did not get (see ``prefetch``).
 - After the table restored rows it calls ``forget``: tombstones, written as UNLINK by the
   writer, after any in-flight SET of the same key (batches are written in order), so a
   later eviction's copy is the only one that counts. Once the index is built, only keys it
@@ -67,7 +72,8 @@ Semantics, exactly:
 
 Counters: ``spill_writes`` (rows confirmed written), ``spill_unlinks`` (tombstones
 applied), ``spill_hits`` / ``spill_misses`` (fetched keys found / not found),
-``spill_buffer_hits`` (hits answered from the buffer), ``spill_errors`` (failed Redis
+``spill_buffer_hits`` (hits answered from the buffer), ``spill_prefetch_hits`` (hits answered
+from ``prefetch``'s read-ahead), ``spill_errors`` (failed Redis
 attempts, retried ones included), ``spill_outages`` (outages begun, ``"hold"``),
 ``spill_pending`` (rows and tombstones not yet written), ``spill_stored`` (keys in the
 index; -1 before it is built).
@@ -113,8 +119,8 @@ _BATCHES_PER_ROUND = 16  # commands per pipelined round trip of the writer
 _ROWS_PER_READ = 1 << 20  # ``rows``: spilled rows read and decoded per piece
 _HOLD_MAX_DELAY_S = 1.0  # "hold": the longest wait between two tries during an outage
 _UNKNOWN = object()  # fetch: the buffer does not know the key
-COUNTERS = ("spill_writes", "spill_unlinks", "spill_hits", "spill_misses", "spill_buffer_hits", "spill_errors",
-            "spill_outages")
+COUNTERS = ("spill_writes", "spill_unlinks", "spill_hits", "spill_misses", "spill_buffer_hits",
+            "spill_prefetch_hits", "spill_errors", "spill_outages")
 
 
 class SpillError(UserError, RuntimeError):
@@ -181,6 +187,7 @@ class SpillTier:
         self._pending: dict[int, bytes | None] = {}  # newest wanted state per key, not yet taken
         self._inflight: dict[int, bytes | None] = {}  # the batch the writer is writing
         self._index: KeyIndex | None = None  # keys in Redis (None: not built yet)
+        self._ahead: dict[int, bytes] | None = None  # ``prefetch``'s values, until the next fetch
         self._error: SpillError | None = None  # a failed write, not yet raised
         self._paused = False  # the writer waits until the error was raised
         self._closing = False
@@ -235,6 +242,7 @@ class SpillTier:
         values = self._encode(block)
         limit = self.cfg.spill_queue_rows
         with self._cond:
+            self._drop_ahead(block.keys)
             self._pending.update(zip(block.keys.tolist(), values))
             self._cond.notify_all()
             while (len(self._pending) + len(self._inflight) > limit and self._error is None
@@ -268,6 +276,7 @@ class SpillTier:
                     held[rest] = np.fromiter((k in pending or k in inflight for k in keys[rest].tolist()),
                                              dtype=bool, count=rest.shape[0])
                 keys = keys[held]
+            self._drop_ahead(keys)
             self._pending.update(dict.fromkeys(keys.tolist()))
             self._cond.notify_all()
 
@@ -284,6 +293,7 @@ class SpillTier:
             return found, self._decode([], keys[:0])
         self._ensure_index()
         with self._cond:
+            ahead, self._ahead = self._ahead, None  # taken by this fetch, whatever it asks
             pending, inflight = self._pending, self._inflight
             if not pending and not inflight:
                 unknown = np.arange(n)
@@ -302,8 +312,16 @@ class SpillTier:
             ask = unknown[self._index.contains(keys[unknown])] if unknown.shape[0] else unknown
         n_buffer = int(found.sum())
         got: list = []
+        n_ahead = 0
         if ask.shape[0]:
-            got = self._mget(keys[ask], "read (MGET) of spilled rows")
+            got = [None] * ask.shape[0] if not ahead else [ahead.get(k) for k in keys[ask].tolist()]
+            rest = np.flatnonzero(np.fromiter((v is None for v in got), dtype=bool, count=len(got)))
+            n_ahead = len(got) - rest.shape[0]
+            if rest.shape[0] == len(got):
+                got = self._mget(keys[ask], "read (MGET) of spilled rows")
+            elif rest.shape[0]:
+                for i, v in zip(rest.tolist(), self._mget(keys[ask[rest]], "read (MGET) of spilled rows")):
+                    got[i] = v
             if None in got:
                 raise self._lost_error(keys[ask[[v is None for v in got]]])
             found[ask] = True
@@ -319,7 +337,44 @@ class SpillTier:
                 c["spill_hits"] += block.num_rows
                 c["spill_misses"] += n - block.num_rows
                 c["spill_buffer_hits"] += n_buffer
+                c["spill_prefetch_hits"] += n_ahead
         return found, block
+
+    def prefetch(self, keys_N: np.ndarray) -> int:
+        """Read ahead the spilled rows of ``keys_N``, keys the next ``fetch`` will ask for (a
+        training lookup's misses, known before the pushes it waits for are applied), so that
+        the MGET overlaps other work; return how many rows were read.
+
+        A hint, never a failure: one attempt, no retry. Nothing is read before the index is
+        built, during an outage, with a write failure not yet raised, or for keys the buffer
+        holds (``fetch`` answers those); a failed read counts in ``spill_errors`` and is
+        dropped (``fetch`` reads those rows itself, with the retry policy). The values stay
+        until the next ``fetch``, which takes those it asks for and drops the rest. They
+        cannot go stale before it: a key the table does not hold and the buffer does not know
+        keeps its value in Redis until a fetch restores it, and ``put``, ``forget`` and
+        ``clear`` drop the values of the keys they change."""
+        keys = as_keys(keys_N)
+        with self._cond:
+            self._ahead = None
+            if (not keys.shape[0] or self._index is None or self._error is not None
+                    or self._outage_since is not None or self._closing):
+                return 0
+            ask = keys[self._index.contains(keys)]
+            pending, inflight = self._pending, self._inflight
+            if (pending or inflight) and ask.shape[0]:
+                ask = ask[np.fromiter((k not in pending and k not in inflight for k in ask.tolist()),
+                                      dtype=bool, count=ask.shape[0])]
+        if not ask.shape[0]:
+            return 0
+        try:
+            got = self._mget_once(ask)
+        except redis.exceptions.RedisError:
+            with self._cond:
+                self._counters["spill_errors"] += 1
+            return 0
+        with self._cond:
+            self._ahead = {k: v for k, v in zip(ask.tolist(), got) if v is not None}
+            return len(self._ahead)
 
     def flush(self) -> None:
         """Wait until every buffered row and tombstone is in Redis; raise a write failure."""
@@ -389,12 +444,14 @@ class SpillTier:
         n = self._unlink(keys)
         with self._cond:
             self._index = KeyIndex()
+            self._ahead = None
         return n
 
     def mark_empty(self) -> None:
         """Record that Redis holds none of this tier's keys (``clear_tables`` just deleted them)."""
         with self._cond:
             self._index = KeyIndex()
+            self._ahead = None
 
     def claim(self, owner: dict, takeover: bool = False) -> dict | None:
         """Make the run described by ``owner`` (JSON-able: run_dir, job) the namespace's owner.
@@ -575,11 +632,20 @@ class SpillTier:
         return packed.view(">u8")[:, 0].astype(np.uint64).view(np.int64)
 
     def _mget(self, keys: np.ndarray, what: str) -> list[bytes | None]:
-        """Return Redis's values of ``keys`` in order (None: Redis has none)."""
+        """Return Redis's values of ``keys`` in order (None: Redis has none), retried by ``_redis``."""
         if not keys.shape[0]:
             return []
-        packed = self._packed(b"MGET", keys)
-        return self._redis(what, lambda: list(itertools.chain.from_iterable(spill_wire.call(self._client, packed))))
+        return self._redis(what, lambda: self._mget_once(keys))
+
+    def _mget_once(self, keys: np.ndarray) -> list[bytes | None]:
+        """``_mget`` in one attempt (redis-py's exceptions raised as they come)."""
+        return list(itertools.chain.from_iterable(spill_wire.call(self._client, self._packed(b"MGET", keys))))
+
+    def _drop_ahead(self, keys: np.ndarray) -> None:
+        """Forget ``prefetch``'s values of ``keys`` (their state changes); under ``_cond``."""
+        if self._ahead:
+            for k in keys.tolist():
+                self._ahead.pop(k, None)
 
     def _redis(self, what: str, op):
         """Return ``op()`` run by ``_retry``; with ``spill_outage = "hold"`` an outage is

@@ -261,6 +261,18 @@ class EmbeddingTable:
         slots (-1: not admitted) for ``read``; the rows are not read yet."""
         return self._touch(as_keys(keys_U), int(step))
 
+    def prefetch(self, keys_U: np.ndarray) -> int:
+        """Have the spill tier read ahead the rows of ``keys_U`` that this table does not hold
+        (``SpillTier.prefetch``: the misses a coming ``lookup`` or ``reserve`` of these keys
+        will restore); return how many rows it read. Changes no row and no key; with no spill
+        tier, does nothing. May run before pushes of earlier steps are applied: a push
+        changes only rows this table holds."""
+        if self.spill is None:
+            return 0
+        keys = as_keys(keys_U)
+        miss = keys[self._map.find(keys) < 0]
+        return self.spill.prefetch(miss) if miss.shape[0] else 0
+
     @property
     def departures(self) -> int:
         """How many calls may have taken keys out of their slots so far (``KeyMap.departures``)."""
