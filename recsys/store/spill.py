@@ -615,8 +615,21 @@ class SpillTier:
         return spill_wire.pack(command, self._name_chars(keys), values_NV, self.cfg.spill_batch_rows)
 
     def _parse_names(self, names: list[bytes]) -> np.ndarray:
-        """Return the keys of the names that are this table's spill keys (others are skipped)."""
-        return keys_by_prefix(names, [self._prefix_b])[self._prefix_b]
+        """Return the keys of the names that are this table's spill keys (others are skipped),
+        parsed as one array of hex digits."""
+        p = np.frombuffer(self._prefix_b, dtype=np.uint8)
+        width = p.shape[0] + 16
+        lens = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
+        fit = lens == width
+        chosen = names if fit.all() else [names[i] for i in np.flatnonzero(fit).tolist()]
+        if not chosen:
+            return np.zeros(0, dtype=np.int64)
+        chars = np.frombuffer(b"".join(chosen), dtype=np.uint8).reshape(len(chosen), width)
+        digits = _HEX_VALUES[chars[:, p.shape[0] :]]
+        ours = (chars[:, : p.shape[0]] == p).all(axis=1) & (digits < 16).all(axis=1)
+        digits = digits[ours]
+        packed = np.ascontiguousarray((digits[:, 0::2] << 4) | digits[:, 1::2])  # 8 bytes a key, big-endian
+        return packed.view(">u8")[:, 0].astype(np.uint64).view(np.int64)
 
     def _mget(self, keys: np.ndarray, what: str) -> list[bytes | None]:
         """Return Redis's values of ``keys`` in order (None: Redis has none), retried by ``_redis``."""
@@ -798,31 +811,6 @@ class SpillTier:
 # --------------------------------------------------------------------------- namespaces
 
 
-def keys_by_prefix(names: list[bytes], prefixes: list[bytes]) -> dict[bytes, np.ndarray]:
-    """Return, for each prefix, the keys of the names that are that prefix and 16 hex digits
-    (other names are skipped), in the names' order. Parsed as arrays of bytes, one per name
-    length, not name by name: a namespace's clear parses every spilled name (millions)."""
-    out = {p: np.zeros(0, dtype=np.int64) for p in prefixes}
-    if not names:
-        return out
-    lens = np.fromiter(map(len, names), dtype=np.int64, count=len(names))
-    for width in np.unique(lens).tolist():
-        ours = [p for p in prefixes if len(p) + 16 == width]
-        if not ours:
-            continue
-        where = np.flatnonzero(lens == width)
-        chosen = names if where.shape[0] == len(names) else [names[i] for i in where.tolist()]
-        chars = np.frombuffer(b"".join(chosen), dtype=np.uint8).reshape(len(chosen), width)
-        digits = _HEX_VALUES[chars[:, width - 16 :]]
-        hexes = (digits < 16).all(axis=1)
-        for p in ours:
-            sel = np.flatnonzero(hexes & (chars[:, : len(p)] == np.frombuffer(p, dtype=np.uint8)).all(axis=1))
-            d = digits[sel]
-            packed = np.ascontiguousarray((d[:, 0::2] << 4) | d[:, 1::2])  # 8 bytes a key, big-endian
-            out[p] = packed.view(">u8")[:, 0].astype(np.uint64).view(np.int64)
-    return out
-
-
 def clear_tables(tiers: list[SpillTier]) -> int:
     """Delete the spilled rows of ``tiers`` (each tier's ``owns`` keys only) with one SCAN
     per namespace, not one per table (each SCAN walks every table's keys: 26 tables and
@@ -842,10 +830,15 @@ def _clear_namespace(tiers: list[SpillTier]) -> int:
     match = _glob_escape(f"{first.namespace}:spill:") + "*"
     names = first._redis("SCAN of spilled keys",
                          lambda: list(first._client.scan_iter(match=match, count=first.cfg.spill_batch_rows)))
-    found = keys_by_prefix(names, [t._prefix_b for t in tiers])
+    by_prefix = {t._prefix_b: t for t in tiers}
+    per_tier: dict[bytes, list[bytes]] = {}
+    for name in names:
+        if len(name) > 16 and name[:-16] in by_prefix:
+            per_tier.setdefault(name[:-16], []).append(name)
     packed: list[bytes] = []
-    for t in tiers:
-        keys = t._owned(found[t._prefix_b])
+    for prefix, found in per_tier.items():
+        t = by_prefix[prefix]
+        keys = t._owned(t._parse_names(found))
         if keys.shape[0]:
             packed += t._packed(b"UNLINK", keys)
             t._used_redis = True
