@@ -12,8 +12,9 @@ same metrics (``recsys_serve_requests_total{route, status="200"}``, the latency 
 the ids per request) as the app's middleware counts it. The OpenAPI schema is the app's:
 the routes stay declared there.
 
-Measured (``recsys bench serve``, 2 cores, 2 workers, 256 ids a request): 1.47× the requests
-of the same service answering through the full app, paired over 6 rounds (BENCHMARKS.md).
+Measured (``recsys bench serve``, 2 cores, 2 workers, 256 ids a request): 1.14× and 1.08× the
+keys/s of the same service answering through the full app, paired medians of 6 rounds in two
+runs (2026-11-28; 1.47× when first measured; BENCHMARKS.md).
 """
 
 from __future__ import annotations
