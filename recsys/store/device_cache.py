@@ -184,6 +184,12 @@ class DeviceCache(DeviceTier):
         """Return the host's spill tier (None without one)."""
         return self.host.spill
 
+    def prefetch(self, keys_U: np.ndarray) -> int:
+        """Have the host's spill tier read ahead the rows of ``keys_U`` the host does not hold
+        (``EmbeddingTable.prefetch``; keys cached here are read only if the host spilled them,
+        and a read not asked for is dropped at the host's next fetch)."""
+        return self.host.prefetch(keys_U)
+
     def cached(self) -> int:
         """Return the number of rows cached on the device."""
         return len(self._map)

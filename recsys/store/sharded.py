@@ -615,6 +615,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             if early:  # the misses' spilled rows, read while the pushes are awaited
                 ahead = [p for p in prep.parts
                          if len(served(p)) and getattr(self.tables[p.name], "spill", None) is not None
+                         and hasattr(self.tables[p.name], "prefetch")
                          and not getattr(self.tables[p.name], "reserves_early", False)]
                 self._lanes.each(ahead, [len(served(p)) for p in ahead], prefetch)
         prep.reserved = True
