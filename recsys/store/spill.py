@@ -269,12 +269,9 @@ class SpillTier:
             if self._index is not None:
                 # only a key Redis has or the buffer holds needs a tombstone: the others are not
                 # spilled already (a restore after a clear inserts millions of such keys)
-                pending, inflight = self._pending, self._inflight
                 held = self._index.contains(keys)
                 rest = np.flatnonzero(~held)
-                if (pending or inflight) and rest.shape[0]:
-                    held[rest] = np.fromiter((k in pending or k in inflight for k in keys[rest].tolist()),
-                                             dtype=bool, count=rest.shape[0])
+                held[rest] = self._buffered(keys[rest])
                 keys = keys[held]
             self._drop_ahead(keys)
             self._pending.update(dict.fromkeys(keys.tolist()))
@@ -314,14 +311,15 @@ class SpillTier:
         got: list = []
         n_ahead = 0
         if ask.shape[0]:
-            got = [None] * ask.shape[0] if not ahead else [ahead.get(k) for k in keys[ask].tolist()]
-            rest = np.flatnonzero(np.fromiter((v is None for v in got), dtype=bool, count=len(got)))
-            n_ahead = len(got) - rest.shape[0]
-            if rest.shape[0] == len(got):
+            if not ahead:
                 got = self._mget(keys[ask], "read (MGET) of spilled rows")
-            elif rest.shape[0]:
-                for i, v in zip(rest.tolist(), self._mget(keys[ask[rest]], "read (MGET) of spilled rows")):
-                    got[i] = v
+            else:  # what the read-ahead did not get (or Redis did not have then) is read now
+                got = [ahead.get(k) for k in keys[ask].tolist()]
+                rest = [i for i, v in enumerate(got) if v is None]
+                n_ahead = len(got) - len(rest)
+                if rest:
+                    for i, v in zip(rest, self._mget(keys[ask[rest]], "read (MGET) of spilled rows")):
+                        got[i] = v
             if None in got:
                 raise self._lost_error(keys[ask[[v is None for v in got]]])
             found[ask] = True
@@ -360,10 +358,7 @@ class SpillTier:
                     or self._outage_since is not None or self._closing):
                 return 0
             ask = keys[self._index.contains(keys)]
-            pending, inflight = self._pending, self._inflight
-            if (pending or inflight) and ask.shape[0]:
-                ask = ask[np.fromiter((k not in pending and k not in inflight for k in ask.tolist()),
-                                      dtype=bool, count=ask.shape[0])]
+            ask = ask[~self._buffered(ask)]
         if not ask.shape[0]:
             return 0
         try:
@@ -640,6 +635,13 @@ class SpillTier:
     def _mget_once(self, keys: np.ndarray) -> list[bytes | None]:
         """``_mget`` in one attempt (redis-py's exceptions raised as they come)."""
         return list(itertools.chain.from_iterable(spill_wire.call(self._client, self._packed(b"MGET", keys))))
+
+    def _buffered(self, keys: np.ndarray) -> np.ndarray:
+        """Return whether the buffer (pending or in flight) holds each of ``keys``; under ``_cond``."""
+        pending, inflight = self._pending, self._inflight
+        if not (pending or inflight) or not keys.shape[0]:
+            return np.zeros(keys.shape[0], dtype=bool)
+        return np.fromiter((k in pending or k in inflight for k in keys.tolist()), dtype=bool, count=keys.shape[0])
 
     def _drop_ahead(self, keys: np.ndarray) -> None:
         """Forget ``prefetch``'s values of ``keys`` (their state changes); under ``_cond``."""

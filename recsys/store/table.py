@@ -262,16 +262,17 @@ class EmbeddingTable:
         return self._touch(as_keys(keys_U), int(step))
 
     def prefetch(self, keys_U: np.ndarray) -> int:
-        """Have the spill tier read ahead the rows of ``keys_U`` that this table does not hold
-        (``SpillTier.prefetch``: the misses a coming ``lookup`` or ``reserve`` of these keys
-        will restore); return how many rows it read. Changes no row and no key; with no spill
-        tier, does nothing. May run before pushes of earlier steps are applied: a push
-        changes only rows this table holds."""
+        """Have the spill tier read ahead the spilled rows of ``keys_U`` (``SpillTier.prefetch``:
+        the misses a coming ``lookup`` or ``reserve`` of these keys will restore); return how
+        many rows it read. Changes no row and no key; with no spill tier, does nothing. May run
+        before pushes of earlier steps are applied: a push changes only rows this table holds.
+
+        The keys are not probed here: the tier reads only keys its index has and its buffer
+        does not, and a row this table holds is not both (restoring it buffered a tombstone,
+        and the index drops the key once the tombstone is written)."""
         if self.spill is None:
             return 0
-        keys = as_keys(keys_U)
-        miss = keys[self._map.find(keys) < 0]
-        return self.spill.prefetch(miss) if miss.shape[0] else 0
+        return self.spill.prefetch(keys_U)
 
     @property
     def departures(self) -> int:
