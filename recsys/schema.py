@@ -49,7 +49,7 @@ class TableSpec:
     """Embedding width."""
     capacity: int = 1_000_000
     """Rows kept in memory (per table, whole job) before least-recently-used eviction; one
-    rank's shard of a table holds at most 2**30 (about capacity / ranks each)."""
+    rank's shard of a table holds at most 2**29 - 1 (about capacity / ranks each)."""
     num_rows: int | None = None
     """If set, a fixed-size hashed table: keys are folded into ``[0, num_rows)``."""
 

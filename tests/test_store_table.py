@@ -679,5 +679,5 @@ def test_gather_kernel_copies_rows_and_zeros_absent_slots():
 def test_a_shard_above_the_key_maps_limit_is_refused_by_name():
     from recsys.store.keymap import MAX_CAPACITY
 
-    with pytest.raises(ValueError, match=r"table 'huge': 1073741825 rows in one shard, above the 1073741824"):
+    with pytest.raises(ValueError, match=r"table 'huge': 536870912 rows in one shard, above the 536870911"):
         EmbeddingTable("huge", TableSpec(dim=4, capacity=MAX_CAPACITY + 1), StoreConfig())

@@ -8,17 +8,22 @@ Keys are int64 arrays holding uint64 bit patterns (``recsys.hashing``): every va
 0 and negative ones included, is a valid key, so occupancy is marked separately, never by
 a sentinel key. Layout::
 
-    buckets_NB2  int64 [NB, 2]   (key, code) per bucket, one cache line per probe
-                                 code >= 0: the key's slot; -1: empty bucket;
-                                 <= -2: new key #(-code-2) of the running call (pending)
-    slot_key_C   int64 [C]       key held by each slot
-    slot_step_C  int64 [C]       step of the slot's last access (its LRU time, "last_seen")
+    buckets_NB   uint32 [NB]     one word per bucket: 0xFFFFFFFF empty, else a 30-bit code
+                                 and 2 tag bits (the key's hash's low bits); code < C: the
+                                 key's slot; C + j: new key #j of the running call (pending)
+    rec_C2       int64 [C, 2]    (key, step of its last access) of each slot, side by side:
+                                 ``slot_key`` and ``slot_step`` ("last_seen") are its columns
     slot_used_C  bool  [C]       occupancy
     slot_call_C  int32 [C]       id of the last call that touched the slot (ids wrap: the
                                  map forgets every earlier call when they do)
     free_C       int32 [C]       stack of free slots (first ``n_free`` entries)
 
-Open addressing with linear probing from ``(fmix64(key ^ tag) >> 32) · NB >> 32`` (the
+A bucket holds no key: a probe whose tag matches reads the slot's key (a pending entry's
+from the call's list). Tags spare that read for 3 of 4 other keys it passes; the probe asks
+for the slot's line a few keys ahead (``SLOTS_AHEAD``), once the home bucket it asked for
+earlier has arrived, and the touch of the slot's step then writes the line just read.
+
+Open addressing with linear probing from ``(fmix64(key ^ _MAP_TAG) >> 32) · NB >> 32`` (the
 hash's top bits scaled to NB, so NB need not be a power of two); deletion is
 backward-shift (no tombstones, so probe lengths never degrade). At most 50 % of the
 buckets hold keys during a call (held and pending ones), 40 % in a full map, so probes stay
@@ -48,10 +53,12 @@ were newer at scan time, and touches and inserts only happen at steps >= the sca
 ``assign`` may insert rows of any age: one older than the scan step drops the pool. When no
 key older than the current step remains, victims are chosen by an exact, uncached selection.
 
-Costs: 65 bytes per slot (buckets 40, slot arrays 25). A lookup is one probe per
-input key (repeats included), plus for its new keys a second probe, and per evicted key a
-backward-shift deletion; a pool scan (a selection and a sort of P entries) reads the slot
-arrays once per ~C/8 evictions. Keys are not validated beyond dtype and shape (hot path).
+Costs: 35 bytes per slot (buckets 10, slot arrays 25; 65 while buckets held their key, until
+2026-11-28). A lookup is one probe per input key (repeats included), plus for its new keys a
+second probe, and per evicted key a backward-shift deletion, which reads the key of each
+entry it moves past (to find that entry's home); a pool scan (a selection and a sort of P
+entries) reads the slot arrays once per ~C/8 evictions. Keys are not validated beyond dtype
+and shape (hot path).
 """
 
 from __future__ import annotations
@@ -69,7 +76,15 @@ from recsys.store.prefetch import KEYS_AHEAD, prefetch
 __all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "distinct", "distinct_inverse", "has_repeats",
            "merge_sketch_states"]
 
-_EMPTY = -1
+_CODE_BITS = 30
+_CODE_MASK = (1 << _CODE_BITS) - 1
+_TAG_FIELD = 0xFFFFFFFF & ~_CODE_MASK
+_TAG_BITS = np.uint64(0xFFFFFFFF >> _CODE_BITS)
+_EMPTY = 0xFFFFFFFF
+SLOTS_AHEAD = KEYS_AHEAD // 2
+"""How many keys ahead the probe reads a home bucket (asked for ``KEYS_AHEAD`` keys ahead)
+and asks for the slot it names, so the key check finds that slot's line cached."""
+_RING = 1 << KEYS_AHEAD.bit_length()  # a power of two above KEYS_AHEAD
 _MAP_TAG = np.uint64(0x2545F4914F6CDD1D)
 _SKETCH_TAG = np.uint64(0x94D049BB133111EB)
 _INT64_MIN = np.iinfo(np.int64).min
@@ -77,10 +92,12 @@ _CALL_ID_MAX = np.iinfo(np.int32).max
 BUCKETS_PER_SLOT = 2.5
 """Hash buckets per slot (> 2: see ``KeyMap.__init__``). A full map's probes then read 1.33
 buckets for a held key and 1.9 for an absent one; at 2.0 a lookup costs ~1.14x as much, at 4.0
-0.83-0.90x, for 8 bytes a slot per 0.5 (2026-11-27, 0.75 M and 3 M slots)."""
-MAX_CAPACITY = 2**30
-"""Slots one map holds at most: its buckets (``BUCKETS_PER_SLOT`` a slot) must number below
-2**32 for the home bucket's scaling, and its slots fit int32."""
+0.83-0.90x, for 8 bytes a slot per 0.5 (2026-11-27, 0.75 M and 3 M slots, when a bucket held
+its key: 16 bytes; now 4, so 2 bytes a slot per 0.5)."""
+MAX_CAPACITY = 2**29 - 1
+"""Slots one map holds at most: a bucket's 30-bit code names any of them or of a call's pending
+keys (codes below 2·C, short of the empty word's), and the buckets (``BUCKETS_PER_SLOT`` a
+slot) number below 2**32 for the home bucket's scaling."""
 
 
 class MapUpdate(NamedTuple):
@@ -106,10 +123,27 @@ class MapUpdate(NamedTuple):
 
 
 @njit(inline="always")
+def _hash(key):
+    """Return the map's 64-bit hash of ``key``."""
+    return fmix(np.uint64(key) ^ _MAP_TAG)
+
+
+@njit(inline="always")
+def _home_of(hv, nb_u):
+    """Return the home bucket of hash ``hv`` among ``nb_u`` (< 2**32) buckets: the hash's top
+    32 bits scaled to the bucket count (a multiply and a shift, for any count)."""
+    return np.int64(((hv >> np.uint64(32)) * nb_u) >> np.uint64(32))
+
+
+@njit(inline="always")
+def _tag_of(hv):
+    """Return the bucket word's tag bits for hash ``hv`` (its low bits, in place)."""
+    return np.int64(hv & _TAG_BITS) << _CODE_BITS
+
+
+@njit(inline="always")
 def _home(key, nb_u):
-    """Return the home bucket of ``key`` among ``nb_u`` (< 2**32) buckets: the hash's top 32
-    bits scaled to the bucket count (a multiply and a shift, for any count)."""
-    return np.int64(((fmix(np.uint64(key) ^ _MAP_TAG) >> np.uint64(32)) * nb_u) >> np.uint64(32))
+    return _home_of(_hash(key), nb_u)
 
 
 @njit(inline="always")
@@ -120,41 +154,88 @@ def _next(h, nb):
 
 
 @njit(inline="always")
-def _slot_of(buckets, key, nb, nb_u):
-    """Return the slot of ``key`` (-1: absent)."""
-    h = _home(key, nb_u)
+def _code_key(rec, pend_keys, capacity, code):
+    """Return the key of a bucket's code: a held slot's, or a pending entry's."""
+    return rec[code, 0] if code < capacity else pend_keys[code - capacity]
+
+
+@njit(inline="always")
+def _bucket_of(buckets, rec, key, nb, nb_u, capacity):
+    """Return the bucket holding ``key`` in a slot (-1: absent; pending entries are skipped)."""
+    hv = _hash(key)
+    h = _home_of(hv, nb_u)
+    tag = _tag_of(hv)
     while True:
-        code = buckets[h, 1]
-        if code == _EMPTY:
+        word = np.int64(buckets[h])
+        if word == _EMPTY:
             return np.int64(-1)
-        if buckets[h, 0] == key:
-            return code
+        if (word & _TAG_FIELD) == tag:
+            code = word & _CODE_MASK
+            if code < capacity and rec[code, 0] == key:
+                return h
         h = _next(h, nb)
 
 
+@njit(inline="always")
+def _slot_of(buckets, rec, key, nb, nb_u, capacity):
+    """Return the slot of ``key`` (-1: absent)."""
+    b = _bucket_of(buckets, rec, key, nb, nb_u, capacity)
+    return np.int64(-1) if b < 0 else np.int64(buckets[b]) & _CODE_MASK
+
+
 @njit(nogil=True, cache=True)
-def _find_kernel(buckets, keys, out):
+def _find_kernel(buckets, rec, capacity, keys, out):
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
-    for i in range(keys.shape[0]):
-        out[i] = _slot_of(buckets, keys[i], nb, nb_u)
+    n = keys.shape[0]
+    hashes = np.empty(_RING, dtype=np.uint64)  # of the keys KEYS_AHEAD on, by position mod _RING
+    for i in range(min(KEYS_AHEAD, n)):
+        hv = _hash(keys[i])
+        hashes[i & (_RING - 1)] = hv
+        prefetch(buckets, _home_of(hv, nb_u))
+    for i in range(n):
+        j = i + KEYS_AHEAD
+        if j < n:
+            hv = _hash(keys[j])
+            hashes[j & (_RING - 1)] = hv
+            prefetch(buckets, _home_of(hv, nb_u))
+        j = i + SLOTS_AHEAD
+        if j < n:  # the home bucket is cached by now: ask for the slot it names
+            word = np.int64(buckets[_home_of(hashes[j & (_RING - 1)], nb_u)])
+            if word != _EMPTY and (word & _CODE_MASK) < capacity:
+                prefetch(rec, word & _CODE_MASK)
+        hv = hashes[i & (_RING - 1)]
+        h = _home_of(hv, nb_u)
+        tag = _tag_of(hv)
+        key = keys[i]
+        out[i] = -1
+        while True:
+            word = np.int64(buckets[h])
+            if word == _EMPTY:
+                break
+            if (word & _TAG_FIELD) == tag:
+                code = word & _CODE_MASK
+                if code < capacity and rec[code, 0] == key:
+                    out[i] = code
+                    break
+            h = _next(h, nb)
 
 
 @njit(nogil=True, cache=True)
-def _find_hinted_kernel(buckets, slot_key, slot_used, keys, hints, out):
+def _find_hinted_kernel(buckets, rec, capacity, slot_used, keys, hints, out):
     """``_find_kernel`` that first tries each key's hinted slot (one read instead of a probe)."""
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
     for i in range(keys.shape[0]):
         s = hints[i]
-        if s >= 0 and slot_used[s] and slot_key[s] == keys[i]:
+        if s >= 0 and slot_used[s] and rec[s, 0] == keys[i]:
             out[i] = s
         else:
-            out[i] = _slot_of(buckets, keys[i], nb, nb_u)
+            out[i] = _slot_of(buckets, rec, keys[i], nb, nb_u, capacity)
 
 
 @njit(nogil=True, cache=True)
-def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
+def _probe_kernel(buckets, rec, keys, slot_call, call_id, capacity, out, pend_keys):
     """Resolve present keys, enter absent ones as pending; return (pending, distinct hits,
     hit positions, overflow). Stops early on overflow (the caller removes the pending)."""
     nb = np.int64(buckets.shape[0])
@@ -163,35 +244,53 @@ def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
     n_hit = 0
     n_hit_pos = 0
     n = keys.shape[0]
+    hashes = np.empty(_RING, dtype=np.uint64)  # of the keys KEYS_AHEAD on, by position mod _RING
     for i in range(min(KEYS_AHEAD, n)):
-        prefetch(buckets, _home(keys[i], nb_u))
+        hv = _hash(keys[i])
+        hashes[i & (_RING - 1)] = hv
+        prefetch(buckets, _home_of(hv, nb_u))
     for i in range(n):
-        if i + KEYS_AHEAD < n:
-            prefetch(buckets, _home(keys[i + KEYS_AHEAD], nb_u))
+        j = i + KEYS_AHEAD
+        if j < n:
+            hv = _hash(keys[j])
+            hashes[j & (_RING - 1)] = hv
+            prefetch(buckets, _home_of(hv, nb_u))
+        j = i + SLOTS_AHEAD
+        if j < n:  # the home bucket is cached by now: ask for the slot it names
+            word = np.int64(buckets[_home_of(hashes[j & (_RING - 1)], nb_u)])
+            if word != _EMPTY and (word & _CODE_MASK) < capacity:
+                prefetch(rec, word & _CODE_MASK)
+                prefetch(slot_call, word & _CODE_MASK)
         key = keys[i]
-        h = _home(key, nb_u)
+        hv = hashes[i & (_RING - 1)]
+        h = _home_of(hv, nb_u)
+        tag = _tag_of(hv)
         n_probe = 0
         while True:
-            code = buckets[h, 1]
-            if code == _EMPTY:
+            word = np.int64(buckets[h])
+            if word == _EMPTY:
                 if n_hit + n_pend >= capacity:
                     return n_pend, n_hit, n_hit_pos, True
-                buckets[h, 0] = key
-                buckets[h, 1] = -2 - n_pend
+                buckets[h] = tag | (capacity + n_pend)
                 pend_keys[n_pend] = key
                 out[i] = -2 - n_pend
                 n_pend += 1
                 break
-            if buckets[h, 0] == key:
-                out[i] = code
-                if code >= 0:
-                    n_hit_pos += 1
-                    if slot_call[code] != call_id:
-                        slot_call[code] = call_id
-                        n_hit += 1
-                        if n_hit + n_pend > capacity:
-                            return n_pend, n_hit, n_hit_pos, True
-                break
+            if (word & _TAG_FIELD) == tag:
+                code = word & _CODE_MASK
+                if code < capacity:
+                    if rec[code, 0] == key:
+                        out[i] = code
+                        n_hit_pos += 1
+                        if slot_call[code] != call_id:
+                            slot_call[code] = call_id
+                            n_hit += 1
+                            if n_hit + n_pend > capacity:
+                                return n_pend, n_hit, n_hit_pos, True
+                        break
+                elif pend_keys[code - capacity] == key:
+                    out[i] = -2 - (code - capacity)
+                    break
             h = _next(h, nb)
             n_probe += 1
             if n_probe >= nb:  # every bucket is taken: only possible past capacity
@@ -200,39 +299,48 @@ def _probe_kernel(buckets, keys, slot_call, call_id, capacity, out, pend_keys):
 
 
 @njit(nogil=True)
-def _delete(buckets, key):
-    """Remove ``key`` (present) by backward-shift deletion."""
+def _delete_at(buckets, rec, pend_keys, capacity, i):
+    """Empty bucket ``i`` by backward-shift deletion."""
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
-    i = _home(key, nb_u)
-    while not (buckets[i, 0] == key and buckets[i, 1] != _EMPTY):
-        i = _next(i, nb)
     j = i
     while True:
         j = _next(j, nb)
-        if buckets[j, 1] == _EMPTY:
+        word = np.int64(buckets[j])
+        if word == _EMPTY:
             break
-        k = _home(buckets[j, 0], nb_u)
+        k = _home(_code_key(rec, pend_keys, capacity, word & _CODE_MASK), nb_u)
         # the entry at j may fill the hole at i unless its home lies cyclically in (i, j]
         if i <= j:
             stays = i < k <= j
         else:
             stays = k > i or k <= j
         if not stays:
-            buckets[i, 0] = buckets[j, 0]
-            buckets[i, 1] = buckets[j, 1]
+            buckets[i] = buckets[j]
             i = j
-    buckets[i, 1] = _EMPTY
+    buckets[i] = _EMPTY
+
+
+@njit(nogil=True)
+def _delete_code(buckets, rec, pend_keys, capacity, key, code):
+    """Remove the entry of ``key`` whose code is ``code`` (present)."""
+    nb = np.int64(buckets.shape[0])
+    hv = _hash(key)
+    h = _home_of(hv, np.uint64(nb))
+    want = _tag_of(hv) | code
+    while np.int64(buckets[h]) != want:
+        h = _next(h, nb)
+    _delete_at(buckets, rec, pend_keys, capacity, h)
 
 
 @njit(nogil=True, cache=True)
-def _delete_keys_kernel(buckets, keys, n):
+def _delete_pending_kernel(buckets, rec, pend_keys, n, capacity):
     for j in range(n):
-        _delete(buckets, keys[j])
+        _delete_code(buckets, rec, pend_keys, capacity, pend_keys[j], capacity + j)
 
 
 @njit(nogil=True, cache=True)
-def _commit_kernel(buckets, pend_keys, n_pend, free, n_free, slot_key, slot_used, slot_step,
+def _commit_kernel(buckets, rec, capacity, pend_keys, n_pend, free, n_free, slot_used,
                    steps, per_key_step, out, new_slots):
     """Give pending keys free slots, then set every input key's slot and last-access step."""
     nb = np.int64(buckets.shape[0])
@@ -241,12 +349,14 @@ def _commit_kernel(buckets, pend_keys, n_pend, free, n_free, slot_key, slot_used
         n_free -= 1
         s = free[n_free]
         key = pend_keys[j]
-        h = _home(key, nb_u)
-        code = -2 - j
-        while buckets[h, 1] != code:
+        hv = _hash(key)
+        h = _home_of(hv, nb_u)
+        tag = _tag_of(hv)
+        want = tag | (capacity + j)
+        while np.int64(buckets[h]) != want:
             h = _next(h, nb)
-        buckets[h, 1] = s
-        slot_key[s] = key
+        buckets[h] = tag | s
+        rec[s, 0] = key
         slot_used[s] = True
         new_slots[j] = s
     step = steps[0]
@@ -255,21 +365,27 @@ def _commit_kernel(buckets, pend_keys, n_pend, free, n_free, slot_key, slot_used
         if c <= -2:
             c = new_slots[-2 - c]
             out[i] = c
-        slot_step[c] = steps[i] if per_key_step else step
+        rec[c, 1] = steps[i] if per_key_step else step
     return n_free
 
 
 @njit(nogil=True, cache=True)
-def _evict_kernel(buckets, victims, slot_key, slot_used, slot_step, free, n_free,
+def _evict_kernel(buckets, rec, capacity, pend_keys, victims, slot_used, free, n_free,
                   out_keys, out_steps, out_slots, n_out):
-    for t in range(victims.shape[0]):
+    nb_u = np.uint64(buckets.shape[0])
+    n = victims.shape[0]
+    for t in range(n):
+        if t + KEYS_AHEAD < n:
+            prefetch(rec, victims[t + KEYS_AHEAD])
+        if t + SLOTS_AHEAD < n:  # its slot is cached by now: ask for the key's home bucket
+            prefetch(buckets, _home(rec[victims[t + SLOTS_AHEAD], 0], nb_u))
         s = victims[t]
-        key = slot_key[s]
+        key = rec[s, 0]
         out_keys[n_out] = key
-        out_steps[n_out] = slot_step[s]
+        out_steps[n_out] = rec[s, 1]
         out_slots[n_out] = s
         n_out += 1
-        _delete(buckets, key)
+        _delete_code(buckets, rec, pend_keys, capacity, key, s)
         slot_used[s] = False
         free[n_free] = s
         n_free += 1
@@ -277,38 +393,42 @@ def _evict_kernel(buckets, victims, slot_key, slot_used, slot_step, free, n_free
 
 
 @njit(nogil=True, cache=True)
-def _remove_kernel(buckets, keys, slot_used, free, n_free, out):
+def _remove_kernel(buckets, rec, capacity, keys, slot_used, free, n_free, out):
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
+    no_pending = np.empty(0, dtype=np.int64)
     for i in range(keys.shape[0]):
-        code = _slot_of(buckets, keys[i], nb, nb_u)
+        b = _bucket_of(buckets, rec, keys[i], nb, nb_u, capacity)
+        if b < 0:
+            out[i] = -1
+            continue
+        code = np.int64(buckets[b]) & _CODE_MASK
         out[i] = code
-        if code >= 0:
-            _delete(buckets, keys[i])
-            slot_used[code] = False
-            free[n_free] = code
-            n_free += 1
+        _delete_at(buckets, rec, no_pending, capacity, b)
+        slot_used[code] = False
+        free[n_free] = code
+        n_free += 1
     return n_free
 
 
 @njit(nogil=True, cache=True)
-def _candidates_kernel(slot_used, slot_step, slot_call, call_id, limited, step_limit):
+def _candidates_kernel(slot_used, rec, slot_call, call_id, limited, step_limit):
     """Return the used slots not touched by this call (with step < step_limit if limited)."""
     n = 0
     for s in range(slot_used.shape[0]):
-        if slot_used[s] and slot_call[s] != call_id and (not limited or slot_step[s] < step_limit):
+        if slot_used[s] and slot_call[s] != call_id and (not limited or rec[s, 1] < step_limit):
             n += 1
     out = np.empty(n, dtype=np.int64)
     n = 0
     for s in range(slot_used.shape[0]):
-        if slot_used[s] and slot_call[s] != call_id and (not limited or slot_step[s] < step_limit):
+        if slot_used[s] and slot_call[s] != call_id and (not limited or rec[s, 1] < step_limit):
             out[n] = s
             n += 1
     return out
 
 
 @njit(nogil=True, cache=True)
-def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, slot_step, slot_call, call_id, out):
+def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, rec, slot_call, call_id, out):
     """Walk the pool, sorted by (step, key), from ``pos``: put its first ``want`` entries that
     are still valid (held, untouched since the scan, not in this call) into ``out``; return
     (how many, the position after the last entry read). An entry passed over never becomes
@@ -316,7 +436,7 @@ def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, slot_step, s
     n = 0
     while pos < pool_slots.shape[0] and n < want:
         s = pool_slots[pos]
-        if slot_used[s] and slot_step[s] == pool_steps[pos] and slot_call[s] != call_id:
+        if slot_used[s] and rec[s, 1] == pool_steps[pos] and slot_call[s] != call_id:
             out[n] = s
             n += 1
         pos += 1
@@ -351,10 +471,15 @@ class KeyMap:
         # > 2·C: during a call, C held keys plus up to C pending ones still leave an empty
         # bucket, which every probe and backward shift needs to stop (any count will do: the
         # home bucket is scaled, not masked)
-        self._buckets = pages.zeros((int(BUCKETS_PER_SLOT * self.capacity) + 1, 2), np.int64, huge_pages)
-        self._buckets[:, 1] = _EMPTY
-        self.slot_key = pages.zeros(self.capacity, np.int64, huge_pages)
-        self.slot_step = pages.zeros(self.capacity, np.int64, huge_pages)
+        self._buckets = pages.zeros(int(BUCKETS_PER_SLOT * self.capacity) + 1, np.uint32, huge_pages)
+        self._buckets[:] = _EMPTY
+        # (key, last-access step) of each slot side by side: a probe's key check and the
+        # touch of its step read one cache line
+        self._rec = pages.zeros((self.capacity, 2), np.int64, huge_pages)
+        self.slot_key = self._rec[:, 0]
+        """Key held by each slot (a view)."""
+        self.slot_step = self._rec[:, 1]
+        """Step of each slot's last access (a view)."""
         self._slot_used = pages.zeros(self.capacity, np.bool_, huge_pages)
         self._slot_call = pages.zeros(self.capacity, np.int32, huge_pages)
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)  # pops slot 0 first
@@ -371,7 +496,7 @@ class KeyMap:
     def commit_pages(self) -> None:
         """Back every per-slot array with memory now (see ``StoreConfig.prefault``); the
         buckets and the free list are written in full at construction already."""
-        for arr in (self.slot_key, self.slot_step, self._slot_used, self._slot_call):
+        for arr in (self._rec, self._slot_used, self._slot_call):
             commit_pages(arr)
 
     # ------------------------------------------------------------------ queries
@@ -403,9 +528,9 @@ class KeyMap:
                 return hints
         out = np.empty(keys.shape[0], dtype=np.int64)
         if hints_N is None:
-            _find_kernel(self._buckets, keys, out)
+            _find_kernel(self._buckets, self._rec, self.capacity, keys, out)
         else:
-            _find_hinted_kernel(self._buckets, self.slot_key, self._slot_used, keys, hints, out)
+            _find_hinted_kernel(self._buckets, self._rec, self.capacity, self._slot_used, keys, hints, out)
         return out
 
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -450,7 +575,9 @@ class KeyMap:
         keys = as_keys(keys_N)
         out = np.empty(keys.shape[0], dtype=np.int64)
         self.departures += 1
-        self._n_free = int(_remove_kernel(self._buckets, keys, self._slot_used, self._free, self._n_free, out))
+        self._n_free = int(
+            _remove_kernel(self._buckets, self._rec, self.capacity, keys, self._slot_used, self._free, self._n_free, out)
+        )
         return out
 
     # ------------------------------------------------------------------ internals
@@ -466,10 +593,10 @@ class KeyMap:
         out = np.empty(n, dtype=np.int64)
         pend = np.empty(min(n, self.capacity), dtype=np.int64)
         n_pend, n_hit, n_hit_pos, overflow = _probe_kernel(
-            self._buckets, keys, self._slot_call, call_id, self.capacity, out, pend
+            self._buckets, self._rec, keys, self._slot_call, call_id, self.capacity, out, pend
         )
         if overflow:
-            _delete_keys_kernel(self._buckets, pend, n_pend)
+            _delete_pending_kernel(self._buckets, self._rec, pend, n_pend, self.capacity)
             distinct_keys = distinct(keys).shape[0]
             raise ValueError(
                 f"a call touches {distinct_keys} distinct keys but the map holds at most {self.capacity}; "
@@ -480,47 +607,48 @@ class KeyMap:
         ev_steps = np.empty(max(need, 0), dtype=np.int64)
         ev_slots = np.empty(max(need, 0), dtype=np.int64)
         if need > 0:
-            got = self._evict(need, limit, call_id, ev_keys, ev_steps, ev_slots)
+            got = self._evict(need, limit, call_id, pend, ev_keys, ev_steps, ev_slots)
             if got != need:  # cannot happen: the probe counted the call's distinct keys
                 raise RuntimeError(f"internal error: evicted {got} keys, needed {need}")
         new_slots = np.empty(n_pend, dtype=np.int64)
         self._n_free = int(
             _commit_kernel(
-                self._buckets, pend, n_pend, self._free, self._n_free, self.slot_key,
-                self._slot_used, self.slot_step, steps, per_key, out, new_slots,
+                self._buckets, self._rec, self.capacity, pend, n_pend, self._free, self._n_free,
+                self._slot_used, steps, per_key, out, new_slots,
             )
         )
         return MapUpdate(out, pend[:n_pend].copy(), new_slots, ev_keys, ev_slots, ev_steps, int(n_hit_pos))
 
-    def _evict(self, need: int, limit: int | None, call_id: int, ev_keys, ev_steps, ev_slots) -> int:
+    def _evict(self, need: int, limit: int | None, call_id: int, pend, ev_keys, ev_steps, ev_slots) -> int:
         """Evict ``need`` keys by the policy; return how many were evicted.
 
         Pool entries are only valid while every write since its scan had a step >= the
-        scan's ``limit``; lookups guarantee it, ``assign`` drops the pool otherwise."""
+        scan's ``limit``; lookups guarantee it, ``assign`` drops the pool otherwise. ``pend``:
+        the call's pending keys (backward shifts read the keys of the entries they move)."""
         got = 0
         while got < need and limit is not None:
             if self._pool_pos == self._pool_slots.shape[0] and not self._refill_pool(need - got, limit, call_id):
                 break
             victims = np.empty(need - got, dtype=np.int64)
             n, self._pool_pos = _pool_take_kernel(
-                self._pool_slots, self._pool_steps, self._pool_pos, need - got, self._slot_used, self.slot_step,
+                self._pool_slots, self._pool_steps, self._pool_pos, need - got, self._slot_used, self._rec,
                 self._slot_call, call_id, victims,
             )
             # in slot order, as a selection from the slot-ordered scan gave them: the free
             # stack, so the slots new keys get, stay what they always were
-            got = self._evict_slots(np.sort(victims[:n]), got, ev_keys, ev_steps, ev_slots)
+            got = self._evict_slots(np.sort(victims[:n]), got, pend, ev_keys, ev_steps, ev_slots)
         if got < need:
             # No key older than this step is left (or rows of any age were assigned): pick
             # exactly, among all keys this call did not touch.
-            cand = _candidates_kernel(self._slot_used, self.slot_step, self._slot_call, call_id, False, 0)
+            cand = _candidates_kernel(self._slot_used, self._rec, self._slot_call, call_id, False, 0)
             chosen = self._oldest(cand, need - got)
-            got = self._evict_slots(cand if chosen is None else cand[chosen], got, ev_keys, ev_steps, ev_slots)
+            got = self._evict_slots(cand if chosen is None else cand[chosen], got, pend, ev_keys, ev_steps, ev_slots)
         return got
 
-    def _evict_slots(self, victims: np.ndarray, got: int, ev_keys, ev_steps, ev_slots) -> int:
+    def _evict_slots(self, victims: np.ndarray, got: int, pend, ev_keys, ev_steps, ev_slots) -> int:
         self.departures += 1
         self._n_free, got = _evict_kernel(
-            self._buckets, np.ascontiguousarray(victims), self.slot_key, self._slot_used, self.slot_step,
+            self._buckets, self._rec, self.capacity, pend, np.ascontiguousarray(victims), self._slot_used,
             self._free, self._n_free, ev_keys, ev_steps, ev_slots, got,
         )
         self._n_free = int(self._n_free)
@@ -528,7 +656,7 @@ class KeyMap:
 
     def _refill_pool(self, need: int, limit: int, call_id: int) -> bool:
         self._drop_pool()
-        cand = _candidates_kernel(self._slot_used, self.slot_step, self._slot_call, call_id, True, limit)
+        cand = _candidates_kernel(self._slot_used, self._rec, self._slot_call, call_id, True, limit)
         if cand.shape[0] == 0:
             return False
         chosen = self._oldest(cand, max(need, self._pool_target))
