@@ -10,7 +10,7 @@ PYTEST_ARGS ?= --durations=25
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
 # One process by default: on the 2-core host a second process is slower, not faster (2026-11-27,
 # `recsys train` of the default job, two alternating pairs: 1 process 56.5-56.7 s, 2 processes
-# 59.7-59.8 s, the same AUC to 0.0004; BENCHMARKS.md "Trainer": 2 processes 0.80-0.87 of one).
+# 59.7-59.8 s, the same AUC to 0.0004; BENCHMARKS.md "Trainer": 2 processes 0.69-0.87 of one).
 # NPROC=2 runs the same job data-parallel with the sharded store, as on a bigger host.
 NPROC ?= 1
 

@@ -188,6 +188,8 @@ def _find_kernel(buckets, rec, capacity, keys, out):
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
     n = keys.shape[0]
+    # The hints are written out in both kernels (this one and the probe): moved into an
+    # inlined helper they made both 2x slower (`scripts/keymap_ab.py`; recsys/store/prefetch.py).
     hashes = np.empty(_RING, dtype=np.uint64)  # of the keys KEYS_AHEAD on, by position mod _RING
     for i in range(min(KEYS_AHEAD, n)):
         hv = _hash(keys[i])
