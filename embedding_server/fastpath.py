@@ -12,9 +12,10 @@ same metrics (``recsys_serve_requests_total{route, status="200"}``, the latency 
 the ids per request) as the app's middleware counts it. The OpenAPI schema is the app's:
 the routes stay declared there.
 
-Measured (``recsys bench serve``, 2 cores, 2 workers, 256 ids a request): 1.14× and 1.08× the
+Measured (``recsys bench serve``, 2 cores, 2 workers, 256 ids a request): 1.14× and 1.26× the
 keys/s of the same service answering through the full app, paired medians of 6 rounds in two
-runs (2026-11-28; 1.47× when first measured; BENCHMARKS.md).
+runs (2026-11-28, Intel Xeon; 1.14× and 1.08× on AMD znver3 the same day, 1.47× when first
+measured; BENCHMARKS.md).
 """
 
 from __future__ import annotations
