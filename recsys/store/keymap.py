@@ -162,7 +162,12 @@ def _code_key(rec, pend_keys, capacity, code):
 @njit(inline="always")
 def _bucket_of(buckets, rec, key, nb, nb_u, capacity):
     """Return the bucket holding ``key`` in a slot (-1: absent; pending entries are skipped)."""
-    hv = _hash(key)
+    return _bucket_at(buckets, rec, key, _hash(key), nb, nb_u, capacity)
+
+
+@njit(inline="always")
+def _bucket_at(buckets, rec, key, hv, nb, nb_u, capacity):
+    """``_bucket_of`` for a key whose hash ``hv`` is known."""
     h = _home_of(hv, nb_u)
     tag = _tag_of(hv)
     while True:
@@ -183,44 +188,43 @@ def _slot_of(buckets, rec, key, nb, nb_u, capacity):
     return np.int64(-1) if b < 0 else np.int64(buckets[b]) & _CODE_MASK
 
 
+# The read-ahead of the probe and of ``find``. Each kernel allocates its ring of hashes
+# itself: a helper that allocated and returned it made both kernels 2x slower.
+@njit(inline="always")
+def _ask_home(buckets, hashes, keys, j, nb_u):
+    """Hash key ``j`` into the ring ``hashes`` (position mod ``_RING``) and ask for its home
+    bucket's line (``KEYS_AHEAD`` keys before its probe)."""
+    hv = _hash(keys[j])
+    hashes[j & (_RING - 1)] = hv
+    prefetch(buckets, _home_of(hv, nb_u))
+
+
+@njit(inline="always")
+def _ask_slot(buckets, rec, hashes, j, nb_u, capacity):
+    """Ask for the line of the slot that key ``j``'s home bucket names (the bucket, asked for
+    earlier, is cached by now); return that slot (-1: none)."""
+    word = np.int64(buckets[_home_of(hashes[j & (_RING - 1)], nb_u)])
+    if word != _EMPTY and (word & _CODE_MASK) < capacity:
+        prefetch(rec, word & _CODE_MASK)
+        return word & _CODE_MASK
+    return np.int64(-1)
+
+
 @njit(nogil=True, cache=True)
 def _find_kernel(buckets, rec, capacity, keys, out):
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
     n = keys.shape[0]
-    # The hints are written out in both kernels (this one and the probe): moved into an
-    # inlined helper they made both 2x slower (`scripts/keymap_ab.py`; recsys/store/prefetch.py).
     hashes = np.empty(_RING, dtype=np.uint64)  # of the keys KEYS_AHEAD on, by position mod _RING
     for i in range(min(KEYS_AHEAD, n)):
-        hv = _hash(keys[i])
-        hashes[i & (_RING - 1)] = hv
-        prefetch(buckets, _home_of(hv, nb_u))
+        _ask_home(buckets, hashes, keys, i, nb_u)
     for i in range(n):
-        j = i + KEYS_AHEAD
-        if j < n:
-            hv = _hash(keys[j])
-            hashes[j & (_RING - 1)] = hv
-            prefetch(buckets, _home_of(hv, nb_u))
-        j = i + SLOTS_AHEAD
-        if j < n:  # the home bucket is cached by now: ask for the slot it names
-            word = np.int64(buckets[_home_of(hashes[j & (_RING - 1)], nb_u)])
-            if word != _EMPTY and (word & _CODE_MASK) < capacity:
-                prefetch(rec, word & _CODE_MASK)
-        hv = hashes[i & (_RING - 1)]
-        h = _home_of(hv, nb_u)
-        tag = _tag_of(hv)
-        key = keys[i]
-        out[i] = -1
-        while True:
-            word = np.int64(buckets[h])
-            if word == _EMPTY:
-                break
-            if (word & _TAG_FIELD) == tag:
-                code = word & _CODE_MASK
-                if code < capacity and rec[code, 0] == key:
-                    out[i] = code
-                    break
-            h = _next(h, nb)
+        if i + KEYS_AHEAD < n:
+            _ask_home(buckets, hashes, keys, i + KEYS_AHEAD, nb_u)
+        if i + SLOTS_AHEAD < n:
+            _ask_slot(buckets, rec, hashes, i + SLOTS_AHEAD, nb_u, capacity)
+        b = _bucket_at(buckets, rec, keys[i], hashes[i & (_RING - 1)], nb, nb_u, capacity)
+        out[i] = -1 if b < 0 else np.int64(buckets[b]) & _CODE_MASK
 
 
 @njit(nogil=True, cache=True)
@@ -248,21 +252,14 @@ def _probe_kernel(buckets, rec, keys, slot_call, call_id, capacity, out, pend_ke
     n = keys.shape[0]
     hashes = np.empty(_RING, dtype=np.uint64)  # of the keys KEYS_AHEAD on, by position mod _RING
     for i in range(min(KEYS_AHEAD, n)):
-        hv = _hash(keys[i])
-        hashes[i & (_RING - 1)] = hv
-        prefetch(buckets, _home_of(hv, nb_u))
+        _ask_home(buckets, hashes, keys, i, nb_u)
     for i in range(n):
-        j = i + KEYS_AHEAD
-        if j < n:
-            hv = _hash(keys[j])
-            hashes[j & (_RING - 1)] = hv
-            prefetch(buckets, _home_of(hv, nb_u))
-        j = i + SLOTS_AHEAD
-        if j < n:  # the home bucket is cached by now: ask for the slot it names
-            word = np.int64(buckets[_home_of(hashes[j & (_RING - 1)], nb_u)])
-            if word != _EMPTY and (word & _CODE_MASK) < capacity:
-                prefetch(rec, word & _CODE_MASK)
-                prefetch(slot_call, word & _CODE_MASK)
+        if i + KEYS_AHEAD < n:
+            _ask_home(buckets, hashes, keys, i + KEYS_AHEAD, nb_u)
+        if i + SLOTS_AHEAD < n:
+            s = _ask_slot(buckets, rec, hashes, i + SLOTS_AHEAD, nb_u, capacity)
+            if s >= 0:
+                prefetch(slot_call, s)
         key = keys[i]
         hv = hashes[i & (_RING - 1)]
         h = _home_of(hv, nb_u)
