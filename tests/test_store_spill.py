@@ -275,6 +275,50 @@ def test_state_round_trip_beyond_capacity_spills_the_oldest(redis_server, closin
     assert np.array_equal(held, np.sort(saved.column("key").to_numpy()[newest]))
 
 
+def trained(capacity: int, url: str = "", steps: int = 8, seed: int = 3, per_step: int = 8, **kw) -> EmbeddingTable:
+    t = EmbeddingTable("t", TableSpec(dim=D, capacity=capacity), cfg_for(url, **kw))
+    for step, keys in enumerate(batches(steps, vocab=40, per_step=per_step, seed=seed)):
+        rows = t.lookup(keys, step)
+        t.apply_gradients(keys, grads_for(keys, rows, step), step)
+    return t
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_rows_beyond_capacity_replace_held_spilled_and_buffered_copies(redis_server, closing, dtype):
+    """``insert_rows`` writes the rows beyond the capacity straight to Redis: a key the
+    table holds, one it spilled and one whose older copy waits in the write buffer all end
+    with the inserted row, and the newest rows are the ones held."""
+    t = trained(5, redis_server.url, steps=16, seed=3, per_step=4, dtype=dtype)
+    closing(t)
+    saved = trained(100, steps=6, seed=4).state_dict()  # float32 rows: other values, overlapping keys
+    keys = saved.column("key").to_numpy()
+    order = np.lexsort((keys.view(np.uint64), saved.column("last_seen").to_numpy()))
+    beyond = set(keys[order[:-5]].tolist())  # the rows that do not fit
+    before = row_map(t.state_dict())
+    # an older copy of some of these keys waits in the write buffer while they are inserted
+    t.spill._write_gate = lambda: time.sleep(0.2)
+    new = np.array([1000, 1001], dtype=np.int64)
+    t.lookup(new, 50)  # evicts 2 held rows: buffered, not yet written
+    held = set(t._map.items()[0].tolist())
+    assert held & beyond and (set(before) - held) & beyond
+    assert t.counters()["spill_pending"] > 0
+    evictions = t.counters()["evictions"]
+    t.insert_rows(saved)
+    t.spill._write_gate = None
+    assert t.counters()["evictions"] - evictions <= 5 < len(beyond)  # the rows beyond went straight to Redis
+    ref = EmbeddingTable("t", TableSpec(dim=D, capacity=1000), cfg_for(dtype=dtype))
+    ref.load_state_dict(saved)  # the same rounding to float16 as the table's own
+    want = {**before, **row_map(ref.state_dict())}
+    got = row_map(t.state_dict())
+    assert set(got) == set(want) | {1000, 1001}
+    assert {k: v for k, v in got.items() if k not in (1000, 1001)} == want
+    fresh = EmbeddingTable("t", TableSpec(dim=D, capacity=1000), cfg_for(redis_server.url, dtype=dtype))
+    closing(fresh)  # what Redis holds, read by another table
+    spilled_now = np.array(sorted(set(got) - set(t._map.items()[0].tolist())), dtype=np.int64)
+    assert fresh.peek(spilled_now).tobytes() == t.peek(spilled_now).tobytes()
+    assert set(t._map.items()[0].tolist()) == set(keys[order[-5:]].tolist())
+
+
 def test_world_size_two_spill_is_found_at_world_size_one(redis_server, closing):
     """Two shards (owner = mix(key) % 2) spill into one namespace; a single shard finds every row."""
     cfg = cfg_for(redis_server.url)
@@ -504,8 +548,8 @@ def _mget_calls(r: redis.Redis) -> int:
 
 def test_prefetched_rows_are_served_without_a_round_trip_and_never_go_stale(redis_server, closing):
     """``prefetch`` reads a coming fetch's spilled rows ahead; that fetch sends no MGET for them,
-    and a key re-spilled after the read-ahead (``put``, then written) is read anew, not served
-    from the older read-ahead copy."""
+    and a key re-spilled after the read-ahead (``put``, then written, or ``write_rows``) is read
+    anew, not served from the older read-ahead copy."""
     r = raw_client(redis_server)
     closing(r)
     tier = SpillTier("user", D, cfg_for(redis_server.url))
@@ -538,6 +582,11 @@ def test_prefetched_rows_are_served_without_a_round_trip_and_never_go_stale(redi
     tier.flush()
     found, got = tier.fetch(np.array([1, 2]))
     assert found.all() and got.emb[:, 0].tolist() == [2.0, 1.0]
+    # the same for a row a restore writes straight to Redis (``write_rows``)
+    assert tier.prefetch(np.array([1, 2])) == 2
+    tier.write_rows(block(np.array([2]), 3.0))
+    found, got = tier.fetch(np.array([1, 2]))
+    assert found.all() and got.emb[:, 0].tolist() == [2.0, 3.0]
     # what a fetch does not ask for is dropped with it
     assert tier.prefetch(np.array([3, 4])) == 2
     tier.fetch(np.array([3]))

@@ -142,9 +142,36 @@ def test_a_restore_sees_exactly_its_checkpoints_rows(redis_server, tmp_path):
         other.close()
 
 
+def test_a_restore_in_the_running_process_leaves_redis_exactly_its_spilled_rows(redis_server, tmp_path):
+    """Restored into the store that kept training: spilled rows of keys the checkpoint lacks
+    are deleted, the checkpoint's rows replace the others, and Redis ends holding exactly the
+    checkpoint's rows the table does not hold."""
+    store = store_for(redis_server.url, tmp_path / "run")
+    try:
+        train(store, steps=2)
+        saved = store.state_dict()
+        table = store.tables["user"]
+        later = np.arange(100, 108, dtype=np.int64)  # keys first seen after the checkpoint
+        for step, keys in enumerate([later[:4], KEYS[:4], later[4:], KEYS[4:8]], start=2):
+            rows = table.lookup(keys, step)
+            table.apply_gradients(keys, np.full_like(rows, 0.5), step)
+        table.flush()
+        ns = table.spill.namespace
+        assert any(name.endswith(b"%016x" % 100) for name in spilled_names(redis_server.url, ns))
+        store.load_state_dict(saved)
+        assert store.state_dict()["user"].equals(saved["user"])
+        table.flush()
+        held = set(table._map.items()[0].tolist())
+        want = sorted(spill_key(ns, "user", k).encode() for k in saved["user"].column("key").to_pylist() if k not in held)
+        assert sorted(spilled_names(redis_server.url, ns)) == want
+    finally:
+        store.close()
+
+
 def test_a_restore_of_several_spilled_tables_scans_the_namespace_once(redis_server, tmp_path):
     """Each table's own SCAN walked every table's keys (minutes at 27 M spilled rows): a
-    restore clears all its tables' spilled rows with one SCAN, stale rows included."""
+    start clears all its tables' spilled rows with one SCAN, stale rows included, and the
+    restore after it needs none (the start left every table's index known)."""
     names = ("user", "item", "shop")
     many = Schema(dense=["d"], tables={n: TableSpec(dim=D, capacity=4) for n in names},
                   sparse=[FeatureSpec(name=n) for n in names])
@@ -166,9 +193,9 @@ def test_a_restore_of_several_spilled_tables_scans_the_namespace_once(redis_serv
     try:
         stale = spill_key(ns, "item", 999)  # a row no checkpoint holds (a later, crashed attempt)
         client.set(stale, client.get(spill_key(ns, "item", int(KEYS[0]))) or b"x")
+        scans = int(client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
         restored = ShardedEmbeddingStore(many, cfg_for(redis_server.url), run_dir=run, job_name="job")
         try:
-            scans = int(client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
             restored.load_state_dict(saved)
             after = int(client.info("commandstats").get("cmdstat_scan", {}).get("calls", 0))
             assert after - scans == 1  # one pass over a namespace this small (SCAN COUNT >= its keys)

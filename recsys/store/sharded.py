@@ -430,23 +430,27 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         """Load rows saved at any world size: this rank keeps the rows it owns.
 
         The saved rows are the whole truth: rows this shard spilled to Redis earlier (say,
-        after the checkpoint was taken) are deleted first, so none comes back stale.
+        after the checkpoint was taken) are deleted first unless the checkpoint has their
+        keys, whose rows then replace them (written to Redis again, or loaded into memory and
+        the spilled copy deleted), so none comes back stale.
         ``admission``: ``admission_state_dict()["admission"]`` of the same checkpoint (see there).
         """
         unknown = sorted(set(state) - set(self.tables))
         if unknown:
             raise ValueError(f"state has tables {unknown}; the schema declares {self.table_names}")
         def load() -> None:
-            tiers = [t for t in (getattr(self.tables[name], "spill", None) for name in state) if t is not None]
-            if tiers:
-                from recsys.store.spill import clear_tables
-
-                clear_tables(tiers)  # one SCAN per namespace for all of them
+            tiers = {name: getattr(self.tables[name], "spill", None) for name in state}
             for name in state:  # one table's saved rows in memory at a time (``SavedTables`` reads on access)
                 rows = state[name]
                 keys = rows.column("key").to_numpy()
                 mine = hashing.owner_of(keys, self.world_size) == self.rank
-                self.tables[name].load_state_dict(rows if mine.all() else rows.filter(pa.array(mine)))
+                if not mine.all():
+                    rows, keys = rows.filter(pa.array(mine)), keys[mine]
+                if tiers[name] is not None:
+                    # spilled rows the checkpoint lacks go; the others are written again or
+                    # loaded into memory (whose restore deletes the spilled copy) as the table loads
+                    tiers[name].retain(keys)
+                self.tables[name].load_state_dict(rows)
                 del rows, keys, mine
             if admission is not None and self.cfg.min_count > 1:
                 self._load_admission(admission)

@@ -65,6 +65,10 @@ Semantics, exactly:
     index, ``rows``, ``clear``) and ``flush`` wait for it. The first Redis call that
     succeeds ends the outage. Once it lasted ``spill_hold_timeout_s``, calls raise
     ``SpillError`` as with ``"fail"``.
+- ``write_rows`` writes rows at once in the caller's thread (after a flush, so no older
+  buffered copy lands after them): a restore's rows beyond the table's capacity, millions
+  at a time, without a buffered value a row. ``retain`` deletes every spilled row but
+  those of the given keys (a restore's: the checkpoint is the whole truth).
 - ``flush`` waits until the buffer is written; ``close`` flushes and stops the writer (and
   deletes a temporary namespace's rows); ``abandon`` stops the writer without writing
   (after a failure: the checkpoint, not this process, holds the truth).
@@ -117,6 +121,7 @@ _HEX_VALUES[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16)
 _HEX_VALUES[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16)
 _BATCHES_PER_ROUND = 16  # commands per pipelined round trip of the writer
 _ROWS_PER_READ = 1 << 20  # ``rows``: spilled rows read and decoded per piece
+_ROWS_PER_WRITE = 1 << 16  # ``write_rows``: rows encoded and sent per piece
 _HOLD_MAX_DELAY_S = 1.0  # "hold": the longest wait between two tries during an outage
 _UNKNOWN = object()  # fetch: the buffer does not know the key
 COUNTERS = ("spill_writes", "spill_unlinks", "spill_hits", "spill_misses", "spill_buffer_hits",
@@ -448,6 +453,47 @@ class SpillTier:
             self._index = KeyIndex()
             self._ahead = None
 
+    def write_rows(self, rows: RowBlock) -> None:
+        """Write ``rows`` to Redis now, in the caller's thread, replacing any copy of their
+        keys in Redis or the buffer: the rows a restore spills as it loads (millions at a
+        time, so not through ``put``'s buffer of one value a row). Raises ``SpillError`` as
+        ``fetch`` does; the rows written before a failure stay written and indexed."""
+        if rows.num_rows == 0:
+            return
+        self._ensure_index()
+        self.flush()  # a buffered older state of these keys must not land after them
+        with self._cond:
+            self._drop_ahead(rows.keys)
+        for start in range(0, rows.num_rows, _ROWS_PER_WRITE):
+            part = rows.take(slice(start, start + _ROWS_PER_WRITE))
+            raw = self._records(part).view(np.uint8).reshape(part.num_rows, self.dtype.itemsize)
+            packed = self._packed(b"MSET", part.keys, raw)
+            self._used_redis = True
+            self._redis(f"write (MSET of {part.num_rows} rows)", lambda: spill_wire.call(self._client, packed))
+            with self._cond:
+                self._index.add(part.keys)
+                self._counters["spill_writes"] += part.num_rows
+
+    def retain(self, keys: np.ndarray) -> int:
+        """Delete this tier's spilled rows except those of ``keys`` (a restore's rows: it
+        writes them again or loads them into the table, whose ``forget`` deletes them), after
+        a flush; return how many Redis keys were unlinked. Builds the index first if needed."""
+        keys = as_keys(keys)
+        self._ensure_index()
+        self.flush()
+        with self._cond:
+            kept = keys[self._index.contains(keys)]
+            if kept.shape[0] == self._index.size:
+                return 0
+            self._index.remove(kept)  # what is left are the keys to delete
+            stale = self._index.keys()
+            self._index.add(kept)
+        n = self._unlink(stale)
+        with self._cond:
+            self._index.remove(stale)
+            self._drop_ahead(stale)
+        return n
+
     def claim(self, owner: dict, takeover: bool = False) -> dict | None:
         """Make the run described by ``owner`` (JSON-able: run_dir, job) the namespace's owner.
 
@@ -520,6 +566,13 @@ class SpillTier:
     # ------------------------------------------------------------------ encoding
 
     def _encode(self, block: RowBlock) -> list[bytes]:
+        """Return one value (bytes) per row of ``block`` (``_records``)."""
+        buf = self._records(block).tobytes()
+        size = self.dtype.itemsize
+        return [buf[i * size : (i + 1) * size] for i in range(block.num_rows)]
+
+    def _records(self, block: RowBlock) -> np.ndarray:
+        """Return the rows of ``block`` as records of ``self.dtype`` (their Redis values)."""
         n = block.num_rows
         rec = np.zeros(n, dtype=self.dtype)
         for name in HEADER.names:
@@ -532,9 +585,7 @@ class SpillTier:
         rec["embedding"] = emb
         for c in self._columns:
             rec[c.name] = block.states[c.name]
-        buf = rec.tobytes()
-        size = self.dtype.itemsize
-        return [buf[i * size : (i + 1) * size] for i in range(n)]
+        return rec
 
     def _decode(self, values: list[bytes], keys: np.ndarray) -> RowBlock:
         size = self.dtype.itemsize

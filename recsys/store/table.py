@@ -53,7 +53,7 @@ A spilled key found in the tier is admitted whatever the sketch says (it had a r
 last_seen), so a row evicted between its lookup and its push still gets its gradient.
 ``peek`` reads spilled rows without moving them. ``state_dict`` holds the spilled rows
 too (after a flush of pending writes); ``insert_rows`` takes more rows than the capacity
-(oldest first, the overflow spills). A spill error (``SpillError``) leaves the table as it
+(the oldest are written to the spill tier at once: ``SpillTier.write_rows``). A spill error (``SpillError``) leaves the table as it
 was before the call; a key that might be in Redis is never initialized instead.
 """
 
@@ -77,6 +77,9 @@ from recsys.store.rowblock import RowBlock, fixed_list, int64_column, matrix_col
 
 __all__ = ["EmbeddingTable", "init_vectors", "COUNTERS"]
 
+
+_SPILL_ROWS_PER_WRITE = 1 << 20
+"""``insert_rows``: rows beyond the capacity copied out and written to the spill tier per piece."""
 
 COUNTERS = (
     "hits",  # looked-up keys that had a row
@@ -433,19 +436,26 @@ class EmbeddingTable:
 
         Rows of a float32 table load into a float16 one (rounded) and vice versa. If the
         table is full, least-recently-used rows not in ``rows`` are evicted (``on_evict``).
-        With a spill tier, ``rows`` may exceed the capacity: they go in oldest first (by
-        last_seen, then key), so the newest stay in memory and the others spill.
+        With a spill tier, ``rows`` may exceed the capacity: ordered by last_seen, then key,
+        the newest ``capacity`` go in as above and the others are written to the spill tier
+        directly (not counted as evictions), replacing copies held here or spilled.
         """
         keys, emb, states, last_seen = self._read_rows(rows)
         if self.spill is not None:
             self.spill.check()
         block = RowBlock(keys, emb, states, last_seen)
-        if keys.shape[0] <= self.capacity:
+        over = keys.shape[0] - self.capacity
+        if over <= 0:
             self._insert_block(block)
-        else:
+        else:  # (only with a spill tier: ``_read_rows``)
+            # The oldest rows go straight to Redis, as inserting all of them a capacity at a
+            # time would have left them (each block evicting the one before), without the
+            # key map's work and the buffer's value a row in between.
             order = np.lexsort((keys.view(np.uint64), last_seen))
-            for start in range(0, keys.shape[0], self.capacity):
-                self._insert_block(block.take(order[start : start + self.capacity]))
+            for start in range(0, over, _SPILL_ROWS_PER_WRITE):
+                self.spill.write_rows(block.take(order[start : min(start + _SPILL_ROWS_PER_WRITE, over)]))
+            self._map.remove(keys[order[:over]])  # a copy held here was older: the spilled one counts
+            self._insert_block(block.take(order[over:]))
         self._counters["rows_in"] += keys.shape[0]
 
     def write_back(self, block: RowBlock) -> None:
