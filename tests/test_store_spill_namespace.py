@@ -168,22 +168,69 @@ def test_a_restore_in_the_running_process_leaves_redis_exactly_its_spilled_rows(
         store.close()
 
 
-def test_a_restore_of_several_spilled_tables_scans_the_namespace_once(redis_server, tmp_path):
-    """Each table's own SCAN walked every table's keys (minutes at 27 M spilled rows): a
-    start clears all its tables' spilled rows with one SCAN, stale rows included, and the
-    restore after it needs none (the start left every table's index known)."""
-    names = ("user", "item", "shop")
-    many = Schema(dense=["d"], tables={n: TableSpec(dim=D, capacity=4) for n in names},
-                  sparse=[FeatureSpec(name=n) for n in names])
-    run = tmp_path / "run"
-    store = ShardedEmbeddingStore(many, cfg_for(redis_server.url), run_dir=run, job_name="job")
-    for step in range(2):
+def trained_tables(names, url: str, run, steps: int) -> tuple[Schema, ShardedEmbeddingStore]:
+    """A store of 4-row tables ``names`` in ``run``, every table trained on ``KEYS`` (most spill)."""
+    schema_ = Schema(dense=["d"], tables={n: TableSpec(dim=D, capacity=4) for n in names},
+                     sparse=[FeatureSpec(name=n) for n in names])
+    store = ShardedEmbeddingStore(schema_, cfg_for(url), run_dir=run, job_name="job")
+    for step in range(steps):
         for n in names:
             for start in range(0, KEYS.shape[0], 4):
                 keys = KEYS[start : start + 4]
                 rows = store.tables[n].lookup(keys, step)
                 store.tables[n].apply_gradients(keys, np.ones_like(rows) + rows, step)
     store.flush()
+    return schema_, store
+
+
+def test_a_store_built_to_restore_rewrites_its_earlier_rows_instead_of_deleting_them_first(redis_server, tmp_path):
+    """``restoring=True`` (a resume): the start only finds the earlier attempt's rows, refuses
+    to read them, and the load deletes those its checkpoint lacks (in a table it does not
+    hold, all) and rewrites the others: no UNLINK of a row it writes again."""
+    run = tmp_path / "run"
+    two, store = trained_tables(("user", "item"), redis_server.url, run, steps=3)
+    saved = {"user": store.state_dict()["user"]}  # a checkpoint without "item"
+    later = np.arange(100, 106, dtype=np.int64)  # spilled after it: in Redis, not in the checkpoint
+    for step, keys in enumerate([later[:3], later[3:], KEYS[:4]], start=3):
+        rows = store.tables["user"].lookup(keys, step)
+        store.tables["user"].apply_gradients(keys, np.full_like(rows, 0.5), step)
+    for t in store.tables.values():
+        t.spill.flush()
+        t.spill.abandon()  # the process dies
+    ns = store.tables["user"].spill.namespace
+    left = spilled_names(redis_server.url, ns)
+    assert any(b":item:" in name for name in left) and any(name.endswith(b"%016x" % 100) for name in left)
+    client = redis.Redis.from_url(redis_server.url)
+    try:
+        unlinks = int(client.info("commandstats").get("cmdstat_unlink", {}).get("calls", 0))
+        restored = ShardedEmbeddingStore(two, cfg_for(redis_server.url), run_dir=run, job_name="job", restoring=True)
+        try:
+            assert sorted(spilled_names(redis_server.url, ns)) == sorted(left)  # nothing deleted at start
+            assert int(client.info("commandstats").get("cmdstat_unlink", {}).get("calls", 0)) == unlinks
+            with pytest.raises(RuntimeError, match="load the checkpoint"):
+                restored.tables["user"].lookup(KEYS[:4], 0)  # leftovers are never read as rows
+            restored.load_state_dict(saved)
+            assert restored.state_dict()["user"].equals(saved["user"])
+            assert restored.state_dict()["item"].num_rows == 0
+            for t in restored.tables.values():
+                t.flush()
+            held = set(restored.tables["user"]._map.items()[0].tolist())
+            want = sorted(spill_key(ns, "user", k).encode() for k in saved["user"].column("key").to_pylist()
+                          if k not in held)
+            assert sorted(spilled_names(redis_server.url, ns)) == want
+        finally:
+            restored.close()
+    finally:
+        client.close()
+
+
+def test_a_restore_of_several_spilled_tables_scans_the_namespace_once(redis_server, tmp_path):
+    """Each table's own SCAN walked every table's keys (minutes at 27 M spilled rows): a
+    start clears all its tables' spilled rows with one SCAN, stale rows included, and the
+    restore after it needs none (the start left every table's index known)."""
+    names = ("user", "item", "shop")
+    run = tmp_path / "run"
+    many, store = trained_tables(names, redis_server.url, run, steps=2)
     saved = store.state_dict()
     ns = store.tables["user"].spill.namespace
     for t in store.tables.values():

@@ -90,6 +90,14 @@ def job_overrides(data: Path, *extra: str, epochs: int = EPOCHS) -> list[str]:
     ]
 
 
+def spilling_overrides(url: str) -> list[str]:
+    """Settings that make the scenario job's larger tables spill to the Redis at ``url``."""
+    small = [f"schema.tables.{t}.capacity={300 if t[0] == 'c' else 1000}"
+             for t in ("c3", "c4", "c7", "c10", "c12", "c15", "c16", "c21", "c24", "c26", "m1", "m2")]
+    return [f"store.spill_url='{url}'", "store.spill_retries=2", "store.spill_backoff_s=0.02",
+            "store.spill_timeout_s=1.0", *small]
+
+
 # --------------------------------------------------------------------------- membership changes
 
 
@@ -569,10 +577,7 @@ class Scenarios:
         workdir.mkdir(parents=True, exist_ok=True)
         server = start_redis(workdir)
         url, port = server.url, server.port
-        small = [f"schema.tables.{t}.capacity={300 if t[0] == 'c' else 1000}"
-                 for t in ("c3", "c4", "c7", "c10", "c12", "c15", "c16", "c21", "c24", "c26", "m1", "m2")]
-        extra = [f"store.spill_url='{url}'", "store.spill_retries=2", "store.spill_backoff_s=0.02",
-                 "store.spill_timeout_s=1.0", *small]
+        extra = spilling_overrides(url)
         details: dict = {}
         try:
             reference = self.reference(0)  # spilling is exact: the same end as with every row in memory

@@ -86,7 +86,11 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
     empty one derived from the run directory and job: ``StoreConfig.spill_namespace_for``),
     claims it (``<namespace>:owner``; another run's namespace is refused with ``SpillError``
     unless ``cfg.spill_takeover``) and deletes this shard's rows in it: the rows of a run
-    are those of the checkpoint it resumes from (``load_state_dict``), or none. A store
+    are those of the checkpoint it resumes from (``load_state_dict``), or none. With
+    ``restoring`` the caller loads a checkpoint (``load_state_dict``) before any other call:
+    the start then only finds this shard's rows (one SCAN), and the load deletes those the
+    checkpoint lacks and rewrites the others, instead of all of them being deleted first
+    (until the load, the spill tiers refuse to read them). A store
     with a configured namespace and no run deletes its rows at start too; one with neither
     spills to temporary namespaces (deleted by ``close``). A ``SpillError`` of a store with
     a run directory also names the latest complete checkpoint, which is intact.
@@ -103,6 +107,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         table_factory: Callable[[str, TableSpec, StoreConfig], object] | None = None,
         run_dir: str | os.PathLike | None = None,
         job_name: str = "job",
+        restoring: bool = False,
     ) -> None:
         if cfg.keep_freed_memory:
             keep_freed_memory()
@@ -140,7 +145,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             for name, spec in schema.tables.items()
         }
         try:
-            self._start_spill(job_name)
+            self._start_spill(job_name, restoring)
         except BaseException as exc:
             for table in self.tables.values():
                 spill = getattr(table, "spill", None)
@@ -226,17 +231,24 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
     def _spill_tiers(self) -> list:
         return [t.spill for t in self.tables.values() if getattr(t, "spill", None) is not None]
 
-    def _start_spill(self, job_name: str) -> None:
-        """Claim the run's spill namespace and delete this shard's rows in it (see the class doc)."""
+    def _start_spill(self, job_name: str, restoring: bool) -> None:
+        """Claim the run's spill namespace and delete this shard's rows in it, or with
+        ``restoring`` find them for ``load_state_dict`` (see the class doc)."""
         tiers = self._spill_tiers()
         if not tiers or tiers[0].temporary:
             return
-        from recsys.store.spill import clear_tables
+        from recsys.store.spill import clear_tables, find_leftovers
 
         if self.run_dir is not None:
             taken = tiers[0].claim({"run_dir": str(self.run_dir), "job": job_name}, takeover=self.cfg.spill_takeover)
             if taken is not None:
                 log.warning("spill namespace %r taken over from %s (store.spill_takeover)", tiers[0].namespace, taken)
+        if restoring:
+            n = find_leftovers(tiers)
+            if n:
+                log.info("found %d spilled rows this shard left in namespace %r: the restore rewrites or deletes them",
+                         n, tiers[0].namespace)
+            return
         n = clear_tables(tiers)
         if n:
             log.info("deleted %d spilled rows this shard left in namespace %r", n, tiers[0].namespace)
@@ -439,7 +451,10 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         if unknown:
             raise ValueError(f"state has tables {unknown}; the schema declares {self.table_names}")
         def load() -> None:
-            tiers = {name: getattr(self.tables[name], "spill", None) for name in state}
+            tiers = {name: getattr(table, "spill", None) for name, table in self.tables.items()}
+            for name, tier in tiers.items():
+                if tier is not None and name not in state and tier.holds_leftovers:
+                    tier.retain(np.zeros(0, dtype=np.int64))  # a table the checkpoint lacks: none of them
             for name in state:  # one table's saved rows in memory at a time (``SavedTables`` reads on access)
                 rows = state[name]
                 keys = rows.column("key").to_numpy()

@@ -111,7 +111,7 @@ from recsys.store.spill_index import KeyIndex
 from recsys.store.spill_protocol import (DTYPE_CODES, FORMAT_VERSION, HEADER, OPTIMIZER_CODES, describe_owner,
                                          owner_key, parse_owner, spill_key, spill_prefix, value_dtype)
 
-__all__ = ["SpillTier", "SpillError", "clear_tables"]
+__all__ = ["SpillTier", "SpillError", "clear_tables", "find_leftovers"]
 
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
 _HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
@@ -192,6 +192,7 @@ class SpillTier:
         self._pending: dict[int, bytes | None] = {}  # newest wanted state per key, not yet taken
         self._inflight: dict[int, bytes | None] = {}  # the batch the writer is writing
         self._index: KeyIndex | None = None  # keys in Redis (None: not built yet)
+        self._leftovers = False  # the index holds an earlier attempt's rows (``find_leftovers``)
         self._ahead: dict[int, bytes] | None = None  # ``prefetch``'s values, until the next fetch
         self._error: SpillError | None = None  # a failed write, not yet raised
         self._paused = False  # the writer waits until the error was raised
@@ -220,6 +221,13 @@ class SpillTier:
         """Return True while a failed background write waits to be raised by ``check``."""
         with self._cond:
             return self._error is not None
+
+    @property
+    def holds_leftovers(self) -> bool:
+        """Return True while the index holds an earlier attempt's rows kept for a restore
+        (``find_leftovers``), until ``retain`` or ``clear``."""
+        with self._cond:
+            return self._leftovers
 
     @property
     def in_outage(self) -> bool:
@@ -294,6 +302,7 @@ class SpillTier:
         if n == 0:
             return found, self._decode([], keys[:0])
         self._ensure_index()
+        self._refuse_leftovers("read spilled rows")
         with self._cond:
             ahead, self._ahead = self._ahead, None  # taken by this fetch, whatever it asks
             pending, inflight = self._pending, self._inflight
@@ -360,7 +369,7 @@ class SpillTier:
         with self._cond:
             self._ahead = None
             if (not keys.shape[0] or self._index is None or self._error is not None
-                    or self._outage_since is not None or self._closing):
+                    or self._outage_since is not None or self._closing or self._leftovers):
                 return 0
             ask = keys[self._index.contains(keys)]
             ask = ask[~self._buffered(ask)]
@@ -421,6 +430,7 @@ class SpillTier:
     def rows(self) -> RowBlock:
         """Return every row spilled by this table (``owns``' keys only), after a flush."""
         self._ensure_index()
+        self._refuse_leftovers("list spilled rows")
         self.flush()
         with self._cond:
             keys = self._index.keys()
@@ -445,6 +455,7 @@ class SpillTier:
         with self._cond:
             self._index = KeyIndex()
             self._ahead = None
+            self._leftovers = False
         return n
 
     def mark_empty(self) -> None:
@@ -452,6 +463,7 @@ class SpillTier:
         with self._cond:
             self._index = KeyIndex()
             self._ahead = None
+            self._leftovers = False
 
     def write_rows(self, rows: RowBlock) -> None:
         """Write ``rows`` to Redis now, in the caller's thread, replacing any copy of their
@@ -484,6 +496,7 @@ class SpillTier:
         with self._cond:
             kept = keys[self._index.contains(keys)]
             if kept.shape[0] == self._index.size:
+                self._leftovers = False
                 return 0
             self._index.remove(kept)  # what is left are the keys to delete
             stale = self._index.keys()
@@ -492,6 +505,7 @@ class SpillTier:
         with self._cond:
             self._index.remove(stale)
             self._drop_ahead(stale)
+            self._leftovers = False
         return n
 
     def claim(self, owner: dict, takeover: bool = False) -> dict | None:
@@ -540,6 +554,13 @@ class SpillTier:
         names = self._redis("SCAN of spilled keys",
                             lambda: list(self._client.scan_iter(match=match, count=self.cfg.spill_batch_rows)))
         return self._owned(self._parse_names(names))
+
+    def _refuse_leftovers(self, what: str) -> None:
+        if self._leftovers:
+            raise RuntimeError(
+                f"spill tier of table {self.table!r}: cannot {what}: the rows Redis holds in namespace "
+                f"{self.namespace!r} are an earlier attempt's, kept for a restore (the store was built with "
+                "restoring=True); load the checkpoint (load_state_dict) first")
 
     def _owned(self, keys: np.ndarray) -> np.ndarray:
         if self._owns is not None and keys.shape[0]:
@@ -875,8 +896,44 @@ def clear_tables(tiers: list[SpillTier]) -> int:
     return sum(_clear_namespace(group) for group in by_namespace.values())
 
 
+def find_leftovers(tiers: list[SpillTier]) -> int:
+    """Index the rows of ``tiers`` (each tier's ``owns`` keys only) that Redis holds, with one
+    SCAN per namespace as ``clear_tables``, and keep them there as *leftovers*: a run's
+    earlier attempt's rows, which a restore about to come either rewrites or deletes
+    (``retain``) instead of their deletion first. Until then the tiers refuse to read them
+    (``fetch``, ``prefetch``, ``rows`` raise); ``retain`` or ``clear`` ends that. Return how
+    many were found."""
+    by_namespace: dict[str, list[SpillTier]] = {}
+    for t in tiers:
+        by_namespace.setdefault(t.namespace, []).append(t)
+    found = 0
+    for group in by_namespace.values():
+        for t, keys in _scan_namespace(group).items():
+            with t._cond:
+                t._index = KeyIndex(keys)
+                t._ahead = None
+                t._leftovers = True
+            found += keys.shape[0]
+    return found
+
+
 def _clear_namespace(tiers: list[SpillTier]) -> int:
     """``clear_tables`` for tiers of one namespace."""
+    first = tiers[0]
+    packed: list[bytes] = []
+    for t, keys in _scan_namespace(tiers).items():
+        if keys.shape[0]:
+            packed += t._packed(b"UNLINK", keys)
+            t._used_redis = True
+    n = int(first._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(first._client, packed))))
+    for t in tiers:
+        t.mark_empty()
+    return n
+
+
+def _scan_namespace(tiers: list[SpillTier]) -> dict[SpillTier, np.ndarray]:
+    """Return the keys Redis holds of each of ``tiers`` (its ``owns`` keys only), tiers of
+    one namespace, found by one SCAN after a flush of each."""
     first = tiers[0]
     for t in tiers:
         t.flush()
@@ -888,14 +945,4 @@ def _clear_namespace(tiers: list[SpillTier]) -> int:
     for name in names:
         if len(name) > 16 and name[:-16] in by_prefix:
             per_tier.setdefault(name[:-16], []).append(name)
-    packed: list[bytes] = []
-    for prefix, found in per_tier.items():
-        t = by_prefix[prefix]
-        keys = t._owned(t._parse_names(found))
-        if keys.shape[0]:
-            packed += t._packed(b"UNLINK", keys)
-            t._used_redis = True
-    n = int(first._redis("UNLINK of spilled keys", lambda: sum(spill_wire.call(first._client, packed))))
-    for t in tiers:
-        t.mark_empty()
-    return n
+    return {t: t._owned(t._parse_names(per_tier.get(prefix, []))) for prefix, t in by_prefix.items()}

@@ -212,17 +212,21 @@ class Trainer:
         self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, **impl)
         self.total_steps = tc.max_steps or None
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, self.total_steps))
+        self.ckpt_root = self.run_dir / "checkpoints"
+        restore_from = resume or ckpt.latest(self.ckpt_root)  # restored below, before any other store call
         # the store's collectives run on its own thread: a group of their own, same timeout
         group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
         self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
-                                           run_dir=self.run_dir, job_name=job.name)
+                                           run_dir=self.run_dir, job_name=job.name,
+                                           restoring=restore_from is not None)
         if job.model.wide:  # the wide arm's dim-1 tables: a store of their own (recsys.store.wide)
             from recsys.store import wide
 
             group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
             self.store = wide.WideStore(self.store, ShardedEmbeddingStore(
                 wide.wide_schema(schema), wide.wide_store_config(job.store, job.model), group=group,
-                device=env.device, threaded=True, run_dir=self.run_dir, job_name=job.name))
+                device=env.device, threaded=True, run_dir=self.run_dir, job_name=job.name,
+                restoring=restore_from is not None))
         self.dense_stats = self._dense_stats(resume)
         self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size,
                                               dense_stats=self.dense_stats)
@@ -231,7 +235,6 @@ class Trainer:
         self.step = 0
         self.epoch = 0
         """The epoch every rank is training (a rank whose data ran out feeds empty batches)."""
-        self.ckpt_root = self.run_dir / "checkpoints"
         self.log = MetricsLog(self.run_dir, enabled=env.is_main)
         self._stop = False
         self.best: dict | None = None
@@ -244,9 +247,8 @@ class Trainer:
         self.pruned = False
         self._empty = empty_batch(schema, list(job.data.train.passthrough))
         self._state_before_fetch: dict | None = None
-        source = resume or ckpt.latest(self.ckpt_root)
-        if source is not None:
-            self.restore(ckpt.resolve(source))
+        if restore_from is not None:
+            self.restore(ckpt.resolve(restore_from))
         self.rows = self._row_recorder() if tc.record_rows else None
         if job.publish.enabled:
             try:
