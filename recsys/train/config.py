@@ -53,6 +53,14 @@ class TrainConfig:
     step's torch threads leave idle; they get the normal policy back whenever the step
     waits for them, and keep it while other processes use more than half a core of the
     host (``recsys.priority``). Off: they run at their nice values throughout."""
+    pin_cores: bool = True
+    """On CPU with several processes on this host (``--nproc > 1``), keep each process (every
+    thread of it) on a share of its own of the host's allowed cores: local rank ``r`` of ``n``
+    gets cores ``r*k`` to ``r*k + k - 1``, ``k`` = cores // ``n`` (nothing when there are
+    fewer cores than processes, or on a GPU). Each rank's store worker and reader then use
+    the idle moments of its own core instead of taking the other rank's mid-step, which the
+    all-to-alls would make it wait for (``recsys.train.cores``). Off for two jobs of several
+    processes on one host: both would take the same cores."""
     log_every: int = 50
     """Write a metrics line every this many steps."""
     eval_every: int = 0

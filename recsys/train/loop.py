@@ -197,6 +197,12 @@ class Trainer:
             raise ConfigError("train.record_rows needs the column row_id in data.train.passthrough, "
                               f"found passthrough = {list(job.data.train.passthrough)}")
         self.train_cfg, self.validation_cfg = read_splits(job)  # config errors before any thread starts
+        self.cores = None
+        """The cores this process is pinned to (``train.pin_cores``; None: not pinned)."""
+        if tc.pin_cores and env.device.type == "cpu":
+            from recsys.train.cores import pin_process
+
+            self.cores = pin_process(int(os.environ.get("LOCAL_RANK", "0")), env.local_world_size)
         torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
         schema = job.schema
         torch.manual_seed(tc.seed)
