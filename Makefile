@@ -8,9 +8,10 @@ DATA   ?= data/synthetic_small
 PYTEST_ARGS ?= --durations=25
 
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
-# One process by default: on the 2-core host a second process is slower, not faster (2026-11-27,
-# `recsys train` of the default job, two alternating pairs: 1 process 56.5-56.7 s, 2 processes
-# 59.7-59.8 s, the same AUC to 0.0004; BENCHMARKS.md "Trainer": 2 processes 0.69-0.87 of one).
+# One process by default: on the 2-core host the whole default job is faster in one (2026-11-28,
+# Intel Xeon, `recsys train` of the default job, alternated: 1 process 34.4 / 36.6 s, 2 processes
+# pinned to a core each 38.1 / 38.9 s; in training's steady state the 2 pinned processes are
+# 1.04-1.32x one, but start-up and evaluation cost them more: BENCHMARKS.md "Trainer").
 # NPROC=2 runs the same job data-parallel with the sharded store, as on a bigger host.
 NPROC ?= 1
 
