@@ -900,9 +900,9 @@ def find_leftovers(tiers: list[SpillTier]) -> int:
     """Index the rows of ``tiers`` (each tier's ``owns`` keys only) that Redis holds, with one
     SCAN per namespace as ``clear_tables``, and keep them there as *leftovers*: a run's
     earlier attempt's rows, which a restore about to come either rewrites or deletes
-    (``retain``) instead of their deletion first. Until then the tiers refuse to read them
-    (``fetch``, ``prefetch``, ``rows`` raise); ``retain`` or ``clear`` ends that. Return how
-    many were found."""
+    (``retain``) instead of their deletion first. Until then the tiers never read them
+    (``fetch`` and ``rows`` raise, ``prefetch`` reads nothing); ``retain`` or ``clear`` ends
+    that. Return how many were found."""
     by_namespace: dict[str, list[SpillTier]] = {}
     for t in tiers:
         by_namespace.setdefault(t.namespace, []).append(t)

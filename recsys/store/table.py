@@ -53,8 +53,9 @@ A spilled key found in the tier is admitted whatever the sketch says (it had a r
 last_seen), so a row evicted between its lookup and its push still gets its gradient.
 ``peek`` reads spilled rows without moving them. ``state_dict`` holds the spilled rows
 too (after a flush of pending writes); ``insert_rows`` takes more rows than the capacity
-(the oldest are written to the spill tier at once: ``SpillTier.write_rows``). A spill error (``SpillError``) leaves the table as it
-was before the call; a key that might be in Redis is never initialized instead.
+(the oldest are written to the spill tier at once: ``SpillTier.write_rows``). A spill error
+(``SpillError``) leaves the table as it was before the call; a key that might be in Redis is
+never initialized instead.
 """
 
 from __future__ import annotations
