@@ -47,6 +47,13 @@ def test_each_rank_of_a_two_process_job_runs_every_thread_on_its_own_cores(tiny_
         assert cores == share(allowed, rank, 2)
         assert threads > 3 and masks == {tuple(cores)}  # threads started before and after the pin
     assert not set(got[0][0]) & set(got[1][0])
+
+
+@pytest.mark.slow  # 8 s of a make test near its 20 minutes; the option's one branch
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs Linux and 2 cores")
+def test_with_pin_cores_off_every_thread_may_run_on_every_core(tiny_data, tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
     off = run_distributed(_rank_cores, 2, str(tiny_data), str(tmp_path / "free"), "false", timeout=180)
     for cores, masks, _ in off:
         assert cores is None and masks == {tuple(allowed)}
