@@ -10,8 +10,8 @@ PYTEST_ARGS ?= --durations=25
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
 # One process by default: on the 2-core host the whole default job is faster in one (2026-11-28,
 # Intel Xeon, `recsys train` of the default job, alternated: 1 process 34.4 / 36.6 s, 2 processes
-# pinned to a core each 38.1 / 38.9 s; in training's steady state the 2 pinned processes are
-# 1.04-1.32x one, but start-up and evaluation cost them more: BENCHMARKS.md "Trainer").
+# pinned to a core each 38.1 / 38.9 s; at the same global batch the 2 pinned processes train at
+# 0.90-1.05x one in the steady state: BENCHMARKS.md "Trainer").
 # NPROC=2 runs the same job data-parallel with the sharded store, as on a bigger host.
 NPROC ?= 1
 
