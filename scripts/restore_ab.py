@@ -9,8 +9,8 @@ given capacity, spilling to Redis) loads ROWS saved rows (default 2 M into 200 k
 times two restores of them: into the same store, whose Redis holds the rows already
 (``restore_running_s``), and into a new store of the same run directory, as a resumed run
 builds it (``restore_fresh_s``, the start included: told a restore comes where the side
-supports it, ``restoring=True``, else its start empties the namespace first). Prints each round's seconds,
-the median µs per spilled row of each side and the paired ratios, and the CPU.
+supports it, ``restoring=True``, else its start empties the namespace first). Prints each
+round's seconds, the median µs per spilled row of each side and the paired ratios, and the CPU.
 """
 
 from __future__ import annotations

@@ -890,10 +890,7 @@ def clear_tables(tiers: list[SpillTier]) -> int:
     per namespace, not one per table (each SCAN walks every table's keys: 26 tables and
     27 M spilled rows took minutes), and mark their indexes empty; return how many Redis
     keys were unlinked. Keys of other tables under a namespace are left."""
-    by_namespace: dict[str, list[SpillTier]] = {}
-    for t in tiers:
-        by_namespace.setdefault(t.namespace, []).append(t)
-    return sum(_clear_namespace(group) for group in by_namespace.values())
+    return sum(_clear_namespace(group) for group in _by_namespace(tiers))
 
 
 def find_leftovers(tiers: list[SpillTier]) -> int:
@@ -903,11 +900,8 @@ def find_leftovers(tiers: list[SpillTier]) -> int:
     (``retain``) instead of their deletion first. Until then the tiers never read them
     (``fetch`` and ``rows`` raise, ``prefetch`` reads nothing); ``retain`` or ``clear`` ends
     that. Return how many were found."""
-    by_namespace: dict[str, list[SpillTier]] = {}
-    for t in tiers:
-        by_namespace.setdefault(t.namespace, []).append(t)
     found = 0
-    for group in by_namespace.values():
+    for group in _by_namespace(tiers):
         for t, keys in _scan_namespace(group).items():
             with t._cond:
                 t._index = KeyIndex(keys)
@@ -915,6 +909,14 @@ def find_leftovers(tiers: list[SpillTier]) -> int:
                 t._leftovers = True
             found += keys.shape[0]
     return found
+
+
+def _by_namespace(tiers: list[SpillTier]) -> list[list[SpillTier]]:
+    """Return ``tiers`` grouped by namespace (one SCAN walks one namespace's keys)."""
+    groups: dict[str, list[SpillTier]] = {}
+    for t in tiers:
+        groups.setdefault(t.namespace, []).append(t)
+    return list(groups.values())
 
 
 def _clear_namespace(tiers: list[SpillTier]) -> int:

@@ -32,7 +32,7 @@ def pin_process(local_rank: int, local_world_size: int) -> list[int] | None:
         return None
     allowed = sorted(os.sched_getaffinity(0))
     mine = share(allowed, local_rank, local_world_size)
-    if mine == allowed:
+    if mine == allowed:  # fewer cores than processes: nothing to pin
         return None
     for tid in os.listdir("/proc/self/task"):  # threads started so far (gloo's among them)
         try:
