@@ -98,10 +98,17 @@ def _fold_kernel(keys_u64, num_rows, out_i64):
         out_i64[i] = np.int64(keys_u64[i] % num_rows)
 
 
+@njit(inline="always")
+def owner_rank(key_u64, world_size):
+    """Return the owning rank of one key (uint64 bit pattern) among ``world_size`` (uint64):
+    ``owner_of``'s rule, callable from numba kernels."""
+    return np.int64(fmix(key_u64 ^ _OWNER_TAG) % world_size)
+
+
 @njit(nogil=True, cache=True)
 def _owner_kernel(keys_u64, world_size, out_i64):
     for i in range(keys_u64.shape[0]):
-        out_i64[i] = np.int64(fmix(keys_u64[i] ^ _OWNER_TAG) % world_size)
+        out_i64[i] = owner_rank(keys_u64[i], world_size)
 
 
 # --------------------------------------------------------------------------- public API

@@ -5,7 +5,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsys.store.dedup import index_batch, unique_inverse
+from recsys.store.dedup import index_batch, unique_blocks, unique_inverse
+from recsys.store.exchange import route
+from recsys.hashing import owner_of
 
 
 def _reference(values, feat_off, lengths_FB, tables, single):
@@ -83,3 +85,43 @@ def test_unique_inverse_first_appearance():
     uniq, inv = unique_inverse(keys)
     np.testing.assert_array_equal(uniq, [5, -1, 7, 0])
     np.testing.assert_array_equal(uniq[inv], keys)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(0, 5), st.data())
+def test_unique_blocks_is_each_tables_unique_inverse_over_its_blocks(W, T, data):
+    """Keys in [W, T] blocks, rank-major (what an owner receives): each table's keys are
+    deduplicated across the ranks' blocks in block order, as ``unique_inverse`` of the
+    concatenation of its blocks would, and the inverse maps every key back."""
+    counts = np.array(data.draw(st.lists(st.lists(st.integers(0, 12), min_size=T, max_size=T),
+                                         min_size=W, max_size=W)), dtype=np.int64).reshape(W, T)
+    keys = np.array(data.draw(st.lists(st.integers(-4, 8), min_size=int(counts.sum()), max_size=int(counts.sum()))),
+                    dtype=np.int64)
+    uniq, base, inverse = unique_blocks(keys, counts)
+    ends = np.cumsum(counts.reshape(-1))
+    blocks = np.split(keys, ends[:-1]) if ends.shape[0] else []
+    assert base.shape == (T + 1,) and base[0] == 0
+    for t in range(T):
+        want, _ = unique_inverse(np.concatenate([blocks[r * T + t] for r in range(W)] + [np.empty(0, np.int64)]))
+        np.testing.assert_array_equal(uniq[base[t] : base[t + 1]], want)
+    np.testing.assert_array_equal(uniq[inverse], keys)
+    for t in range(T):  # a key's inverse stays inside its own table's range
+        for r in range(W):
+            at = inverse[ends[r * T + t] - counts[r, t] : ends[r * T + t]]
+            assert ((at >= base[t]) & (at < base[t + 1])).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.lists(st.integers(0, 20), min_size=0, max_size=5), st.data())
+def test_route_orders_keys_by_owner_then_table_keeping_their_order(W, sizes, data):
+    base = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    keys = np.array(data.draw(st.lists(st.integers(-2**63, 2**63 - 1), min_size=int(base[-1]),
+                                       max_size=int(base[-1]))), dtype=np.int64)
+    send_keys, dest, counts = route(keys, base, W)
+    owner = owner_of(keys, W)
+    want_dest = [i for r in range(W) for t in range(len(sizes)) for i in range(base[t], base[t + 1]) if owner[i] == r]
+    np.testing.assert_array_equal(dest, np.array(want_dest, dtype=np.int64))
+    np.testing.assert_array_equal(send_keys, keys[dest])
+    assert counts.shape == (W, len(sizes))
+    for t in range(len(sizes)):
+        np.testing.assert_array_equal(counts[:, t], np.bincount(owner[base[t] : base[t + 1]], minlength=W))

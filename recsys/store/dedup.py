@@ -130,3 +130,50 @@ def index_batch(values: np.ndarray, feat_off: np.ndarray, lengths_FB: np.ndarray
         name = names[bad] if names is not None else f"#{bad}"
         raise ValueError(f"feature {name!r} is single-hot but a sample of the batch holds more than one id")
     return uniq[: table_base[-1]], table_base, single_idx, multi_values
+
+
+@njit(nogil=True, cache=True)
+def _unique_blocks_kernel(keys, counts_WT, h_row, uniq, table_base, inverse):
+    W, T = counts_WT.shape
+    start = np.empty((W, T), dtype=np.int64)  # each (rank, table) block's first key
+    pos = 0
+    for r in range(W):
+        for t in range(T):
+            start[r, t] = pos
+            pos += counts_WT[r, t]
+    n = 0
+    for t in range(T):
+        table_base[t] = n
+        ids = 0
+        for r in range(W):
+            ids += counts_WT[r, t]
+        size = 16
+        while size < 2 * ids:
+            size *= 2
+        h_row[:size] = -1
+        mask = np.uint64(size - 1)
+        for r in range(W):
+            for i in range(start[r, t], start[r, t] + counts_WT[r, t]):
+                inverse[i], n = _dedup(h_row, mask, keys[i], uniq, n)
+    table_base[T] = n
+
+
+def unique_blocks(keys: np.ndarray, counts_WT: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Deduplicate each table's keys across the blocks of ``keys``; return (uniq, table_base
+    [T+1], inverse) with ``uniq[inverse] == keys``.
+
+    ``keys`` is laid out in [W, T] blocks, rank-major (what an all-to-all brings each owner:
+    rank r's keys of table t at block (r, t), ``counts_WT[r, t]`` long). Table t's distinct
+    keys go to ``uniq[table_base[t] : table_base[t+1]]`` in first-appearance order over the
+    blocks (r = 0, 1, ...): what ``unique_inverse`` of the concatenation of its blocks gives,
+    for every table in one pass."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    counts = np.ascontiguousarray(counts_WT, dtype=np.int64)
+    n = keys.shape[0]
+    per_table = counts.sum(axis=0)
+    h_row = np.empty(_table_size(int(per_table.max()) if per_table.shape[0] else 0), dtype=np.int64)
+    uniq = np.empty(n, dtype=np.int64)
+    table_base = np.empty(counts.shape[1] + 1, dtype=np.int64)
+    inverse = np.empty(n, dtype=np.int64)
+    _unique_blocks_kernel(keys, counts, h_row, uniq, table_base, inverse)
+    return uniq[: table_base[-1]], table_base, inverse

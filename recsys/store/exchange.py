@@ -4,7 +4,14 @@ draws the step). ``RankExchange`` is a part of ``ShardedEmbeddingStore``: it use
 store's ``world_size``, ``rank``, ``group``, ``dim``, ``_comm`` (the exchange counters),
 ``_lanes`` and its owner-side ``_serve`` / ``_apply``.
 
-Legend: ``W`` world size, ``T`` tables, ``D`` dim, ``U`` keys of one table a rank needs.
+Every message is laid out in [W, T] blocks, rank-major and table-minor: the keys a rank
+sends, the keys an owner receives, the rows it sends back and the gradients it receives.
+Each step's plan is computed for all tables at once (``route``, ``unique_blocks``), so
+the owner's rows and gradients cross each message with one gather and one scatter; only
+the tables' own work (``_serve``, ``_apply``) is done a table at a time.
+
+Legend: ``W`` world size, ``T`` tables, ``D`` dim, ``U`` keys of one table a rank needs,
+``S`` keys this rank serves (all tables, deduplicated).
 """
 
 from __future__ import annotations
@@ -14,68 +21,127 @@ import time
 import numpy as np
 import torch
 import torch.distributed as dist
+from numba import njit
 
-from recsys.store.dedup import unique_inverse
+from recsys.hashing import owner_rank
+from recsys.store.dedup import unique_blocks
 from recsys.store.lookup import Lookup, _TablePart
 from recsys.store.pooling import scatter_add
 
-__all__ = ["RankExchange"]
+__all__ = ["RankExchange", "route"]
+
+
+@njit(nogil=True, cache=True)
+def _route_kernel(keys, keys_u64, table_base, world_size, owner, counts_WT, send_keys, dest):
+    W, T = counts_WT.shape
+    w = np.uint64(world_size)
+    for t in range(T):
+        for i in range(table_base[t], table_base[t + 1]):
+            o = owner_rank(keys_u64[i], w)
+            owner[i] = o
+            counts_WT[o, t] += 1
+    start = np.empty((W, T), dtype=np.int64)  # each (rank, table) block's next place
+    pos = 0
+    for r in range(W):
+        for t in range(T):
+            start[r, t] = pos
+            pos += counts_WT[r, t]
+    for t in range(T):
+        for i in range(table_base[t], table_base[t + 1]):
+            o = owner[i]
+            j = start[o, t]
+            start[o, t] = j + 1
+            send_keys[j] = keys[i]
+            dest[j] = i
+
+
+@njit(nogil=True, cache=True)
+def _take_rows_kernel(src_RD, idx_N, out_ND):
+    for i in range(idx_N.shape[0]):
+        r = idx_N[i]
+        for d in range(src_RD.shape[1]):
+            out_ND[i, d] = src_RD[r, d]
+
+
+@njit(nogil=True, cache=True)
+def _put_rows_kernel(src_ND, idx_N, out_RD):
+    for i in range(idx_N.shape[0]):
+        r = idx_N[i]
+        for d in range(src_ND.shape[1]):
+            out_RD[r, d] = src_ND[i, d]
+
+
+def take_rows(src_RD: np.ndarray, idx_N: np.ndarray) -> np.ndarray:
+    """Return ``src_RD[idx_N]`` (float32 rows; 3x faster than numpy's fancy indexing here)."""
+    out = np.empty((idx_N.shape[0], src_RD.shape[1]), dtype=np.float32)
+    _take_rows_kernel(src_RD, idx_N, out)
+    return out
+
+
+def route(keys: np.ndarray, table_base: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Return (send_keys, dest, send_counts [W, T]): every table's keys ordered by owner
+    rank (``recsys.hashing.owner_of``), rank-major and table-minor, each block in the
+    keys' own order; ``dest[j]`` is ``send_keys[j]``'s index in ``keys``. Table t's keys
+    are ``keys[table_base[t] : table_base[t+1]]``."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    n, T = keys.shape[0], table_base.shape[0] - 1
+    counts = np.zeros((world_size, T), dtype=np.int64)
+    send_keys = np.empty(n, dtype=np.int64)
+    dest = np.empty(n, dtype=np.int64)
+    _route_kernel(keys, keys.view(np.uint64), np.ascontiguousarray(table_base, dtype=np.int64), world_size,
+                  np.empty(n, dtype=np.int64), counts, send_keys, dest)
+    return send_keys, dest, counts
 
 
 class RankExchange:
     """The store's exchange between ranks (see module doc)."""
 
-    def _exchange_keys(self, parts: list[_TablePart]) -> dict:
-        """Send every table's keys to their owners; set each part's ``served_U`` (the keys
-        this rank owns that some rank asked for) and return the exchange plan."""
-        W = self.world_size
-        send_counts = np.stack([p.owner_counts for p in parts], axis=1)  # [W, T]
+    def _exchange_keys(self, prep) -> dict:
+        """Send every table's keys to their owners (``prep.route``); set each part's
+        ``served_U`` (the keys this rank owns that some rank asked for) and return the
+        exchange plan."""
+        send_keys, dest, send_counts = prep.route
         recv_counts = self._exchange_counts(send_counts)
-        # keys leave rank-major, table-minor; ``dest`` is each one's row in rows_all
-        starts = [np.concatenate([[0], np.cumsum(p.owner_counts)]) for p in parts]
-        blocks = [(p, p.order_U[starts[i][r] : starts[i][r + 1]]) for r in range(W) for i, p in enumerate(parts)]
-        send_keys = np.concatenate([p.keys_U[sel] for p, sel in blocks]) if blocks else np.empty(0, np.int64)
-        dest = np.concatenate([p.base + sel for p, sel in blocks]) if blocks else np.empty(0, np.int64)
         recv_keys = self._exchange(send_keys, send_counts.sum(1), recv_counts.sum(1), torch.int64, "keys")
         # owner side: each table's requested keys, deduplicated across requesters
-        recv_split = _split_rank_table(recv_keys, recv_counts)
-        for i, p in enumerate(parts):
-            p.served_U, p.served_inverse = unique_inverse(np.concatenate([recv_split[r][i] for r in range(W)]))
-        return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest}
+        served, served_base, served_inverse = unique_blocks(recv_keys, recv_counts)
+        for i, p in enumerate(prep.parts):
+            p.served_U = served[served_base[i] : served_base[i + 1]]
+        return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest,
+                "served_base": served_base, "served_inverse": served_inverse}
 
     def _gather_remote(self, parts: list[_TablePart], comm: dict, rows_np: np.ndarray, step, train: bool) -> None:
         """Fill ``rows_np`` with rows fetched from their owners (keys sent by ``_exchange_keys``)."""
-        W, D = self.world_size, self.dim
-        send_counts, recv_counts = comm["send_counts"], comm["recv_counts"]
-        served = [np.empty((0, D), np.float32)] * len(parts)
+        D = self.dim
+        send_counts, recv_counts, base = comm["send_counts"], comm["recv_counts"], comm["served_base"]
+        served = np.empty((int(base[-1]), D), dtype=np.float32)  # [S, D], table-major
 
         def serve(i: int) -> None:
             p = parts[i]
-            served[i] = self._serve(p, p.served_U, step, train)[p.served_inverse]
+            self._serve(p, p.served_U, step, train, served[base[i] : base[i + 1]])
 
         todo = [i for i, p in enumerate(parts) if len(p.served_U)]
         self._lanes.each(todo, [len(parts[i].served_U) for i in todo], serve)
-        served_split = [np.split(rows, np.cumsum(recv_counts[:, i])[:-1]) for i, rows in enumerate(served)]
-        send_rows = np.concatenate([served_split[i][r] for r in range(W) for i in range(len(parts))])
+        send_rows = take_rows(served, comm["served_inverse"])  # the order the keys came in
         recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32,
                                    "rows")
-        rows_np[comm["dest"]] = recv_rows.reshape(-1, D)
+        _put_rows_kernel(recv_rows.reshape(-1, D), comm["dest"], rows_np)
 
     def _push_remote(self, lookup: Lookup, grads: np.ndarray) -> None:
         """Send the row gradients of ``lookup`` to their owners; apply what this rank owns
         (summed over the requesters, / W)."""
-        W, D, parts = self.world_size, self.dim, lookup.parts
-        send = np.ascontiguousarray(grads[lookup.dest]).reshape(-1)
+        W, D, parts, base = self.world_size, self.dim, lookup.parts, lookup.served_base
+        send = take_rows(grads, lookup.dest).reshape(-1)
         recv = self._exchange(send, lookup.send_counts.sum(1) * D, lookup.recv_counts.sum(1) * D, torch.float32,
                               "grads")
-        got = _split_rank_table(recv.reshape(-1, D), lookup.recv_counts)
+        # each rank's loss is a mean over its own rows: the gradients sum over ranks / W
+        # (a key's gradients add in rank order, as the blocks came)
+        summed = scatter_add(lookup.served_inverse, recv.reshape(-1, D),
+                             np.zeros((int(base[-1]), D), dtype=np.float32), 1.0 / W)
 
         def apply_served(i: int) -> None:
             p = parts[i]
-            g = np.concatenate([got[r][i] for r in range(W)])
-            # each rank's loss is a mean over its own rows: the gradients sum over ranks / W
-            summed = scatter_add(p.served_inverse, g, np.zeros((len(p.served_U), D), dtype=np.float32), 1.0 / W)
-            self._apply(p, p.served_U, summed, lookup.step)
+            self._apply(p, p.served_U, summed[base[i] : base[i + 1]], lookup.step)
 
         todo = [i for i, p in enumerate(parts) if len(p.served_U)]
         self._lanes.each(todo, [len(parts[i].served_U) for i in todo], apply_served)
@@ -124,12 +190,3 @@ class RankExchange:
         ``grads``): calls, seconds inside the call (the transfer and any wait for the other
         ranks to arrive) and bytes sent to / received from other ranks."""
         return {k: dict(v) for k, v in self._comm.items()}
-
-
-
-def _split_rank_table(buf: np.ndarray, sizes_WT: np.ndarray) -> list[list[np.ndarray]]:
-    """Return ``buf`` cut into [rank][table] blocks of the given sizes (rank-major order)."""
-    ends = np.cumsum(sizes_WT.reshape(-1))
-    pieces = np.split(buf, ends[:-1]) if len(ends) else []
-    W, T = sizes_WT.shape
-    return [pieces[r * T : (r + 1) * T] for r in range(W)]

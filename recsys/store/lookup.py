@@ -26,11 +26,9 @@ class _TablePart:
     name: str
     keys_U: np.ndarray  # unique keys this rank needs (int64), first-appearance order
     base: int  # first row of this table in Lookup.rows_all
-    order_U: np.ndarray | None = None  # permutation sorting keys_U by owner rank (W > 1)
-    owner_counts: np.ndarray | None = None  # [W] keys_U per owner rank (W > 1)
-    # owner side (W > 1): keys received for this table, deduplicated
+    # owner side (W > 1): keys received for this table, deduplicated (a view of the
+    # exchange's served keys of all tables: ``RankExchange._exchange_keys``)
     served_U: np.ndarray | None = None
-    served_inverse: np.ndarray | None = None
     # this rank's slots of the keys it serves (keys_U, or served_U when W > 1), when its
     # table reserved them early (``EmbeddingTable.reserve``) or a device tier gave them
     # (``lookup_slots``); also the push's slot hints, used unchecked if the table's
@@ -44,12 +42,13 @@ class _Prepared:
     """What a lookup knows from the batch alone (``ShardedEmbeddingStore._prepare``)."""
 
     batch_size: int
-    parts: list[_TablePart]  # keys_U and base of every table (W > 1: owners too)
+    parts: list[_TablePart]  # keys_U and base of every table
     num_rows: int  # sum of U over tables: the zero row's index
     single_idx: torch.Tensor
     multi_values: torch.Tensor
     multi_offsets: torch.Tensor
     multi_weights: torch.Tensor | None
+    route: tuple | None = None  # W > 1: (send_keys, dest, send_counts [W, T]) (``exchange.route``)
     reserved: bool = False  # ``_reserve`` ran: keys exchanged (W > 1), slots taken
     comm: dict = dataclasses.field(default_factory=dict)  # the exchange plan (W > 1)
 
@@ -84,6 +83,8 @@ class Lookup:
     send_counts: np.ndarray | None = None  # [W, T] keys sent to each owner, per table
     recv_counts: np.ndarray | None = None  # [W, T] keys received from each requester
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
+    served_base: np.ndarray | None = None  # [T + 1] each table's first served key (owner side)
+    served_inverse: np.ndarray | None = None  # served key of each received key, received order
     ready: object = None  # torch.cuda.Event: the tensors' copy to the device is done after it (None: done)
 
     @property

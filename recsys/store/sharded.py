@@ -63,7 +63,7 @@ from recsys import hashing, priority
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch
-from recsys.store.exchange import RankExchange
+from recsys.store.exchange import RankExchange, route
 from recsys.store.schedule import StoreSchedule
 from recsys.store.malloc import keep_freed_memory
 from recsys.store.lanes import Board, Lanes
@@ -563,11 +563,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             values, offs, lengths_FB, self._tf_ptr, self._tf_idx, self._single_col, multi_dst, n_multi_values,
             self.schema.feature_names)
         parts = [_TablePart(t, uniq[base[i] : base[i + 1]], int(base[i])) for i, t in enumerate(self.table_names)]
-        if self.world_size > 1:
-            for p in parts:
-                owner = hashing.owner_of(p.keys_U, self.world_size)
-                p.order_U = np.argsort(owner, kind="stable")
-                p.owner_counts = np.bincount(owner, minlength=self.world_size)
+        route_plan = route(uniq, base, self.world_size) if self.world_size > 1 else None
         weights = None
         if multi:
             lens = lengths_FB[multi].reshape(-1)
@@ -591,7 +587,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             multi_offsets = np.zeros(1, dtype=np.int64)
         # host tensors: ``_read`` moves them to the device with the rows
         return _Prepared(B, parts, int(base[-1]), torch.from_numpy(single_idx), torch.from_numpy(multi_values),
-                         torch.from_numpy(multi_offsets), weights)
+                         torch.from_numpy(multi_offsets), weights, route=route_plan)
 
     def _do_lookup(self, batch: KeyedJaggedTensor | _Prepared | _Failed, step: int | None, train: bool) -> Lookup:
         if isinstance(batch, _Failed):
@@ -615,7 +611,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         that the Redis round trips overlap the step's dense work instead of the lookup wait.
         """
         if self.world_size > 1:
-            prep.comm = self._exchange_keys(prep.parts)
+            prep.comm = self._exchange_keys(prep)
         if train:
             def served(p: _TablePart) -> np.ndarray:
                 return p.keys_U if self.world_size == 1 else p.served_U
