@@ -342,6 +342,57 @@ def test_any_thread_count_gives_the_same_numbers(threaded):
     assert runs[1][1]["item"].num_rows == 1600  # full: evictions happened
 
 
+@pytest.mark.parametrize("staleness", [0, 2])
+def test_the_table_group_gives_each_tables_own_numbers_and_counters(staleness):
+    """One kernel call per phase for all tables (``TableGroup``) against each table's own
+    calls: bit-identical pooled outputs, rows and counters, with one table that never
+    evicts (its calls fused) and one that evicts once full (its calls left to the table,
+    and at staleness 2 pushes whose slots moved since their lookup)."""
+    from store_data import random_kjts, train_pooled
+
+    dim, B = 8, 600
+    schema = Schema(dense=["d"],
+                    tables={"user": TableSpec(dim=dim, capacity=100_000), "item": TableSpec(dim=dim, capacity=1600)},
+                    sparse=[FeatureSpec(name="user"), FeatureSpec(name="item"),
+                            FeatureSpec(name="history", table="item", multi_hot=True, pooling="mean")])
+    kjts = random_kjts(8, vocab=4000, seed=5, B=B)
+    runs, calls = {}, []
+    for grouped in (True, False):
+        store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.1, staleness=staleness))
+        assert store._group is not None
+        if grouped:
+            reserve, apply = store._group.reserve, store._group.apply
+
+            def spy_reserve(idx, *args):
+                rest = reserve(idx, *args)
+                calls.append(("reserve", list(idx), rest))
+                return rest
+
+            def spy_apply(idx, *args):
+                rest = apply(idx, *args)
+                calls.append(("apply", list(idx), rest))
+                return rest
+
+            store._group.reserve, store._group.apply = spy_reserve, spy_apply
+        else:
+            store._group = None
+        pooled = train_pooled(store, kjts, dim)
+        runs[grouped] = (pooled, {t: v.sort_by("key") for t, v in store.state_dict().items()}, store.counters())
+        store.close()
+    for a, b in zip(runs[True][0], runs[False][0]):
+        assert torch.equal(a, b)
+    for t in runs[False][1]:
+        assert runs[True][1][t].equals(runs[False][1][t]), t
+    assert runs[True][2] == runs[False][2]
+    assert runs[False][2]["item"]["evictions"] > 0
+    reserved = [c for c in calls if c[0] == "reserve"]
+    assert len(reserved) == len(kjts) and all(c[1] == [0, 1] for c in reserved)
+    assert all(0 not in c[2] for c in reserved)  # user: always one call with the others
+    assert [] in [c[2] for c in reserved] and [1] in [c[2] for c in reserved]  # item: fused, then left once full
+    if staleness:  # some push found the item table's slots moved by a later lookup's evictions
+        assert any(c[2] == [1] for c in calls if c[0] == "apply")
+
+
 @pytest.mark.parametrize("threaded", [False, True])
 def test_a_failing_table_raises_as_in_table_order_with_threads(threaded):
     """Two tables fail in one call: the first in schema order is the error raised, whichever

@@ -107,21 +107,25 @@ class RankExchange:
         served, served_base, served_inverse = unique_blocks(recv_keys, recv_counts)
         for i, p in enumerate(prep.parts):
             p.served_U = served[served_base[i] : served_base[i + 1]]
+        prep.owned = (served, served_base)
         return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest,
                 "served_base": served_base, "served_inverse": served_inverse}
 
-    def _gather_remote(self, parts: list[_TablePart], comm: dict, rows_np: np.ndarray, step, train: bool) -> None:
+    def _gather_remote(self, prep, rows_np: np.ndarray, step, train: bool) -> None:
         """Fill ``rows_np`` with rows fetched from their owners (keys sent by ``_exchange_keys``)."""
-        D = self.dim
+        D, comm = self.dim, prep.comm
         send_counts, recv_counts, base = comm["send_counts"], comm["recv_counts"], comm["served_base"]
         served = np.empty((int(base[-1]), D), dtype=np.float32)  # [S, D], table-major
 
         def serve(i: int) -> None:
-            p = parts[i]
+            p = prep.parts[i]
             self._serve(p, p.served_U, step, train, served[base[i] : base[i + 1]])
 
-        todo = [i for i, p in enumerate(parts) if len(p.served_U)]
-        self._lanes.each(todo, [len(parts[i].served_U) for i in todo], serve)
+        if prep.fused is not None:
+            self._read_grouped(prep, served, serve)
+        else:
+            todo = [i for i, p in enumerate(prep.parts) if len(p.served_U)]
+            self._lanes.each(todo, [len(prep.parts[i].served_U) for i in todo], serve)
         send_rows = take_rows(served, comm["served_inverse"])  # the order the keys came in
         recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32,
                                    "rows")
@@ -139,12 +143,16 @@ class RankExchange:
         summed = scatter_add(lookup.served_inverse, recv.reshape(-1, D),
                              np.zeros((int(base[-1]), D), dtype=np.float32), 1.0 / W)
 
+
         def apply_served(i: int) -> None:
             p = parts[i]
             self._apply(p, p.served_U, summed[base[i] : base[i + 1]], lookup.step)
 
-        todo = [i for i, p in enumerate(parts) if len(p.served_U)]
-        self._lanes.each(todo, [len(parts[i].served_U) for i in todo], apply_served)
+        if lookup.fused is not None:
+            self._apply_grouped(lookup, summed, apply_served)
+        else:
+            todo = [i for i, p in enumerate(parts) if len(p.served_U)]
+            self._lanes.each(todo, [len(parts[i].served_U) for i in todo], apply_served)
 
     def _exchange_counts(self, send_counts: np.ndarray) -> np.ndarray:
         if self.world_size == 1:

@@ -49,6 +49,11 @@ class _Prepared:
     multi_offsets: torch.Tensor
     multi_weights: torch.Tensor | None
     route: tuple | None = None  # W > 1: (send_keys, dest, send_counts [W, T]) (``exchange.route``)
+    # the unique keys this rank reserves and serves, all tables: (keys, base [T + 1]); the
+    # batch's (W = 1, ``uniq``) or the served ones (W > 1, set by the exchange)
+    owned: tuple | None = None
+    fused: list[int] | None = None  # tables whose training work a ``TableGroup`` does
+    slots: np.ndarray | None = None  # their slots, at the owned keys' places
     reserved: bool = False  # ``_reserve`` ran: keys exchanged (W > 1), slots taken
     comm: dict = dataclasses.field(default_factory=dict)  # the exchange plan (W > 1)
 
@@ -85,6 +90,9 @@ class Lookup:
     dest: np.ndarray | None = None  # rows_all row of each key in the exchange order
     served_base: np.ndarray | None = None  # [T + 1] each table's first served key (owner side)
     served_inverse: np.ndarray | None = None  # served key of each received key, received order
+    fused: list[int] | None = None  # tables whose push a ``TableGroup`` applies (``_Prepared.fused``)
+    fused_slots: np.ndarray | None = None  # their slots (``_Prepared.slots``)
+    owned_base: np.ndarray | None = None  # [T + 1] each table's first owned key (``_Prepared.owned``)
     ready: object = None  # torch.cuda.Event: the tensors' copy to the device is done after it (None: done)
 
     @property

@@ -64,9 +64,10 @@ from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch
 from recsys.store.exchange import RankExchange, route
+from recsys.store.group import TableGroup
 from recsys.store.schedule import StoreSchedule
 from recsys.store.malloc import keep_freed_memory
-from recsys.store.lanes import Board, Lanes
+from recsys.store.lanes import Board, Lanes, raise_first
 from recsys.store.lookup import Lookup, _Failed, _Prepared, _TablePart
 from recsys.transfer import Transfers
 
@@ -175,6 +176,9 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         lanes = (cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
         self._board = Board() if threaded and cfg.waiter_helps and plain and self.device.type == "cpu" else None
         self._lanes = Lanes(lanes, self._board)
+        # every table plain (float32 host rows, row-wise Adagrad, nothing else attached):
+        # training's per-table steps run as one kernel call for all tables
+        self._group = TableGroup.of([self.tables[t] for t in self.table_names])
         # rows gathered where they live: every table a device cache, one process (the GPU tier)
         self._device_rows = self.world_size == 1 and bool(self.tables) and all(
             hasattr(t, "lookup_tensor") for t in self.tables.values())
@@ -587,7 +591,8 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             multi_offsets = np.zeros(1, dtype=np.int64)
         # host tensors: ``_read`` moves them to the device with the rows
         return _Prepared(B, parts, int(base[-1]), torch.from_numpy(single_idx), torch.from_numpy(multi_values),
-                         torch.from_numpy(multi_offsets), weights, route=route_plan)
+                         torch.from_numpy(multi_offsets), weights, route=route_plan,
+                         owned=(uniq, base) if self.world_size == 1 else None)
 
     def _do_lookup(self, batch: KeyedJaggedTensor | _Prepared | _Failed, step: int | None, train: bool) -> Lookup:
         if isinstance(batch, _Failed):
@@ -624,9 +629,12 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             def prefetch(p: _TablePart) -> None:
                 self.tables[p.name].prefetch(served(p))
 
-            todo = [p for p in prep.parts
-                    if len(served(p)) and getattr(self.tables[p.name], "reserves_early", False)]
-            self._lanes.each(todo, [len(served(p)) for p in todo], reserve)
+            if self._group is not None:  # every table plain (it reserves early)
+                self._reserve_grouped(prep, step, reserve)
+            else:
+                todo = [p for p in prep.parts
+                        if len(served(p)) and getattr(self.tables[p.name], "reserves_early", False)]
+                self._lanes.each(todo, [len(served(p)) for p in todo], reserve)
             if early:  # the misses' spilled rows, read while the pushes are awaited
                 ahead = [p for p in prep.parts
                          if len(served(p)) and getattr(self.tables[p.name], "spill", None) is not None
@@ -634,6 +642,86 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                          and not getattr(self.tables[p.name], "reserves_early", False)]
                 self._lanes.each(ahead, [len(served(p)) for p in ahead], prefetch)
         prep.reserved = True
+
+    def _by_group(self, idx: list[int], costs: list[float], fused: Callable[[list[int]], list[int]],
+                  one: Callable[[int], None], before: Callable[[list[int]], None] | None = None) -> None:
+        """Run one phase over tables ``idx`` (ascending) with the ``TableGroup``: the tables
+        split into up to one group per lane, balanced by ``costs``; per group ``before(group)``,
+        then ``fused(group)`` (one kernel call; it returns the tables it left) and ``one(i)``
+        for each table left, in order. The error raised is that of the first failing table
+        in ``idx`` order (a group stops at its first), as a loop over the tables would raise."""
+        if not idx:
+            return
+        groups = [[idx[k] for k in g] for g in self._lanes.split(costs)]
+        failed: list[tuple[int, BaseException]] = []
+
+        def run(group: list[int]) -> None:
+            if before is not None:
+                before(group)
+            for i in fused(group):
+                try:
+                    one(i)
+                except Exception as exc:  # noqa: BLE001 - raised below, in table order
+                    failed.append((i, exc))
+                    return
+
+        cost = dict(zip(idx, costs))
+        self._lanes.each(groups, [sum(cost[i] for i in g) for g in groups], run)
+        raise_first(failed)
+
+    def _reserve_grouped(self, prep: _Prepared, step: int, reserve: Callable[[_TablePart], None]) -> None:
+        """``_reserve``'s key work through the ``TableGroup``: ``prep.fused`` lists the tables
+        it did (their slots in ``prep.slots``, at the owned keys' places); the others
+        (an eviction needed...) were reserved by their tables."""
+        keys, base = prep.owned
+        prep.slots = np.empty(keys.shape[0], dtype=np.int64)
+        idx = [i for i in range(len(prep.parts)) if base[i + 1] > base[i]]
+        done: list[int] = []
+
+        def fused(group: list[int]) -> list[int]:
+            rest = self._group.reserve(group, keys, base, step, prep.slots)
+            for i in sorted(set(group) - set(rest)):
+                p = prep.parts[i]
+                p.slots = prep.slots[base[i] : base[i + 1]]
+                p.departures = self.tables[p.name].departures
+                done.append(i)
+            return rest
+
+        self._by_group(idx, [int(base[i + 1] - base[i]) for i in idx], fused, lambda i: reserve(prep.parts[i]))
+        prep.fused = sorted(done)
+
+    def _read_grouped(self, prep: _Prepared, out: np.ndarray, serve: Callable[[int], None]) -> None:
+        """Read every table's rows of the owned keys into ``out`` (at their places): the fused
+        tables' through the ``TableGroup``, the others by ``serve(i)``."""
+        keys, base = prep.owned
+        idx = [i for i in range(len(prep.parts)) if base[i + 1] > base[i]]
+        fused = set(prep.fused)
+
+        def read(group: list[int]) -> list[int]:
+            self._group.read([i for i in group if i in fused], base, prep.slots, out)
+            return [i for i in group if i not in fused]
+
+        self._by_group(idx, [int(base[i + 1] - base[i]) for i in idx], read, serve)
+
+    def _apply_grouped(self, lookup: Lookup, grads: np.ndarray, apply: Callable[[int], None],
+                       before: Callable[[list[int]], None] | None = None) -> None:
+        """Apply every table's gradients (``grads`` at the owned keys' places): the fused
+        tables' through the ``TableGroup`` while their slots hold, the others by ``apply(i)``."""
+        base = lookup.owned_base
+        idx = [i for i in range(len(lookup.parts)) if base[i + 1] > base[i]]
+        fused = set(lookup.fused)
+        departures = [p.departures for p in lookup.parts]
+
+        def update(group: list[int]) -> list[int]:
+            rest = self._group.apply([i for i in group if i in fused], base, lookup.fused_slots, departures, grads)
+            return sorted(rest + [i for i in group if i not in fused])
+
+        self._by_group(idx, [int(base[i + 1] - base[i]) for i in idx], update, apply, before)
+
+    def _fused_kwargs(self, prep: _Prepared) -> dict:
+        if prep.fused is None:
+            return {}
+        return {"fused": prep.fused, "fused_slots": prep.slots, "owned_base": prep.owned[1]}
 
     def _read(self, prep: _Prepared, step: int | None, train: bool) -> Lookup:
         """Return the lookup's rows as they are now (after the pushes it must see)."""
@@ -649,11 +737,16 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             rows_np = rows_host.numpy()
         rows_np[n] = 0.0
         if self.world_size == 1:
-            todo = [p for p in parts if len(p.keys_U)]
-            self._lanes.each(todo, [len(p.keys_U) for p in todo],
-                             lambda p: self._serve(p, p.keys_U, step, train, rows_np[p.base : p.base + len(p.keys_U)]))
+            def serve(p: _TablePart) -> None:
+                self._serve(p, p.keys_U, step, train, rows_np[p.base : p.base + len(p.keys_U)])
+
+            if prep.fused is not None:
+                self._read_grouped(prep, rows_np, lambda i: serve(parts[i]))
+            else:
+                todo = [p for p in parts if len(p.keys_U)]
+                self._lanes.each(todo, [len(p.keys_U) for p in todo], serve)
         else:
-            self._gather_remote(parts, prep.comm, rows_np, step, train)
+            self._gather_remote(prep, rows_np, step, train)
         ready = None
         if self.device.type == "cpu":
             rows_all = torch.from_numpy(rows_np)
@@ -661,7 +754,8 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             moved, ready = self._to_device.to_device([rows_host] + [t for t in index if t is not None])
             rows_all, index = moved[0], moved[1:] + [None] * (index[3] is None)
         return Lookup(step, prep.batch_size, parts, rows_all.requires_grad_(train), index[0], self._single_cols_t,
-                      index[1], index[2], index[3], self._multi_cols_t, **prep.comm, ready=ready)
+                      index[1], index[2], index[3], self._multi_cols_t, **prep.comm, **self._fused_kwargs(prep),
+                      ready=ready)
 
     def _read_on_device(self, prep: _Prepared, index: list, step: int | None, train: bool) -> Lookup:
         """``_read`` for device-resident rows (one process, every table a ``DeviceCache`` on a
@@ -742,7 +836,11 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                 if len(p.keys_U):
                     self._apply(p, p.keys_U, grads[p.base : p.base + len(p.keys_U)], lookup.step)
 
-            self._lanes.each(parts, costs, apply, before=pool_backward)
+            if lookup.fused is not None:
+                self._apply_grouped(lookup, grads, lambda i: apply(parts[i]),
+                                    before=lambda group: pool_backward([parts[i] for i in group]))
+            else:
+                self._lanes.each(parts, costs, apply, before=pool_backward)
         if self.world_size == 1:
             if self.publisher is not None:  # rows now reflect lookup.step + 1 optimizer steps (the trainer's count)
                 self.publisher.after_push(lookup.step + 1, [(p.name, p.keys_U) for p in lookup.parts])
