@@ -75,22 +75,30 @@ def test_train_bench_quick_writes_json(tmp_path, monkeypatch, capsys, tiny_data)
     result, saved = _run(tmp_path, monkeypatch, tiny_data, TINY)
     by_name = _check_common(result, saved, TINY)
     assert set(by_name) == {"ours vs torchrec DMP fused", "ours vs dense-only limit", "AUC ours vs torchrec"}
-    assert saved["details"]["two_processes"] is None
+    assert saved["details"]["two_processes"] is None and saved["details"]["one_process"] is None
     assert "ratio" in capsys.readouterr().out
 
 
 @pytest.mark.multiproc
 def test_train_bench_two_processes(tmp_path, monkeypatch, capsys, tiny_data):
-    s = train.Settings(**{**TINY.__dict__, "scaling": True})
+    s = train.Settings(**{**TINY.__dict__, "scaling": True, "scaling_rounds": 2})
     result, saved = _run(tmp_path, monkeypatch, tiny_data, s)
     by_name = _check_common(result, saved, s)
     assert "ratio" in capsys.readouterr().out
-    two, scaling = saved["details"]["two_processes"], by_name["2 processes vs 1 (ours)"]
-    assert two["timed_rows"] == s.timed_steps * s.batch_size  # the same global batches
-    assert two["batch_per_rank"] == s.batch_size // 2
-    assert two["samples_per_s"] == pytest.approx(two["timed_rows"] / two["timed_seconds"])
-    assert scaling["ours"] == two["samples_per_s"]
-    assert scaling["baseline"] == saved["details"]["ours"]["samples_per_s"]
+    one, two = saved["details"]["one_process"], saved["details"]["two_processes"]
+    scaling = by_name["2 processes vs 1 (ours)"]
+    rounds = s.scaling_rounds
+    for side, world in ((one, 1), (two, 2)):  # the same global batches, every round
+        assert len(side["rounds"]) == rounds
+        assert [r["timed_rows"] for r in side["rounds"]] == [s.timed_steps * s.batch_size] * rounds
+        assert side["timed_rows"] == rounds * s.timed_steps * s.batch_size
+        assert side["batch_per_rank"] == s.batch_size // world
+        assert side["threads_per_rank"] == (s.threads if world == 1 else 1)
+        assert side["samples_per_s"] == pytest.approx(side["timed_rows"] / side["timed_seconds"])
+        assert side["timed_seconds"] == pytest.approx(sum(r["timed_seconds"] for r in side["rounds"]))
+    assert scaling["ours"] == two["samples_per_s"] and scaling["baseline"] == one["samples_per_s"]
+    ratios = [a["timed_seconds"] / b["timed_seconds"] for a, b in zip(one["rounds"], two["rounds"])]
+    assert scaling["paired_ratios"] == [round(r, 4) for r in ratios]
     assert math.isfinite(scaling["ratio"])
 
 

@@ -37,9 +37,11 @@ and min-max of the ratios of each pair of segments run back to back (``paired_ra
 in the JSON), which show how noisy the machine was.
 
 2 processes vs 1: ``recsys train --nproc 2`` (torchrun, gloo, 1 torch thread each,
-per-rank batch B/2, so the same global batches and total samples) against (a) (1 process,
-2 threads), from its ``metrics.jsonl`` windows after the same warm-up. It runs after the
-alternating part, not interleaved with it.
+per-rank batch B/2, so the same global batches and total samples) against ``recsys train
+--nproc 1`` (1 process, 2 threads, batch B), both as a user runs them and measured alike:
+from their ``metrics.jsonl`` windows after the same warm-up, without evaluation. The two
+alternate, ``scaling_rounds`` rounds each (the order swapped every round), after the
+alternating part above; the table gives the median and min-max of the rounds' ratios.
 
 AUC: (a)'s final evaluation and (b)'s, on the whole eval split, after the same N steps
 of the same batches.
@@ -93,7 +95,9 @@ class Settings:
     dense_batches: int = 4
     """Pre-made batches the limit cycles through."""
     scaling: bool = True
-    """Also run ours with 2 processes (torchrun)."""
+    """Also run ours with 2 processes (torchrun) against 1, as ``recsys train`` runs."""
+    scaling_rounds: int = 3
+    """Rounds of (1 process, 2 processes), the order swapped every round."""
     scaling_timeout_s: float = 1800.0
     job: str = str(JOB)
     """Job whose schema, model and optimizers every side uses."""
@@ -116,7 +120,7 @@ class Settings:
 
 
 FULL = Settings()
-QUICK = Settings(chunk=5, timed_chunks=4, lr_warmup_steps=0)
+QUICK = Settings(chunk=5, timed_chunks=4, lr_warmup_steps=0, scaling_rounds=1)
 """31 steps: each of 2 ranks surely has data for 35 of the quick set (``steps_each_rank_surely_has``)."""
 
 
@@ -583,16 +587,17 @@ def _check_rank_data(root: Path, s: Settings, world: int = 2) -> None:
                         f"run a rank out of data (each surely has {surely}); use fewer steps or more data")
 
 
-def _two_processes(root: Path, s: Settings, run_dir: Path) -> dict:
-    """Return ours with 2 processes × 1 thread: steady samples/s and where it came from."""
-    world = 2
+def _cli_train(root: Path, s: Settings, run_dir: Path, world: int) -> dict:
+    """Return ``recsys train --nproc world`` (batch B / world a rank, ``s.threads`` torch
+    threads in one process, 1 in each of several): steady samples/s and where it came from."""
+    threads = s.threads if world == 1 else 1
     overrides = [
         f"data.train.paths=['{root / 'train'}']",
         "data.eval.paths=[]",  # no final evaluation: only the throughput is wanted
         f"data.train.batch_size={s.batch_size // world}",
         "train.epochs=1",
         f"train.max_steps={s.steps}",
-        "train.threads=1",
+        f"train.threads={threads}",
         f"train.log_every={s.chunk}",
         "train.progress='none'",
         *([] if s.lr_warmup_steps is None else [f"train.warmup_steps={s.lr_warmup_steps}"]),
@@ -601,13 +606,13 @@ def _two_processes(root: Path, s: Settings, run_dir: Path) -> dict:
            "--run-dir", str(run_dir)]
     for o in overrides:
         cmd += ["--set", o]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=s.scaling_timeout_s)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         errors = [line for line in proc.stderr.splitlines() if "Error" in line]
-        raise RuntimeError(f"2-process training failed ({proc.returncode}): {' | '.join(errors[-5:])}\n"
+        raise RuntimeError(f"{world}-process training failed ({proc.returncode}): {' | '.join(errors[-5:])}\n"
                            f"{proc.stderr[-4000:]}")
     rows = seconds = 0.0
     phases: dict[str, float] = {}
@@ -629,8 +634,25 @@ def _two_processes(root: Path, s: Settings, run_dir: Path) -> dict:
         "rank0_phase_ms_per_step": {k: v / steps for k, v in phases.items()},
         "wall_seconds_incl_startup": wall,
         "batch_per_rank": s.batch_size // world,
-        "threads_per_rank": 1,
+        "threads_per_rank": threads,
     }
+
+
+def _scaling(root: Path, s: Settings, run_dir: Path) -> dict:
+    """Return ``recsys train`` in 1 and in 2 processes, ``s.scaling_rounds`` rounds of both
+    (the order swapped every round): each side's rounds and totals, and the paired ratios."""
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for r in range(s.scaling_rounds):
+        for world in ((1, 2) if r % 2 == 0 else (2, 1)):
+            runs[world].append(_cli_train(root, s, run_dir / f"round{r}-nproc{world}", world))
+    out = {}
+    for world, name in ((1, "one_process"), (2, "two_processes")):
+        rows = sum(x["timed_rows"] for x in runs[world])
+        seconds = sum(x["timed_seconds"] for x in runs[world])
+        out[name] = {**runs[world][-1], "samples_per_s": rows / seconds, "timed_rows": rows, "timed_seconds": seconds,
+                     "rounds": runs[world]}
+    out["paired"] = paired([x["timed_seconds"] for x in runs[2]], [x["timed_seconds"] for x in runs[1]])
+    return out
 
 
 # --------------------------------------------------------------------------- entry
@@ -702,11 +724,11 @@ def _measure_all(root: Path, s: Settings) -> dict:
             "dense_only": limit.timed_rows / sum(limit.timed_s),
         }
         phases = _window_phases(Path(tmp) / "ours" / "metrics.jsonl", s.warmup_steps, alternate.pauses_s, s.chunk)
-        two = None
+        scaling = None
         if s.scaling:
             t0 = time.perf_counter()
-            two = _two_processes(root, s, Path(tmp) / "two")
-            seconds["two_processes"] = time.perf_counter() - t0
+            scaling = _scaling(root, s, Path(tmp) / "scaling")
+            seconds["one_and_two_processes"] = time.perf_counter() - t0
 
     auc_ours, auc_peer = ours_result.get("auc", float("nan")), peer_eval.get("auc", float("nan"))
     comparisons = [
@@ -715,9 +737,10 @@ def _measure_all(root: Path, s: Settings) -> dict:
         comparison("ours vs dense-only limit", rate["ours"], rate["dense_only"], "samples/s", target_ratio=0.8,
                    **paired(ours_segments, limit.timed_s)),
     ]
-    if two is not None:
-        comparisons.append(comparison("2 processes vs 1 (ours)", two["samples_per_s"], rate["ours"], "samples/s",
-                                      target_ratio=None))
+    if scaling is not None:
+        comparisons.append(comparison("2 processes vs 1 (ours)", scaling["two_processes"]["samples_per_s"],
+                                      scaling["one_process"]["samples_per_s"], "samples/s", target_ratio=1.0,
+                                      **scaling["paired"]))
     comparisons.append(comparison(
         "AUC ours vs torchrec", auc_ours, auc_peer, "AUC",
         auc_ours=auc_ours, auc_torchrec=auc_peer, auc_difference=auc_ours - auc_peer,
@@ -750,7 +773,8 @@ def _measure_all(root: Path, s: Settings) -> dict:
                 "timed_rows": limit.timed_rows,
                 "seconds_per_segment": limit.timed_s,
             },
-            "two_processes": two,
+            "one_process": None if scaling is None else scaling["one_process"],
+            "two_processes": None if scaling is None else scaling["two_processes"],
             "pauses_s": alternate.pauses_s,
         },
         "settings": {
