@@ -133,14 +133,22 @@ def index_batch(values: np.ndarray, feat_off: np.ndarray, lengths_FB: np.ndarray
 
 
 @njit(nogil=True, cache=True)
-def _unique_blocks_kernel(keys, counts_WT, h_row, uniq, table_base, inverse):
+def block_starts(counts_WT):
+    """Return where each block of a message laid out in [W, T] blocks, rank-major, starts."""
     W, T = counts_WT.shape
-    start = np.empty((W, T), dtype=np.int64)  # each (rank, table) block's first key
+    start = np.empty((W, T), dtype=np.int64)
     pos = 0
     for r in range(W):
         for t in range(T):
             start[r, t] = pos
             pos += counts_WT[r, t]
+    return start
+
+
+@njit(nogil=True, cache=True)
+def _unique_blocks_kernel(keys, counts_WT, h_row, uniq, table_base, inverse):
+    W, T = counts_WT.shape
+    start = block_starts(counts_WT)  # each (rank, table) block's first key
     n = 0
     for t in range(T):
         table_base[t] = n

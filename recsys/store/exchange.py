@@ -24,7 +24,7 @@ import torch.distributed as dist
 from numba import njit
 
 from recsys.hashing import owner_rank
-from recsys.store.dedup import unique_blocks
+from recsys.store.dedup import block_starts, unique_blocks
 from recsys.store.lookup import Lookup, _TablePart
 from recsys.store.pooling import scatter_add
 
@@ -33,19 +33,14 @@ __all__ = ["RankExchange", "route"]
 
 @njit(nogil=True, cache=True)
 def _route_kernel(keys, keys_u64, table_base, world_size, owner, counts_WT, send_keys, dest):
-    W, T = counts_WT.shape
+    T = counts_WT.shape[1]
     w = np.uint64(world_size)
     for t in range(T):
         for i in range(table_base[t], table_base[t + 1]):
             o = owner_rank(keys_u64[i], w)
             owner[i] = o
             counts_WT[o, t] += 1
-    start = np.empty((W, T), dtype=np.int64)  # each (rank, table) block's next place
-    pos = 0
-    for r in range(W):
-        for t in range(T):
-            start[r, t] = pos
-            pos += counts_WT[r, t]
+    start = block_starts(counts_WT)  # each (rank, table) block's next place
     for t in range(T):
         for i in range(table_base[t], table_base[t + 1]):
             o = owner[i]
