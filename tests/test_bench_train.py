@@ -81,7 +81,7 @@ def test_train_bench_quick_writes_json(tmp_path, monkeypatch, capsys, tiny_data)
 
 @pytest.mark.multiproc
 def test_train_bench_two_processes(tmp_path, monkeypatch, capsys, tiny_data):
-    s = train.Settings(**{**TINY.__dict__, "scaling": True, "scaling_rounds": 2})
+    s = train.Settings(**{**TINY.__dict__, "scaling": True, "scaling_rounds": 1})  # 2 runs: make test's time
     result, saved = _run(tmp_path, monkeypatch, tiny_data, s)
     by_name = _check_common(result, saved, s)
     assert "ratio" in capsys.readouterr().out
