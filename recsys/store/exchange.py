@@ -27,6 +27,7 @@ from recsys.hashing import owner_rank
 from recsys.store.dedup import block_starts, unique_blocks
 from recsys.store.lookup import Lookup, _TablePart
 from recsys.store.pooling import scatter_add
+from recsys.store.table import _gather_kernel
 
 __all__ = ["RankExchange", "route"]
 
@@ -51,14 +52,6 @@ def _route_kernel(keys, keys_u64, table_base, world_size, owner, counts_WT, send
 
 
 @njit(nogil=True, cache=True)
-def _take_rows_kernel(src_RD, idx_N, out_ND):
-    for i in range(idx_N.shape[0]):
-        r = idx_N[i]
-        for d in range(src_RD.shape[1]):
-            out_ND[i, d] = src_RD[r, d]
-
-
-@njit(nogil=True, cache=True)
 def _put_rows_kernel(src_ND, idx_N, out_RD):
     for i in range(idx_N.shape[0]):
         r = idx_N[i]
@@ -67,9 +60,10 @@ def _put_rows_kernel(src_ND, idx_N, out_RD):
 
 
 def take_rows(src_RD: np.ndarray, idx_N: np.ndarray) -> np.ndarray:
-    """Return ``src_RD[idx_N]`` (float32 rows; 3x faster than numpy's fancy indexing here)."""
+    """Return ``src_RD[idx_N]`` (float32 rows; the tables' gather, 3x faster than numpy's
+    fancy indexing here)."""
     out = np.empty((idx_N.shape[0], src_RD.shape[1]), dtype=np.float32)
-    _take_rows_kernel(src_RD, idx_N, out)
+    _gather_kernel(src_RD, idx_N, out)
     return out
 
 

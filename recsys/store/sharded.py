@@ -693,7 +693,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
     def _read_grouped(self, prep: _Prepared, out: np.ndarray, serve: Callable[[int], None]) -> None:
         """Read every table's rows of the owned keys into ``out`` (at their places): the fused
         tables' through the ``TableGroup``, the others by ``serve(i)``."""
-        keys, base = prep.owned
+        base = prep.owned[1]
         idx = [i for i in range(len(prep.parts)) if base[i + 1] > base[i]]
         fused = set(prep.fused)
 
