@@ -46,8 +46,30 @@ from torchrec.modules.crossnet import LowRankCrossNet
 from recsys.model.config import ModelConfig
 
 
+class _PairDots(torch.autograd.Function):
+    """``[B, P]``: the dot products of every pair i < j of the ``n`` vectors of ``x`` [B, n, D],
+    in ``flat`` order (row-major upper triangle). Its backward is one ``bmm`` with the
+    symmetric matrix of the pairs' gradients, Σ_j S_ij x_j (S_ij = S_ji = g_(i,j), S_ii = 0),
+    where autograd's backward of ``bmm(x, xᵀ)`` takes two plus an ``index_select``'s
+    scatter into zeros: at B = 2048, n = 27, D = 16 on one CPU thread the interaction's
+    forward and backward took 4.4 against 6.0 ms, at 4096 on two 6.4-7.8 against 10.3 ms."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, flat: torch.Tensor, sym: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, sym)
+        return torch.bmm(x, x.transpose(1, 2)).flatten(1).index_select(1, flat)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        x, sym = ctx.saved_tensors
+        n = x.shape[1]
+        padded = torch.cat((g, g.new_zeros(g.shape[0], 1)), dim=1)  # column P: the diagonal's 0
+        return torch.bmm(padded.index_select(1, sym).view(-1, n, n), x), None, None
+
+
 class DotInteraction(InteractionArch):
-    """torchrec's DLRM interaction, with the upper-triangle gather as one ``index_select``.
+    """torchrec's DLRM interaction, with the upper-triangle gather as one ``index_select``
+    and a backward of its own (``_PairDots``).
 
     Same output as ``InteractionArch`` (tested); its advanced-index gather and the
     ``index_put`` in its backward cost ~13.7 ms per step at B = 4096, F = 28 on CPU,
@@ -58,14 +80,18 @@ class DotInteraction(InteractionArch):
         super().__init__(num_sparse_features)
         n = num_sparse_features + 1
         rows, cols = torch.triu_indices(n, n, offset=1)
+        pairs = torch.arange(rows.numel())
+        sym = torch.full((n * n,), rows.numel(), dtype=torch.long)  # the diagonal: the zero column
+        sym[rows * n + cols] = pairs
+        sym[cols * n + rows] = pairs
         self.register_buffer("flat_triu", rows * n + cols, persistent=False)
+        self.register_buffer("sym_triu", sym, persistent=False)
 
     def forward(self, dense_features: torch.Tensor, sparse_features: torch.Tensor) -> torch.Tensor:
         if self.F <= 0:
             return dense_features
         combined = torch.cat((dense_features.unsqueeze(1), sparse_features), dim=1)
-        inter = torch.bmm(combined, combined.transpose(1, 2))
-        return torch.cat((dense_features, inter.flatten(1).index_select(1, self.flat_triu)), dim=1)
+        return torch.cat((dense_features, _PairDots.apply(combined, self.flat_triu, self.sym_triu)), dim=1)
 
 
 def fm_second_order(v_BKD: torch.Tensor) -> torch.Tensor:

@@ -45,7 +45,7 @@ from recsys.model.arch import model_for, model_inputs
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.wide import table_names
 from recsys.train import checkpoint as ckpt
-from recsys.train.distributed import init_distributed, new_group
+from recsys.train.distributed import EXCHANGE_MAX_RANKS, exchange_mean, init_distributed, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
 from recsys.train.rows import ROWS_DIR, RowRecorder, attempt_name
 from recsys.transfer import Transfers, arrive
@@ -209,10 +209,16 @@ class Trainer:
         self.model = model_for(job).to(env.device)
         self._transfers = Transfers(env.device)  # a batch's dense side, host → device (recsys.transfer)
         self.ddp = (
-            DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None)
+            # no buffer broadcast before every forward (a collective a step, 4 % of a rank's main
+            # thread): the models' buffers are index constants built alike on every rank
+            # (tests/test_model.py checks that training leaves them unchanged)
+            DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
+                                    broadcast_buffers=False)
             if env.world_size > 1
             else self.model
         )
+        if env.world_size > 1 and env.device.type == "cpu" and env.world_size <= EXCHANGE_MAX_RANKS:
+            self.ddp.register_comm_hook(self.ddp.process_group, exchange_mean)
         opt_cls = torch.optim.Adam if tc.optimizer == "adam" else torch.optim.Adagrad
         impl = {"fused": True} if tc.fused_optimizer else {"foreach": True}
         self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, **impl)
