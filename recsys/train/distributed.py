@@ -67,9 +67,10 @@ def exchange_mean(group: dist.ProcessGroup, bucket):  # no annotations: DDP chec
     every rank each other rank's whole bucket, summed in rank order on each (the same sum
     everywhere, so the replicas stay equal), instead of gloo's all-reduce. Each rank sends
     and receives (W - 1) buckets where a ring moves 2 (W - 1) / W, so it pays off for few
-    ranks and small dense models: on the 2-core host, 2 ranks pinned to a core each, a
-    bucket of 120 k floats took 0.43 ms (0.22 ms of CPU) against gloo's all-reduce 0.56 ms
-    (0.46 ms), and a 60 k one 0.20-0.42 ms against 0.79-1.16 ms."""
+    ranks and small dense models: on the 2-core host, 2 ranks pinned to a core each (loops
+    of 200-500 calls, 2026-11-29), a bucket of 120 k floats took 0.43 ms (0.22 ms of CPU)
+    against gloo's all-reduce 0.56 ms (0.46 ms), and a 60 k one 0.20-0.42 ms against
+    0.79-1.16 ms."""
     import torch
 
     buf = bucket.buffer()
