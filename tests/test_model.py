@@ -67,7 +67,7 @@ def test_pair_dots_backward_is_the_derivative():
 
 @pytest.mark.parametrize("arch", ["dlrm", "dcn", "deepfm"])
 def test_buffers_are_constants_that_training_leaves_alone(arch):
-    """DDP runs with ``broadcast_buffers=False`` (recsys/train/loop.py): every rank's buffers
+    """DDP syncs no buffers before a forward (recsys/train/loop.py): every rank's buffers
     must be the same without a broadcast, so they may depend neither on the seed nor on
     training, and none may be saved in a checkpoint."""
     cfg = ModelConfig(arch=arch, bottom_mlp=[8, 4], top_mlp=[16, 1], dcn_low_rank=4, dropout=0.2)

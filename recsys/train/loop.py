@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import os
@@ -95,6 +96,15 @@ def setup_env(device: str, collective_timeout_s: float = 300.0) -> Env:
         # trainer's control collectives and object gathers; the store has a gloo group of its own
         init_distributed("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", collective_timeout_s)
     return Env(rank, world, local_world, dev, collective_timeout_s)
+
+
+# No buffer broadcast before every forward (a collective a step, 4 % of a rank's main thread):
+# the models' buffers are index constants built alike on every rank (tests/test_model.py
+# checks that training leaves them unchanged). torch 2.13 names the switch
+# ``forward_sync_buffers`` and warns about ``broadcast_buffers``; older ones know only that.
+_NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
+                           if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                           else {"broadcast_buffers": False})
 
 
 def _all_max(values: list[int], env: Env) -> list[int]:
@@ -209,11 +219,8 @@ class Trainer:
         self.model = model_for(job).to(env.device)
         self._transfers = Transfers(env.device)  # a batch's dense side, host → device (recsys.transfer)
         self.ddp = (
-            # no buffer broadcast before every forward (a collective a step, 4 % of a rank's main
-            # thread): the models' buffers are index constants built alike on every rank
-            # (tests/test_model.py checks that training leaves them unchanged)
             DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
-                                    broadcast_buffers=False)
+                                    **_NO_FORWARD_BUFFER_SYNC)
             if env.world_size > 1
             else self.model
         )
