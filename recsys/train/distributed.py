@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 
+import torch
 import torch.distributed as dist
 
 
@@ -71,8 +72,6 @@ def exchange_mean(group: dist.ProcessGroup, bucket):  # no annotations: DDP chec
     of 200-500 calls, 2026-11-29), a bucket of 120 k floats took 0.43 ms (0.22 ms of CPU)
     against gloo's all-reduce 0.56 ms (0.46 ms); unpinned, an all-reduce of 60 k floats took
     0.79-1.69 ms and an all-to-all of twice the bytes 0.33-0.42 ms (two loops)."""
-    import torch
-
     buf = bucket.buffer()
     world = dist.get_world_size(group)
     send = buf.repeat(world)
