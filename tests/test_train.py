@@ -158,20 +158,35 @@ def test_staleness_changes_the_trajectory(tiny_data, tmp_path):
     assert l0[8] != l2[8]
 
 
-def _two_rank_body(rank, world, data, run_dir, batches):
-    result = run(data, Path(run_dir), "train.max_steps=8", source=ListSource(batches, rank, world))
-    return result
+def _two_rank_body(rank, world, data, run_dir, batches, *extra):
+    from recsys.local_exchange import LocalExchange
+
+    opened = []
+    real_open = LocalExchange.open
+    LocalExchange.open = classmethod(lambda cls, *a: opened.append(real_open(*a)) or opened[-1])
+    try:
+        run(data, Path(run_dir), "train.max_steps=8", *extra, source=ListSource(batches, rank, world))
+    finally:
+        LocalExchange.open = real_open
+    return [x is not None for x in opened]
 
 
 def test_two_ranks_equal_one_rank_at_staleness_zero(tiny_data, tmp_path):
+    """Also: the exchange through shared memory (the default on one host) and through gloo
+    train the same numbers, to the bit."""
     batches = global_batches(tiny_data)
     run(tiny_data, tmp_path / "one", "train.max_steps=8", source=ListSource(batches, 0, 1))
-    run_distributed(_two_rank_body, 2, tiny_data, str(tmp_path / "two"), batches)
-    l1, l2 = losses(tmp_path / "one"), losses(tmp_path / "two")
+    shm = run_distributed(_two_rank_body, 2, tiny_data, str(tmp_path / "two"), batches)
+    gloo = run_distributed(_two_rank_body, 2, tiny_data, str(tmp_path / "gloo"), batches, "train.local_exchange=false")
+    # the store's channel and the trainer's (the control values, the dense gradients' mean)
+    assert shm == [[True, True]] * 2 and gloo == [[]] * 2
+    l1, l2, lg = losses(tmp_path / "one"), losses(tmp_path / "two"), losses(tmp_path / "gloo")
     assert sorted(l1) == sorted(l2) == list(range(1, 9))
+    assert l2 == lg
     for step in l1:
         assert l2[step] == pytest.approx(l1[step], rel=1e-5)
     assert_rows_close(final_rows(tmp_path / "one"), final_rows(tmp_path / "two"))
+    assert_rows_close(final_rows(tmp_path / "gloo"), final_rows(tmp_path / "two"), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("staleness", [0, 1, 2])

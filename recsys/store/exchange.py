@@ -1,8 +1,10 @@
 """The sharded store's all-to-alls between ranks (``W > 1``): keys to their owners, rows
 back, gradients to the owners, each one message for all tables (``recsys.store.sharded``
 draws the step). ``RankExchange`` is a part of ``ShardedEmbeddingStore``: it uses the
-store's ``world_size``, ``rank``, ``group``, ``dim``, ``_comm`` (the exchange counters),
-``_lanes`` and its owner-side ``_serve`` / ``_apply``.
+store's ``world_size``, ``rank``, ``group``, ``_local`` (the group's shared-memory channel
+when every rank is on this host, ``recsys.local_exchange``; else None and gloo carries the
+messages), ``dim``, ``_comm`` (the exchange counters), ``_lanes`` and its owner-side
+``_serve`` / ``_apply``.
 
 Every message is laid out in [W, T] blocks, rank-major and table-minor: the keys a rank
 sends, the keys an owner receives, the rows it sends back and the gradients it receives.
@@ -147,33 +149,45 @@ class RankExchange:
         if self.world_size == 1:
             return send_counts.copy()
         W, T = send_counts.shape
-        out = torch.empty(W * T, dtype=torch.int64)
+        send = send_counts.reshape(-1).astype(np.int64)
         t0 = time.perf_counter()
-        dist.all_to_all_single(out, torch.from_numpy(send_counts.reshape(-1).astype(np.int64)), group=self.group)
+        if self._local is not None:
+            out = self._local.all_to_all(send, np.full(W, T))[0]
+        else:
+            out = torch.empty(W * T, dtype=torch.int64)
+            dist.all_to_all_single(out, torch.from_numpy(send), group=self.group)
+            out = out.numpy()
         crossing = (W - 1) * T * 8  # every rank's [T] counts but this rank's own
         self._count_exchange("counts", t0, crossing, crossing)
-        return out.numpy().reshape(W, T)
+        return out.reshape(W, T)
 
     def _exchange(self, send: np.ndarray, send_sizes: np.ndarray, recv_sizes: np.ndarray, dtype,
                   kind: str) -> np.ndarray:
         if self.world_size == 1:
             return send
-        out = torch.empty(int(recv_sizes.sum()), dtype=dtype)
-        src = torch.from_numpy(np.ascontiguousarray(send)).to(dtype)
         t0 = time.perf_counter()
-        dist.all_to_all_single(
-            out,
-            src,
-            output_split_sizes=[int(x) for x in recv_sizes],
-            input_split_sizes=[int(x) for x in send_sizes],
-            group=self.group,
-        )
+        if self._local is not None:
+            want = torch.empty(0, dtype=dtype).numpy().dtype
+            out, got = self._local.all_to_all(np.ascontiguousarray(send, dtype=want), send_sizes)
+            if not np.array_equal(got, recv_sizes):  # the plan every rank derived from the counts
+                raise RuntimeError(f"rank {self.rank}: the {kind} exchange received blocks of {got.tolist()}, "
+                                   f"expected {np.asarray(recv_sizes).tolist()}")
+        else:
+            out = torch.empty(int(recv_sizes.sum()), dtype=dtype)
+            dist.all_to_all_single(
+                out,
+                torch.from_numpy(np.ascontiguousarray(send)).to(dtype),
+                output_split_sizes=[int(x) for x in recv_sizes],
+                input_split_sizes=[int(x) for x in send_sizes],
+                group=self.group,
+            )
+            out = out.numpy()
         # bytes that cross to other ranks (a rank's block to itself is a local copy)
-        itemsize = out.element_size()
+        itemsize = out.itemsize
         sent = (int(send_sizes.sum()) - int(send_sizes[self.rank])) * itemsize
         received = (int(recv_sizes.sum()) - int(recv_sizes[self.rank])) * itemsize
         self._count_exchange(kind, t0, sent, received)
-        return out.numpy()
+        return out
 
     def _count_exchange(self, kind: str, t0: float, sent: int, received: int) -> None:
         c = self._comm.setdefault(kind, {"calls": 0, "seconds": 0.0, "bytes_sent": 0, "bytes_received": 0})

@@ -64,6 +64,7 @@ from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch
 from recsys.store.exchange import RankExchange, route
+from recsys.local_exchange import LocalExchange
 from recsys.store.group import TableGroup
 from recsys.store.schedule import StoreSchedule
 from recsys.store.malloc import keep_freed_memory
@@ -109,6 +110,8 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         run_dir: str | os.PathLike | None = None,
         job_name: str = "job",
         restoring: bool = False,
+        local_exchange: bool = True,
+        collective_timeout_s: float = 300.0,
     ) -> None:
         if cfg.keep_freed_memory:
             keep_freed_memory()
@@ -125,6 +128,9 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         self.group = group
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
+        # ranks of one host exchange through shared memory (recsys.local_exchange), others by gloo
+        self._local = (LocalExchange.open(group, collective_timeout_s)
+                       if local_exchange and self.world_size > 1 else None)
         self.table_names = list(schema.tables)
         from recsys.store.device_cache import device_budget_rows
 
@@ -387,6 +393,8 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         except BaseException as exc:  # noqa: BLE001 - raised below, after the tables closed
             errors.append(exc)
         self._lanes.close()
+        if self._local is not None:
+            self._local.close()
         for table in self.tables.values():
             close = getattr(table, "close", None)
             if close is not None:

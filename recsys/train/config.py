@@ -91,6 +91,11 @@ class TrainConfig:
     """Timeout of every collective and rendezvous store wait of every process group: a hung or
     vanished peer is noticed after this long (gloo's default is 30 minutes), the process
     exits and ``--max-restarts`` can restart the job from its latest checkpoint."""
+    local_exchange: bool = True
+    """Several processes on one host: the store's all-to-alls, the per-step control values
+    and (CPU, up to 4 ranks) the dense gradients' mean go through shared memory in
+    ``/dev/shm`` (``recsys.local_exchange``) instead of gloo's loopback TCP. Ranks on several
+    hosts, or without a writable ``/dev/shm``, use gloo regardless."""
     record_rows: bool = False
     """Audit exactly-once delivery: every rank appends the ``row_id`` of each step's rows to
     ``RUN_DIR/rows/`` (needs ``row_id`` in ``data.train.passthrough``); ``recsys.train.rows``

@@ -86,3 +86,18 @@ def exchange_mean(group: dist.ProcessGroup, bucket):  # no annotations: DDP chec
         return total.div_(world)
 
     return fut.then(mean)
+
+
+def local_mean(local, bucket):  # no annotations: DDP checks them, and they are strings here
+    """DDP communication hook over a ``recsys.local_exchange.LocalExchange`` (ranks of one
+    host): every rank's bucket through shared memory, summed in rank order on each (the same
+    sum everywhere) and divided by W: ``exchange_mean`` without gloo's TCP and threads."""
+    buf = bucket.buffer()
+    parts = local.all_gather(buf.detach().numpy())
+    total = parts[0]
+    for p in parts[1:]:
+        total += p
+    total /= len(parts)
+    fut = torch.futures.Future()
+    fut.set_result(torch.from_numpy(total).view_as(buf))
+    return fut

@@ -46,7 +46,8 @@ from recsys.model.arch import model_for, model_inputs
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.wide import table_names
 from recsys.train import checkpoint as ckpt
-from recsys.train.distributed import EXCHANGE_MAX_RANKS, exchange_mean, init_distributed, new_group
+from recsys.local_exchange import LocalExchange
+from recsys.train.distributed import EXCHANGE_MAX_RANKS, exchange_mean, init_distributed, local_mean, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
 from recsys.train.rows import ROWS_DIR, RowRecorder, attempt_name
 from recsys.transfer import Transfers, arrive
@@ -107,9 +108,11 @@ _NO_FORWARD_BUFFER_SYNC = ({"forward_sync_buffers": False}
                            else {"broadcast_buffers": False})
 
 
-def _all_max(values: list[int], env: Env) -> list[int]:
+def _all_max(values: list[int], env: Env, local: LocalExchange | None = None) -> list[int]:
     if env.world_size == 1:
         return values
+    if local is not None:
+        return np.maximum.reduce(local.all_gather(np.array(values, dtype=np.int64))).tolist()
     t = torch.tensor(values, dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
@@ -224,8 +227,14 @@ class Trainer:
             if env.world_size > 1
             else self.model
         )
+        # the main thread's collectives among ranks of one host (CPU): through shared memory
+        self._local = (LocalExchange.open(dist.group.WORLD, env.collective_timeout_s)
+                       if env.world_size > 1 and env.device.type == "cpu" and tc.local_exchange else None)
         if env.world_size > 1 and env.device.type == "cpu" and env.world_size <= EXCHANGE_MAX_RANKS:
-            self.ddp.register_comm_hook(self.ddp.process_group, exchange_mean)
+            if self._local is not None:
+                self.ddp.register_comm_hook(self._local, local_mean)
+            else:
+                self.ddp.register_comm_hook(self.ddp.process_group, exchange_mean)
         opt_cls = torch.optim.Adam if tc.optimizer == "adam" else torch.optim.Adagrad
         impl = {"fused": True} if tc.fused_optimizer else {"foreach": True}
         self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, **impl)
@@ -237,7 +246,8 @@ class Trainer:
         group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
         self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
                                            run_dir=self.run_dir, job_name=job.name,
-                                           restoring=restore_from is not None)
+                                           restoring=restore_from is not None, local_exchange=tc.local_exchange,
+                                           collective_timeout_s=env.collective_timeout_s)
         if job.model.wide:  # the wide arm's dim-1 tables: a store of their own (recsys.store.wide)
             from recsys.store import wide
 
@@ -245,7 +255,8 @@ class Trainer:
             self.store = wide.WideStore(self.store, ShardedEmbeddingStore(
                 wide.wide_schema(schema), wide.wide_store_config(job.store, job.model), group=group,
                 device=env.device, threaded=True, run_dir=self.run_dir, job_name=job.name,
-                restoring=restore_from is not None))
+                restoring=restore_from is not None, local_exchange=tc.local_exchange,
+                collective_timeout_s=env.collective_timeout_s))
         self.dense_stats = self._dense_stats(resume)
         self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size,
                                               dense_stats=self.dense_stats)
@@ -467,7 +478,7 @@ class Trainer:
                 while True:
                     t0 = time.perf_counter()
                     has_data, stop, due = _all_max(
-                        [nxt is not None, self._stop, self._checkpoint_due(last_ckpt)], env)
+                        [nxt is not None, self._stop, self._checkpoint_due(last_ckpt)], env, self._local)
                     if not has_data:  # every rank finished the epoch
                         self.store.cancel(future.result())
                         self._log_epoch_end(epoch)
@@ -666,5 +677,7 @@ class Trainer:
         if self.store.publisher is not None:
             self.store.publisher.close()
         self.store.close()
+        if self._local is not None:
+            self._local.close()
         self.reader.close()
         self.log.close()
