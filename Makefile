@@ -8,12 +8,12 @@ DATA   ?= data/synthetic_small
 PYTEST_ARGS ?= --durations=25
 
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
-# One process by default: on the 2-core host the whole default job is faster in one (2026-11-28,
-# Intel Xeon, `recsys train` of the default job, alternated: 1 process 34.4 / 36.6 s, 2 processes
-# pinned to a core each 38.1 / 38.9 s; at the same global batch the 2 pinned processes train at
-# 0.90-1.05x one in the steady state: BENCHMARKS.md "Trainer").
-# NPROC=2 runs the same job data-parallel with the sharded store, as on a bigger host.
-NPROC ?= 1
+# Two processes by default (one on a one-core host): the data-parallel trainer with the
+# sharded store, which on the 2-core host now trains faster than one process of 2 threads
+# since the ranks of one host exchange through shared memory (2026-11-29, AMD EPYC:
+# `recsys bench train` 2 processes vs 1, paired, 1.079 and 1.072; the default job's
+# `recsys train` alone: see README). The job's batch is per process: NPROC=1 trains 2048 rows a step.
+NPROC ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 1)
 
 .PHONY: venv venv-cuda redis-server train serve test test-all data data-tiny bench-quick gpu-wheels gpu-check clean
 
