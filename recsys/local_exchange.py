@@ -25,7 +25,8 @@ is done reading call c - 2's, the outbox being overwritten. Signals carry the se
 Every file is unlinked as soon as every peer has it open (the FIFOs and control files at
 setup, a new outbox one call later), so a killed run leaves at most one outbox behind.
 A peer that exits is noticed: at once when no writer of the FIFO is left, else by its pid
-at the next one-second poll; a call that waits longer than ``timeout_s`` raises.
+at the next one-second poll (ranks in one pid namespace); a call that waits longer than
+``timeout_s`` raises.
 
 Used by the store's exchange (``recsys.store.exchange``), the trainer's per-step control
 values and the dense gradients' mean (``recsys.train.distributed``); ``open`` returns None
@@ -55,7 +56,7 @@ class LocalExchange:
     (see module doc). Calls are collective: every rank makes the same calls in the same
     order, from one thread at a time."""
 
-    def __init__(self, prefix: str, rank: int, world_size: int, pids: list[int], timeout_s: float) -> None:
+    def __init__(self, prefix: str, rank: int, world_size: int, pids: list[int | None], timeout_s: float) -> None:
         self.prefix, self.rank, self.world_size, self.pids = prefix, rank, world_size, pids
         self.timeout_s = timeout_s
         self.calls = 0
@@ -89,12 +90,15 @@ class LocalExchange:
         prefix, nonce = head[0] if head[0] is not None else (None, None)
         ok = prefix is not None and _read_probe(prefix) == nonce
         seen = [None] * W
-        dist.all_gather_object(seen, (ok, os.getpid()), group=group)
+        dist.all_gather_object(seen, (ok, os.getpid(), _pid_namespace()), group=group)
         if rank == 0 and prefix is not None:
             _unlink(prefix + "probe")
         if not all(s[0] for s in seen):
             return None
-        ex = cls(prefix, rank, W, [s[1] for s in seen], timeout_s)
+        # a peer's pid means something here only in the same pid namespace (containers
+        # sharing a /dev/shm may not be): else only EOF and the timeout notice an exit
+        same_ns = len({s[2] for s in seen}) == 1 and seen[0][2] is not None
+        ex = cls(prefix, rank, W, [s[1] if same_ns else None for s in seen], timeout_s)
         try:
             ex._open_own()
             ok = True
@@ -181,7 +185,7 @@ class LocalExchange:
             try:
                 os.write(fd, me)
             except BrokenPipeError:
-                raise RuntimeError(f"local exchange: rank {r} (pid {self.pids[r]}) is gone") from None
+                raise RuntimeError(f"local exchange: {self._who(r)} is gone") from None
         self._wait_all()
         # every peer arrived here, so it is done with the call before: the outboxes that
         # call made are mapped by now and may lose their names
@@ -261,11 +265,14 @@ class LocalExchange:
                 need[r] -= 1
 
     def _check_peers(self, missing: list[int], timed_out: bool) -> None:
-        gone = [r for r in missing if not _alive(self.pids[r])]
+        gone = [r for r in missing if self.pids[r] is not None and not _alive(self.pids[r])]
         if gone:
             raise self._gone(gone)
         if timed_out:
             raise RuntimeError(f"local exchange: rank(s) {missing} did not arrive within {self.timeout_s:g} s")
+
+    def _who(self, r: int) -> str:
+        return f"rank {r}" if self.pids[r] is None else f"rank {r} (pid {self.pids[r]})"
 
     def _gone(self, ranks: list[int]) -> RuntimeError:
         """Return the error for peers that exited; unlink the outboxes they still named."""
@@ -274,7 +281,7 @@ class LocalExchange:
             for k in (0, 1):
                 if held is not None and held[1][k, 0]:
                     _unlink(self._path(f"{k}.{int(held[1][k, 0])}", r))
-        who = ", ".join(f"rank {r} (pid {self.pids[r]})" for r in ranks)
+        who = ", ".join(self._who(r) for r in ranks)
         return RuntimeError(f"local exchange: {who} is gone (exited during a collective call)")
 
     # ------------------------------------------------------------------ end
@@ -327,6 +334,13 @@ def _read_probe(prefix: str) -> str | None:
     try:
         with open(prefix + "probe") as f:
             return f.read()
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
     except OSError:
         return None
 
