@@ -60,11 +60,11 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys import hashing, priority
+from recsys.local_exchange import LocalExchange
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.dedup import index_batch
 from recsys.store.exchange import RankExchange, route
-from recsys.local_exchange import LocalExchange
 from recsys.store.group import TableGroup
 from recsys.store.schedule import StoreSchedule
 from recsys.store.malloc import keep_freed_memory

@@ -42,11 +42,11 @@ from recsys import config as config_mod
 from recsys import priority
 from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
+from recsys.local_exchange import LocalExchange
 from recsys.model.arch import model_for, model_inputs
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.wide import table_names
 from recsys.train import checkpoint as ckpt
-from recsys.local_exchange import LocalExchange
 from recsys.train.distributed import EXCHANGE_MAX_RANKS, exchange_mean, init_distributed, local_mean, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
 from recsys.train.rows import ROWS_DIR, RowRecorder, attempt_name
