@@ -62,12 +62,14 @@ class LocalExchange:
         self.calls = 0
         W = world_size
         self._pending = np.zeros(W, dtype=np.int64)  # signals received ahead, per sender
-        self._out: list[tuple[int, mmap.mmap | None, np.ndarray | None]] = [(0, None, None), (0, None, None)]
-        self._peer_maps: dict[tuple[int, int], tuple[int, mmap.mmap, np.ndarray]] = {}
+        # (generation, the mapped bytes): an array over a map keeps the map, which is
+        # unmapped once nothing views it
+        self._out: list[tuple[int, np.ndarray | None]] = [(0, None), (0, None)]
+        self._peer_maps: dict[tuple[int, int], tuple[int, np.ndarray]] = {}
         self._unlink_next: list[str] = []
         self._fifo_w: dict[int, int] = {}
         self._fifo_r = -1
-        self._ctl_maps: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
+        self._ctl: dict[int, np.ndarray] = {}  # each rank's control words [2, 1 + 2W]
         self._closed = False
 
     # ------------------------------------------------------------------ setup
@@ -121,28 +123,15 @@ class LocalExchange:
     def _open_own(self) -> None:
         os.mkfifo(self._path("fifo"), 0o600)
         self._fifo_r = os.open(self._path("fifo"), os.O_RDONLY | os.O_NONBLOCK)
-        size = 2 * (1 + 2 * self.world_size) * 8
-        fd = os.open(self._path("ctl"), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
-        self._ctl_maps[self.rank] = (mm, np.frombuffer(mm, dtype=np.int64).reshape(2, -1))
-        self._ctl_maps[self.rank][1][:] = 0
+        self._ctl[self.rank] = _map(self._path("ctl"), 2 * (1 + 2 * self.world_size) * 8,
+                                    create=True).view(np.int64).reshape(2, -1)  # zeros
 
     def _open_peers(self) -> None:
-        size = 2 * (1 + 2 * self.world_size) * 8
         for r in range(self.world_size):
             if r == self.rank:
                 continue
             self._fifo_w[r] = os.open(self._path("fifo", r), os.O_WRONLY)
-            fd = os.open(self._path("ctl", r), os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
-            self._ctl_maps[r] = (mm, np.frombuffer(mm, dtype=np.int64).reshape(2, -1))
+            self._ctl[r] = _map(self._path("ctl", r)).view(np.int64).reshape(2, -1)
         # every writer is open: reads block from now on (and see EOF once all are gone)
         os.set_blocking(self._fifo_r, True)
         self._poll = select.poll()
@@ -177,7 +166,7 @@ class LocalExchange:
         stale, self._unlink_next = self._unlink_next, []  # outboxes made by the call before
         out = self._outbox(k, data.nbytes)
         out[: data.nbytes] = data
-        _, ctl = self._ctl_maps[self.rank]
+        ctl = self._ctl[self.rank]
         ctl[k, 1 : 1 + self.world_size] = offsets
         ctl[k, 1 + self.world_size :] = sizes
         me = bytes([self.rank])
@@ -196,7 +185,7 @@ class LocalExchange:
             if r == self.rank:
                 parts.append(data[offsets[r] : offsets[r] + sizes[r]])
                 continue
-            _, pctl = self._ctl_maps[r]
+            pctl = self._ctl[r]
             gen, off, size = int(pctl[k, 0]), int(pctl[k, 1 + self.rank]), int(pctl[k, 1 + self.world_size + self.rank])
             buf = self._peer_outbox(r, k, gen)
             parts.append(buf[off : off + size])
@@ -204,44 +193,27 @@ class LocalExchange:
         return parts  # views: valid until this rank's next call (peers overwrite only after it)
 
     def _outbox(self, k: int, nbytes: int) -> np.ndarray:
-        gen, _, arr = self._out[k]
+        gen, arr = self._out[k]
         if arr is not None and arr.nbytes >= nbytes:
             return arr
         size = max(_MIN_OUTBOX, int(nbytes * 1.5))
-        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
         gen += 1
         path = self._path(f"{k}.{gen}")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, size)  # a full /dev/shm fails here, not as a SIGBUS later
-            new = mmap.mmap(fd, size)
+            arr = _map(path, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE, create=True)
         except OSError as e:
-            _unlink(path)
             raise RuntimeError(f"local exchange: {SHM_DIR} has no room for an outbox of {size} bytes "
                                f"({e.strerror}); free space there or set train.local_exchange = false") from None
-        finally:
-            os.close(fd)
-        if gen > 1:
-            _unlink(self._path(f"{k}.{gen - 1}"))  # peers keep their mappings; a name is gone at most once
-        # the old map is unmapped once nothing views it (a caller may still hold a view)
-        self._out[k] = (gen, new, np.frombuffer(new, dtype=np.uint8))
-        self._ctl_maps[self.rank][1][k, 0] = gen
+        self._out[k] = (gen, arr)  # the old outbox lost its name one call after it was made
+        self._ctl[self.rank][k, 0] = gen
         self._unlink_next.append(path)  # once every peer has opened it (next call)
-        return self._out[k][2]
+        return arr
 
     def _peer_outbox(self, r: int, k: int, gen: int) -> np.ndarray:
         held = self._peer_maps.get((r, k))
-        if held is not None and held[0] == gen:
-            return held[2]
-        if held is not None:  # unmapped once nothing views it
-            del self._peer_maps[(r, k)]
-        fd = os.open(self._path(f"{k}.{gen}", r), os.O_RDONLY)
-        try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        self._peer_maps[(r, k)] = (gen, mm, np.frombuffer(mm, dtype=np.uint8))
-        return self._peer_maps[(r, k)][2]
+        if held is None or held[0] != gen:
+            held = self._peer_maps[(r, k)] = (gen, _map(self._path(f"{k}.{gen}", r), readonly=True))
+        return held[1]
 
     def _wait_all(self) -> None:
         need = self._pending
@@ -277,10 +249,9 @@ class LocalExchange:
     def _gone(self, ranks: list[int]) -> RuntimeError:
         """Return the error for peers that exited; unlink the outboxes they still named."""
         for r in ranks:
-            held = self._ctl_maps.get(r)
-            for k in (0, 1):
-                if held is not None and held[1][k, 0]:
-                    _unlink(self._path(f"{k}.{int(held[1][k, 0])}", r))
+            for k, gen in enumerate(self._ctl[r][:, 0].tolist()):
+                if gen:
+                    _unlink(self._path(f"{k}.{gen}", r))
         who = ", ".join(self._who(r) for r in ranks)
         return RuntimeError(f"local exchange: {who} is gone (exited during a collective call)")
 
@@ -295,12 +266,12 @@ class LocalExchange:
         for path in self._unlink_next:
             _unlink(path)
         self._unlink_next.clear()
-        for k, (gen, _, _) in enumerate(self._out):
+        for k, (gen, _) in enumerate(self._out):
             if gen:
                 _unlink(self._path(f"{k}.{gen}"))
-        self._out = [(0, None, None), (0, None, None)]
+        self._out = [(0, None), (0, None)]
         self._peer_maps.clear()
-        self._ctl_maps.clear()
+        self._ctl.clear()
         for fd in [self._fifo_r, *self._fifo_w.values()]:
             if fd >= 0:
                 try:
@@ -360,6 +331,26 @@ def _alive(pid: int) -> bool:
         except PermissionError:
             pass
         return True
+
+
+def _map(path: str, size: int = 0, create: bool = False, readonly: bool = False) -> np.ndarray:
+    """Return the bytes of file ``path`` mapped shared (``create``: a new file of ``size``
+    bytes, reserved in full so that a full /dev/shm fails here, not as a SIGBUS later; it is
+    unlinked again when that fails)."""
+    flags = os.O_RDONLY if readonly else os.O_RDWR
+    fd = os.open(path, flags | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+        if create:
+            os.posix_fallocate(fd, 0, size)
+        prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+        mm = mmap.mmap(fd, size or os.fstat(fd).st_size, prot=prot)
+    except OSError:
+        if create:
+            _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8)
 
 
 def _unlink(path: str) -> None:
