@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from recsys.store import keymap
 from recsys.store.keymap import FrequencySketch, KeyMap
 
 MASK = (1 << 64) - 1
@@ -188,8 +189,6 @@ def check_same_keys(km: KeyMap, ref: RefMap, universe: list[int]) -> None:
 def test_call_ids_that_wrap_keep_the_policy():
     """The per-slot call ids are int32: a map whose call counter wraps mid-run (forced here
     instead of 2**31 calls) still protects each call's keys and evicts what the reference does."""
-    import recsys.store.keymap as keymap
-
     rng = np.random.default_rng(1)
     capacity = 12
     km, ref = KeyMap(capacity, pool_fraction=0.25), RefMap(capacity)
@@ -425,12 +424,30 @@ def test_distinct_inverse_is_numpys_unique_with_inverse():
 
 @pytest.mark.parametrize("capacity", [1, 1000, 1024, 1025, 65_537])
 def test_memory_per_slot_does_not_depend_on_the_capacity(capacity):
-    """35 bytes a slot at any capacity (buckets of a 4-byte code, 2.5 a slot; key and step
-    16, occupancy 1, call id 4, free list 4), and a full map at 40 % of its buckets still
-    finds every key."""
+    """26 bytes a slot at any capacity (buckets of a 4-byte code, 2.5 a slot; key and meta
+    word 16), plus a free stack that filling the map never writes (so never backs with
+    memory), and a full map at 40 % of its buckets still finds every key."""
     km = KeyMap(capacity)
-    arrays = (km._buckets, km._rec, km._slot_used, km._slot_call, km._free)
-    assert sum(a.nbytes for a in arrays) <= 35 * capacity + 4
+    assert km._buckets.nbytes + km._rec.nbytes <= 26 * capacity + 4
     keys = np.random.default_rng(capacity).integers(I64_MIN, I64_MAX, size=capacity, dtype=np.int64)
     km.lookup(keys, 0)
     assert len(km) == capacity and (km.slot_key[km.find(keys)] == keys).all()
+    assert not km._free.any()  # untouched: the slots came from the fresh end
+    km.remove(keys[:3])
+    assert len(km) == capacity - min(3, capacity) and km._n_free == min(3, capacity)
+
+
+def test_steps_outside_32_bits_are_refused_and_change_nothing():
+    """The map stores a step in 32 bits of a slot's meta word: a step outside them raises
+    a clear error before the map changes; the extremes inside them round-trip."""
+    km = KeyMap(8)
+    keys = np.array([1, 2, 3], dtype=np.int64)
+    km.assign(keys, np.array([keymap.STEP_MIN, -1, keymap.STEP_MAX], dtype=np.int64))
+    np.testing.assert_array_equal(km.items()[2][np.argsort(km.items()[0])], [keymap.STEP_MIN, -1, keymap.STEP_MAX])
+    with pytest.raises(ValueError, match=r"lookup: step 2147483648 is outside"):
+        km.lookup(np.array([4], dtype=np.int64), keymap.STEP_MAX + 1)
+    with pytest.raises(ValueError, match=r"assign: step -2147483649 is outside"):
+        km.assign(np.array([5], dtype=np.int64), np.array([keymap.STEP_MIN - 1]))
+    assert len(km) == 3 and (km.find(np.array([4, 5], dtype=np.int64)) == -1).all()
+    upd = km.lookup(np.array([4], dtype=np.int64), keymap.STEP_MAX)
+    assert upd.new_keys_M.tolist() == [4] and km.steps_of(upd.slots_N).tolist() == [keymap.STEP_MAX]

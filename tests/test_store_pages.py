@@ -119,5 +119,5 @@ def test_keymap_huge_pages_is_opt_in():
     m = KeyMap(600_000, huge_pages=True)  # per-slot arrays of 2.4-9.6 MB, buckets of 6 MB
     assert (m._buckets == m._buckets[0]).all() and not m.slot_key.any()
     if THP:
-        for arr in (m._buckets, m._rec, m._slot_call):
+        for arr in (m._buckets, m._rec, m._free):
             assert arr.ctypes.data % pages.HUGE_PAGE == 0

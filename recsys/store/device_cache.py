@@ -327,7 +327,7 @@ class DeviceCache(DeviceTier):
         dirty = (slots >= 0) & self._dirty[np.maximum(slots, 0)]
         if dirty.any():
             sel = distinct(slots[dirty])
-            self.host.write_back(self._block(self._map.slot_key[sel], sel, self._map.slot_step[sel]))
+            self.host.write_back(self._block(self._map.slot_key[sel], sel, self._map.steps_of(sel)))
             self._counters["writebacks"] += sel.shape[0]
         self._drop(keys)
         return self.host.pop_rows(keys)

@@ -33,7 +33,7 @@ __all__ = ["TableGroup"]
 
 
 @njit(nogil=True, cache=True)
-def _reserve_kernel(which, lo, hi, buckets, rec, slot_call, slot_used, free, caps, call_ids, n_free, keys, step1,
+def _reserve_kernel(which, lo, hi, buckets, rec, free, caps, call_ids, n_free, fresh, keys, step1,
                     slots, pend, new_slots, n_pend, n_hit_pos, weights, states, salts, bounds, state_init):
     """For each table ``which[j]``: ``KeyMap.lookup`` of ``keys[lo[j]:hi[j]]`` at step
     ``step1[0]`` (probe, then commit), then the new keys' initial rows and state
@@ -43,15 +43,14 @@ def _reserve_kernel(which, lo, hi, buckets, rec, slot_call, slot_used, free, cap
     for j in range(which.shape[0]):
         t, a, b = which[j], lo[j], hi[j]
         out, pe = slots[a:b], pend[a:b]
-        n_p, _n_hit, n_hp, overflow = _probe_kernel(buckets[t], rec[t], keys[a:b], slot_call[t], call_ids[j], caps[t],
-                                                   out, pe)
-        if overflow or n_p > n_free[j]:
+        n_p, _n_hit, n_hp, overflow = _probe_kernel(buckets[t], rec[t], keys[a:b], call_ids[j], caps[t], out, pe)
+        if overflow or n_p > n_free[j] + caps[t] - fresh[j]:
             _delete_pending_kernel(buckets[t], rec[t], pe, n_p, caps[t])
             n_pend[j] = -1
             continue
         ns = new_slots[a : a + n_p]
-        n_free[j] = _commit_kernel(buckets[t], rec[t], caps[t], pe, n_p, free[t], n_free[j], slot_used[t], step1,
-                                   False, out, ns)
+        n_free[j], fresh[j] = _commit_kernel(buckets[t], rec[t], caps[t], pe, n_p, free[t], n_free[j], fresh[j],
+                                             call_ids[j], step1, False, out, ns)
         init_kernel(pe[:n_p], ns, salts[t], bounds[t], weights[t])
         _fill_rows_kernel(states[t], ns, state_init)
         n_pend[j] = n_p
@@ -95,8 +94,6 @@ class TableGroup:
         maps = [t._map for t in tables]
         self._buckets = _typed([m._buckets for m in maps])
         self._rec = _typed([m._rec for m in maps])
-        self._slot_call = _typed([m._slot_call for m in maps])
-        self._slot_used = _typed([m._slot_used for m in maps])
         self._free = _typed([m._free for m in maps])
         self._weights = _typed([t.weights_CD for t in tables])
         self._states = _typed([t._state["rowwise_state"] for t in tables])
@@ -138,13 +135,14 @@ class TableGroup:
         maps = [self.tables[i]._map for i in take]
         call_ids = np.array([m._call_id + 1 for m in maps], dtype=np.int32)
         n_free = np.array([m._n_free for m in maps], dtype=np.int64)
+        fresh = np.array([m._fresh for m in maps], dtype=np.int64)
         n = keys.shape[0]
         pend = np.empty(n, dtype=np.int64)
         new_slots = np.empty(n, dtype=np.int64)
         n_pend = np.empty(len(take), dtype=np.int64)
         n_hit_pos = np.empty(len(take), dtype=np.int64)
-        _reserve_kernel(which, lo, hi, self._buckets, self._rec, self._slot_call, self._slot_used, self._free,
-                        self._caps, call_ids, n_free, keys, np.array([step], dtype=np.int64), slots, pend, new_slots,
+        _reserve_kernel(which, lo, hi, self._buckets, self._rec, self._free,
+                        self._caps, call_ids, n_free, fresh, keys, np.array([step], dtype=np.int64), slots, pend, new_slots,
                         n_pend, n_hit_pos, self._weights, self._states, self._salts, self._bounds, self._state_init)
         for j, i in enumerate(take):  # the map's and the table's own bookkeeping, as lookup and _touch do
             m, c = maps[j], self.tables[i]._counters
@@ -152,7 +150,7 @@ class TableGroup:
             if n_pend[j] < 0:
                 rest.append(i)
                 continue
-            m._n_free, m._clock, m._has_clock = int(n_free[j]), step, True
+            m._n_free, m._fresh, m._clock, m._has_clock = int(n_free[j]), int(fresh[j]), step, True
             hits, n_miss = int(n_hit_pos[j]), int(hi[j] - lo[j] - n_hit_pos[j])
             c["hits"] += hits
             c["misses"] += n_miss

@@ -11,12 +11,17 @@ a sentinel key. Layout::
     buckets_NB   uint32 [NB]     one word per bucket: 0xFFFFFFFF empty, else a 30-bit code
                                  and 2 tag bits (the key's hash's low bits); code < C: the
                                  key's slot; C + j: new key #j of the running call (pending)
-    rec_C2       int64 [C, 2]    (key, step of its last access) of each slot, side by side:
-                                 ``slot_key`` and ``slot_step`` ("last_seen") are its columns
-    slot_used_C  bool  [C]       occupancy
-    slot_call_C  int32 [C]       id of the last call that touched the slot (ids wrap: the
-                                 map forgets every earlier call when they do)
-    free_C       int32 [C]       stack of free slots (first ``n_free`` entries)
+    rec_C2       int64 [C, 2]    per slot, side by side: its key (``slot_key``, a view) and
+                                 a *meta* word: the step of its last access ("last_seen",
+                                 ``steps_of``) in the high 32 bits (signed), and in the low
+                                 32 bits the id of the last call that touched it: 0 a free
+                                 slot, 1 a call the map has forgotten (ids wrap), >= 2 a call
+    free_C       int32 [C]       stack of slots freed by evictions and ``remove`` (first
+                                 ``n_free`` entries); slots from ``fresh`` on were never held
+
+Slots are handed out from the free stack first, then the next fresh one. The free stack's
+memory is never written until a slot is freed, so only its used depth (about one call's
+evictions, in training) is ever backed by memory.
 
 A bucket holds no key: a probe whose tag matches reads the slot's key (a pending entry's
 from the call's list). Tags spare that read for 3 of 4 other keys it passes; the probe asks
@@ -53,8 +58,9 @@ were newer at scan time, and touches and inserts only happen at steps >= the sca
 ``assign`` may insert rows of any age: one older than the scan step drops the pool. When no
 key older than the current step remains, victims are chosen by an exact, uncached selection.
 
-Costs: 35 bytes per slot (buckets 10, slot arrays 25; 65 while buckets held their key, until
-2026-11-28). A lookup is one probe per input key (repeats included), plus for its new keys a
+Costs: 26 bytes per slot (buckets 10, key and meta 16), plus the free stack's used depth;
+35 until 2026-11-29, when step (8 B), call id (4), occupancy (1) and a free stack written in
+full (4) were separate arrays, and 65 while buckets held their key, until 2026-11-28. A lookup is one probe per input key (repeats included), plus for its new keys a
 second probe, and per evicted key a backward-shift deletion, which reads the key of each
 entry it moves past (to find that entry's home); a pool scan (a selection and a sort of P
 entries) reads the slot arrays once per ~C/8 evictions. Keys are not validated beyond dtype
@@ -89,6 +95,16 @@ _MAP_TAG = np.uint64(0x2545F4914F6CDD1D)
 _SKETCH_TAG = np.uint64(0x94D049BB133111EB)
 _INT64_MIN = np.iinfo(np.int64).min
 _CALL_ID_MAX = np.iinfo(np.int32).max
+_CALL_FIELD = np.int64(0xFFFFFFFF)
+"""The low half of a slot's meta word: the id of the last call that touched it."""
+_STEP_FIELD = np.int64(-(1 << 32))
+"""The high half of a slot's meta word: its last-access step, signed."""
+_FREE_CALL = 0
+"""A free slot's call field (fresh memory reads as free)."""
+_OLD_CALL = 1
+"""A held slot's call field once the map has forgotten the call that touched it."""
+STEP_MIN, STEP_MAX = -(2**31), 2**31 - 1
+"""The steps a map can store (32 bits of the meta word)."""
 BUCKETS_PER_SLOT = 2.5
 """Hash buckets per slot (> 2: see ``KeyMap.__init__``). A full map's probes then read 1.33
 buckets for a held key and 1.9 for an absent one; at 2.0 a lookup costs ~1.14x as much, at 4.0
@@ -228,20 +244,20 @@ def _find_kernel(buckets, rec, capacity, keys, out):
 
 
 @njit(nogil=True, cache=True)
-def _find_hinted_kernel(buckets, rec, capacity, slot_used, keys, hints, out):
+def _find_hinted_kernel(buckets, rec, capacity, keys, hints, out):
     """``_find_kernel`` that first tries each key's hinted slot (one read instead of a probe)."""
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
     for i in range(keys.shape[0]):
         s = hints[i]
-        if s >= 0 and slot_used[s] and rec[s, 0] == keys[i]:
+        if s >= 0 and (rec[s, 1] & _CALL_FIELD) != _FREE_CALL and rec[s, 0] == keys[i]:
             out[i] = s
         else:
             out[i] = _slot_of(buckets, rec, keys[i], nb, nb_u, capacity)
 
 
 @njit(nogil=True, cache=True)
-def _probe_kernel(buckets, rec, keys, slot_call, call_id, capacity, out, pend_keys):
+def _probe_kernel(buckets, rec, keys, call_id, capacity, out, pend_keys):
     """Resolve present keys, enter absent ones as pending; return (pending, distinct hits,
     hit positions, overflow). Stops early on overflow (the caller removes the pending)."""
     nb = np.int64(buckets.shape[0])
@@ -257,9 +273,7 @@ def _probe_kernel(buckets, rec, keys, slot_call, call_id, capacity, out, pend_ke
         if i + KEYS_AHEAD < n:
             _ask_home(buckets, hashes, keys, i + KEYS_AHEAD, nb_u)
         if i + SLOTS_AHEAD < n:
-            s = _ask_slot(buckets, rec, hashes, i + SLOTS_AHEAD, nb_u, capacity)
-            if s >= 0:
-                prefetch(slot_call, s)
+            _ask_slot(buckets, rec, hashes, i + SLOTS_AHEAD, nb_u, capacity)
         key = keys[i]
         hv = hashes[i & (_RING - 1)]
         h = _home_of(hv, nb_u)
@@ -281,8 +295,9 @@ def _probe_kernel(buckets, rec, keys, slot_call, call_id, capacity, out, pend_ke
                     if rec[code, 0] == key:
                         out[i] = code
                         n_hit_pos += 1
-                        if slot_call[code] != call_id:
-                            slot_call[code] = call_id
+                        meta = rec[code, 1]
+                        if (meta & _CALL_FIELD) != call_id:
+                            rec[code, 1] = (meta & _STEP_FIELD) | call_id
                             n_hit += 1
                             if n_hit + n_pend > capacity:
                                 return n_pend, n_hit, n_hit_pos, True
@@ -339,14 +354,19 @@ def _delete_pending_kernel(buckets, rec, pend_keys, n, capacity):
 
 
 @njit(nogil=True, cache=True)
-def _commit_kernel(buckets, rec, capacity, pend_keys, n_pend, free, n_free, slot_used,
+def _commit_kernel(buckets, rec, capacity, pend_keys, n_pend, free, n_free, fresh, call_id,
                    steps, per_key_step, out, new_slots):
-    """Give pending keys free slots, then set every input key's slot and last-access step."""
+    """Give pending keys free slots (the free stack's first, then fresh ones), then set every
+    input key's slot and last-access step; return (free stack depth, first fresh slot)."""
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
     for j in range(n_pend):
-        n_free -= 1
-        s = free[n_free]
+        if n_free > 0:
+            n_free -= 1
+            s = np.int64(free[n_free])
+        else:
+            s = fresh
+            fresh += 1
         key = pend_keys[j]
         hv = _hash(key)
         h = _home_of(hv, nb_u)
@@ -356,7 +376,7 @@ def _commit_kernel(buckets, rec, capacity, pend_keys, n_pend, free, n_free, slot
             h = _next(h, nb)
         buckets[h] = tag | s
         rec[s, 0] = key
-        slot_used[s] = True
+        rec[s, 1] = call_id
         new_slots[j] = s
     step = steps[0]
     for i in range(out.shape[0]):
@@ -364,12 +384,12 @@ def _commit_kernel(buckets, rec, capacity, pend_keys, n_pend, free, n_free, slot
         if c <= -2:
             c = new_slots[-2 - c]
             out[i] = c
-        rec[c, 1] = steps[i] if per_key_step else step
-    return n_free
+        rec[c, 1] = ((steps[i] if per_key_step else step) << 32) | (rec[c, 1] & _CALL_FIELD)
+    return n_free, fresh
 
 
 @njit(nogil=True, cache=True)
-def _evict_kernel(buckets, rec, capacity, pend_keys, victims, slot_used, free, n_free,
+def _evict_kernel(buckets, rec, capacity, pend_keys, victims, free, n_free,
                   out_keys, out_steps, out_slots, n_out):
     nb_u = np.uint64(buckets.shape[0])
     n = victims.shape[0]
@@ -381,18 +401,18 @@ def _evict_kernel(buckets, rec, capacity, pend_keys, victims, slot_used, free, n
         s = victims[t]
         key = rec[s, 0]
         out_keys[n_out] = key
-        out_steps[n_out] = rec[s, 1]
+        out_steps[n_out] = rec[s, 1] >> 32
         out_slots[n_out] = s
         n_out += 1
         _delete_code(buckets, rec, pend_keys, capacity, key, s)
-        slot_used[s] = False
+        rec[s, 1] &= _STEP_FIELD  # free; its key and step stay readable until reused
         free[n_free] = s
         n_free += 1
     return n_free, n_out
 
 
 @njit(nogil=True, cache=True)
-def _remove_kernel(buckets, rec, capacity, keys, slot_used, free, n_free, out):
+def _remove_kernel(buckets, rec, capacity, keys, free, n_free, out):
     nb = np.int64(buckets.shape[0])
     nb_u = np.uint64(nb)
     no_pending = np.empty(0, dtype=np.int64)
@@ -404,30 +424,37 @@ def _remove_kernel(buckets, rec, capacity, keys, slot_used, free, n_free, out):
         code = np.int64(buckets[b]) & _CODE_MASK
         out[i] = code
         _delete_at(buckets, rec, no_pending, capacity, b)
-        slot_used[code] = False
+        rec[code, 1] &= _STEP_FIELD  # free; its key and step stay readable until reused
         free[n_free] = code
         n_free += 1
     return n_free
 
 
 @njit(nogil=True, cache=True)
-def _candidates_kernel(slot_used, rec, slot_call, call_id, limited, step_limit):
-    """Return the used slots not touched by this call (with step < step_limit if limited)."""
+def _candidates_kernel(rec, n_slots, call_id, limited, step_limit):
+    """Return the held slots below ``n_slots`` not touched by this call (with step <
+    step_limit if limited)."""
     n = 0
-    for s in range(slot_used.shape[0]):
-        if slot_used[s] and slot_call[s] != call_id and (not limited or rec[s, 1] < step_limit):
+    for s in range(n_slots):
+        if _candidate(rec[s, 1], call_id, limited, step_limit):
             n += 1
     out = np.empty(n, dtype=np.int64)
     n = 0
-    for s in range(slot_used.shape[0]):
-        if slot_used[s] and slot_call[s] != call_id and (not limited or rec[s, 1] < step_limit):
+    for s in range(n_slots):
+        if _candidate(rec[s, 1], call_id, limited, step_limit):
             out[n] = s
             n += 1
     return out
 
 
+@njit(inline="always")
+def _candidate(meta, call_id, limited, step_limit):
+    call = meta & _CALL_FIELD
+    return call != _FREE_CALL and call != call_id and (not limited or (meta >> 32) < step_limit)
+
+
 @njit(nogil=True, cache=True)
-def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, rec, slot_call, call_id, out):
+def _pool_take_kernel(pool_slots, pool_steps, pos, want, rec, call_id, out):
     """Walk the pool, sorted by (step, key), from ``pos``: put its first ``want`` entries that
     are still valid (held, untouched since the scan, not in this call) into ``out``; return
     (how many, the position after the last entry read). An entry passed over never becomes
@@ -435,7 +462,9 @@ def _pool_take_kernel(pool_slots, pool_steps, pos, want, slot_used, rec, slot_ca
     n = 0
     while pos < pool_slots.shape[0] and n < want:
         s = pool_slots[pos]
-        if slot_used[s] and rec[s, 1] == pool_steps[pos] and slot_call[s] != call_id:
+        meta = rec[s, 1]
+        call = meta & _CALL_FIELD
+        if call != _FREE_CALL and (meta >> 32) == pool_steps[pos] and call != call_id:
             out[n] = s
             n += 1
         pos += 1
@@ -472,37 +501,44 @@ class KeyMap:
         # home bucket is scaled, not masked)
         self._buckets = pages.zeros(int(BUCKETS_PER_SLOT * self.capacity) + 1, np.uint32, huge_pages)
         self._buckets[:] = _EMPTY
-        # (key, last-access step) of each slot side by side: a probe's key check and the
-        # touch of its step read one cache line
+        # (key, meta word) of each slot side by side: a probe's key check, its touch and
+        # the step's write read one cache line
         self._rec = pages.zeros((self.capacity, 2), np.int64, huge_pages)
         self.slot_key = self._rec[:, 0]
         """Key held by each slot (a view)."""
-        self.slot_step = self._rec[:, 1]
-        """Step of each slot's last access (a view)."""
-        self._slot_used = pages.zeros(self.capacity, np.bool_, huge_pages)
-        self._slot_call = pages.zeros(self.capacity, np.int32, huge_pages)
-        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int32)  # pops slot 0 first
-        self._n_free = self.capacity
+        # freed slots, reused first (last freed, first reused); written only as slots are
+        # freed, so untouched pages stay unbacked
+        self._free = pages.zeros(self.capacity, np.int32, huge_pages)
+        self._n_free = 0
+        self._fresh = 0  # slots from here on were never held: handed out in ascending order
         self.departures = 0
         """How many calls may have taken keys out of their slots (evictions, ``remove``). While
         it is unchanged, every key still holds the slot it had: inserts only take free slots."""
-        self._call_id = 0
+        self._call_id = _OLD_CALL  # the first call's id is the next one
         self._clock = 0
         self._has_clock = False
         self._pool_target = max(1, int(self.capacity * pool_fraction))
         self._drop_pool()
 
     def commit_pages(self) -> None:
-        """Back every per-slot array with memory now (see ``StoreConfig.prefault``); the
-        buckets and the free list are written in full at construction already."""
-        for arr in (self._rec, self._slot_used, self._slot_call):
-            commit_pages(arr)
+        """Back the per-slot array with memory now (see ``StoreConfig.prefault``); the
+        buckets are written in full at construction already, and the free stack is
+        backed as it fills."""
+        commit_pages(self._rec)
 
     # ------------------------------------------------------------------ queries
 
     def __len__(self) -> int:
         """Return the number of keys held."""
-        return self.capacity - self._n_free
+        return self._fresh - self._n_free
+
+    def _n_open(self) -> int:
+        """Return the number of free slots (freed ones and never-held ones)."""
+        return self._n_free + self.capacity - self._fresh
+
+    def steps_of(self, slots: np.ndarray) -> np.ndarray:
+        """Return the last-access step (int64) of each of ``slots`` (held slots)."""
+        return self._rec[slots, 1] >> 32
 
     @property
     def clock(self) -> int | None:
@@ -529,13 +565,13 @@ class KeyMap:
         if hints_N is None:
             _find_kernel(self._buckets, self._rec, self.capacity, keys, out)
         else:
-            _find_hinted_kernel(self._buckets, self._rec, self.capacity, self._slot_used, keys, hints, out)
+            _find_hinted_kernel(self._buckets, self._rec, self.capacity, keys, hints, out)
         return out
 
     def items(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return (keys, slots, last-access steps) of every held key, in slot order."""
-        slots = np.flatnonzero(self._slot_used).astype(np.int64)
-        return self.slot_key[slots], slots, self.slot_step[slots]
+        slots = np.flatnonzero(self._rec[: self._fresh, 1] & _CALL_FIELD).astype(np.int64)
+        return self.slot_key[slots], slots, self.steps_of(slots)
 
     # ------------------------------------------------------------------ updates
 
@@ -545,6 +581,7 @@ class KeyMap:
         ``step`` may not be below an earlier lookup's (the clock belongs to this object: a
         map rebuilt from a checkpoint starts without one). Repeated keys are fine."""
         step = int(step)
+        _check_steps(step, step, "lookup")
         if self._has_clock and step < self._clock:
             raise ValueError(
                 f"lookup step {step} is before the previous lookup's step {int(self._clock)}; "
@@ -564,18 +601,20 @@ class KeyMap:
         if keys.shape[0] == 0:
             return self._place(keys, np.zeros(1, dtype=np.int64), False, None)
         oldest = int(steps.min())
+        _check_steps(oldest, int(steps.max()), "assign")
         if oldest < self._pool_limit:
             self._drop_pool()  # rows older than the pool's scan arrive: its order no longer holds
         limit = min(oldest, int(self._clock)) if self._has_clock else None
         return self._place(keys, steps, True, limit)
 
     def remove(self, keys_N: np.ndarray) -> np.ndarray:
-        """Remove keys; return the slot each held (-1 where absent). Slots become free."""
+        """Remove keys; return the slot each held (-1 where absent). Slots become free; their
+        keys and steps stay readable (``slot_key``, ``steps_of``) until a new key takes them."""
         keys = as_keys(keys_N)
         out = np.empty(keys.shape[0], dtype=np.int64)
         self.departures += 1
         self._n_free = int(
-            _remove_kernel(self._buckets, self._rec, self.capacity, keys, self._slot_used, self._free, self._n_free, out)
+            _remove_kernel(self._buckets, self._rec, self.capacity, keys, self._free, self._n_free, out)
         )
         return out
 
@@ -584,15 +623,17 @@ class KeyMap:
     def _place(self, keys: np.ndarray, steps: np.ndarray, per_key: bool, limit: int | None) -> MapUpdate:
         """Place ``keys``; victims older than ``limit`` may come from the pool (None: exact scan)."""
         if self._call_id == _CALL_ID_MAX:  # the int32 call ids wrap: forget every earlier call
-            self._slot_call[:] = 0
-            self._call_id = 0
+            meta = self._rec[: self._fresh, 1]
+            held = (meta & _CALL_FIELD) != _FREE_CALL
+            meta[held] = (meta[held] & _STEP_FIELD) | _OLD_CALL
+            self._call_id = _OLD_CALL
         self._call_id += 1
         call_id = self._call_id
         n = keys.shape[0]
         out = np.empty(n, dtype=np.int64)
         pend = np.empty(min(n, self.capacity), dtype=np.int64)
         n_pend, n_hit, n_hit_pos, overflow = _probe_kernel(
-            self._buckets, self._rec, keys, self._slot_call, call_id, self.capacity, out, pend
+            self._buckets, self._rec, keys, call_id, self.capacity, out, pend
         )
         if overflow:
             _delete_pending_kernel(self._buckets, self._rec, pend, n_pend, self.capacity)
@@ -601,7 +642,7 @@ class KeyMap:
                 f"a call touches {distinct_keys} distinct keys but the map holds at most {self.capacity}; "
                 "raise the table's capacity or send smaller batches"
             )
-        need = n_pend - self._n_free
+        need = n_pend - self._n_open()
         ev_keys = np.empty(max(need, 0), dtype=np.int64)
         ev_steps = np.empty(max(need, 0), dtype=np.int64)
         ev_slots = np.empty(max(need, 0), dtype=np.int64)
@@ -610,12 +651,11 @@ class KeyMap:
             if got != need:  # cannot happen: the probe counted the call's distinct keys
                 raise RuntimeError(f"internal error: evicted {got} keys, needed {need}")
         new_slots = np.empty(n_pend, dtype=np.int64)
-        self._n_free = int(
-            _commit_kernel(
-                self._buckets, self._rec, self.capacity, pend, n_pend, self._free, self._n_free,
-                self._slot_used, steps, per_key, out, new_slots,
-            )
+        n_free, fresh = _commit_kernel(
+            self._buckets, self._rec, self.capacity, pend, n_pend, self._free, self._n_free, self._fresh,
+            call_id, steps, per_key, out, new_slots,
         )
+        self._n_free, self._fresh = int(n_free), int(fresh)
         return MapUpdate(out, pend[:n_pend].copy(), new_slots, ev_keys, ev_slots, ev_steps, int(n_hit_pos))
 
     def _evict(self, need: int, limit: int | None, call_id: int, pend, ev_keys, ev_steps, ev_slots) -> int:
@@ -630,8 +670,7 @@ class KeyMap:
                 break
             victims = np.empty(need - got, dtype=np.int64)
             n, self._pool_pos = _pool_take_kernel(
-                self._pool_slots, self._pool_steps, self._pool_pos, need - got, self._slot_used, self._rec,
-                self._slot_call, call_id, victims,
+                self._pool_slots, self._pool_steps, self._pool_pos, need - got, self._rec, call_id, victims,
             )
             # in slot order, as a selection from the slot-ordered scan gave them: the free
             # stack, so the slots new keys get, stay what they always were
@@ -639,7 +678,7 @@ class KeyMap:
         if got < need:
             # No key older than this step is left (or rows of any age were assigned): pick
             # exactly, among all keys this call did not touch.
-            cand = _candidates_kernel(self._slot_used, self._rec, self._slot_call, call_id, False, 0)
+            cand = _candidates_kernel(self._rec, self._fresh, call_id, False, 0)
             chosen = self._oldest(cand, need - got)
             got = self._evict_slots(cand if chosen is None else cand[chosen], got, pend, ev_keys, ev_steps, ev_slots)
         return got
@@ -647,7 +686,7 @@ class KeyMap:
     def _evict_slots(self, victims: np.ndarray, got: int, pend, ev_keys, ev_steps, ev_slots) -> int:
         self.departures += 1
         self._n_free, got = _evict_kernel(
-            self._buckets, self._rec, self.capacity, pend, np.ascontiguousarray(victims), self._slot_used,
+            self._buckets, self._rec, self.capacity, pend, np.ascontiguousarray(victims),
             self._free, self._n_free, ev_keys, ev_steps, ev_slots, got,
         )
         self._n_free = int(self._n_free)
@@ -655,12 +694,12 @@ class KeyMap:
 
     def _refill_pool(self, need: int, limit: int, call_id: int) -> bool:
         self._drop_pool()
-        cand = _candidates_kernel(self._slot_used, self._rec, self._slot_call, call_id, True, limit)
+        cand = _candidates_kernel(self._rec, self._fresh, call_id, True, limit)
         if cand.shape[0] == 0:
             return False
         chosen = self._oldest(cand, max(need, self._pool_target))
         pool = cand if chosen is None else cand[chosen]
-        steps = self.slot_step[pool]
+        steps = self.steps_of(pool)
         order = np.lexsort((self.slot_key[pool].view(np.uint64), steps))  # by (step, key as uint64)
         self._pool_slots = np.ascontiguousarray(pool[order])
         self._pool_steps = np.ascontiguousarray(steps[order])
@@ -673,7 +712,7 @@ class KeyMap:
         uint64), or None when that is all of them. Selection, not sorting: O(len(cand))."""
         if cand.shape[0] <= m:
             return None
-        steps = self.slot_step[cand]
+        steps = self.steps_of(cand)
         threshold = np.partition(steps, m - 1)[m - 1]
         mask = steps < threshold
         rest = m - int(np.count_nonzero(mask))  # >= 1 by the choice of threshold
@@ -689,6 +728,13 @@ class KeyMap:
         self._pool_steps = np.empty(0, dtype=np.int64)
         self._pool_pos = 0  # entries before it are used up
         self._pool_limit = _INT64_MIN
+
+
+def _check_steps(lo: int, hi: int, what: str) -> None:
+    if lo < STEP_MIN or hi > STEP_MAX:
+        bad = lo if lo < STEP_MIN else hi
+        raise ValueError(f"{what}: step {bad} is outside [{STEP_MIN}, {STEP_MAX}], the steps a key map stores "
+                         "(32 bits)")
 
 
 def as_keys(keys) -> np.ndarray:

@@ -7,7 +7,7 @@ Layout (every array preallocated at construction, indexed by slot)::
 
                 slot:   0     1     2    ...  C-1
     KeyMap         key  k0    k1    -         k9       64-bit key -> slot, LRU by step
-             last_seen  12    15    -         15       (the map's slot_step_C)
+             last_seen  12    15    -         15       (the map's meta words)
     weights_CD          [ row 0 ][ row 1 ][ free ] ... [ row C-1 ]    float32 or float16
     optimizer state     rowwise_adagrad: rowwise_state_C        float32
                         adagrad:         state_sum_CD           float32
@@ -295,7 +295,7 @@ class EmbeddingTable:
         slots = self._touch(keys, int(step))
         has_row = slots >= 0
         sel = np.flatnonzero(has_row & np.asarray(want_U, dtype=bool))
-        return has_row, self._block(keys[sel], slots[sel], self._map.slot_step[slots[sel]])
+        return has_row, self._block(keys[sel], slots[sel], self._map.steps_of(slots[sel]))
 
     def _touch(self, keys: np.ndarray, step: int) -> np.ndarray:
         """Touch ``keys`` at ``step``, admitting, restoring (spill) or initializing misses;
@@ -428,7 +428,7 @@ class EmbeddingTable:
         slots = self._map.remove(keys)
         live = slots >= 0
         slots = slots[live]
-        out = self._rows_table(keys[live], slots, self._map.slot_step[slots])
+        out = self._rows_table(keys[live], slots, self._map.steps_of(slots))
         self._counters["rows_out"] += out.num_rows
         return out
 
@@ -610,7 +610,7 @@ class EmbeddingTable:
             return slots
         present = ~absent
         all_keys = np.concatenate([keys[present], block.keys])
-        all_steps = np.concatenate([self._map.slot_step[slots[present]], block.last_seen])
+        all_steps = np.concatenate([self._map.steps_of(slots[present]), block.last_seen])
         upd = self._map.assign(all_keys, all_steps)  # protects the present keys too
         evicted = self._take_evicted(upd)
         self._write_rows(upd.slots_N[present.sum():], block)
