@@ -544,3 +544,27 @@ def test_write_state_hands_over_state_dicts_tables_one_at_a_time():
     assert all(got[n] == want[n].to_pydict() for n in want)
     assert alive == [0, 0]
     store.close()
+
+
+def test_a_step_outside_32_bits_is_refused_by_the_table_group_too():
+    """The key map stores a step in 32 bits: the table group's fused reservation leaves a
+    step outside them to the tables' own path, which refuses it with a clear error and
+    changes nothing; the largest step inside them goes through the group."""
+    from recsys.store.group import TableGroup
+    from recsys.store.keymap import STEP_MAX
+    from recsys.store.table import EmbeddingTable
+
+    cfg = StoreConfig(lr=0.1)
+    tables = [EmbeddingTable(n, TableSpec(dim=4, capacity=100), cfg) for n in ("a", "b")]
+    group = TableGroup.of(tables)
+    assert group is not None
+    keys = np.array([5, 6, 7], dtype=np.int64)
+    base = np.array([0, 2, 3], dtype=np.int64)
+    slots = np.full(3, -1, dtype=np.int64)
+    assert group.reserve([0, 1], keys, base, STEP_MAX + 1, slots) == [0, 1]
+    with pytest.raises(ValueError, match="outside"):
+        tables[0].reserve(keys[:2], STEP_MAX + 1)
+    assert [len(t._map) for t in tables] == [0, 0]
+    assert group.reserve([0, 1], keys, base, STEP_MAX, slots) == []
+    assert [len(t._map) for t in tables] == [2, 1] and (slots >= 0).all()
+    assert tables[1]._map.steps_of(slots[2:]).tolist() == [STEP_MAX]

@@ -25,7 +25,7 @@ from numba import njit
 from numba.typed import List
 
 from recsys.store.initial import init_kernel
-from recsys.store.keymap import _CALL_ID_MAX, _commit_kernel, _delete_pending_kernel, _probe_kernel
+from recsys.store.keymap import _CALL_ID_MAX, STEP_MAX, STEP_MIN, _commit_kernel, _delete_pending_kernel, _probe_kernel
 from recsys.store.optim import _rowwise_adagrad_kernel
 from recsys.store.table import EmbeddingTable, _fill_rows_kernel, _gather_kernel
 
@@ -121,13 +121,16 @@ class TableGroup:
         """``EmbeddingTable.reserve`` of tables ``idx``, table ``i``'s unique keys being
         ``keys[base[i]:base[i+1]]``, its slots written to the same range of ``slots``;
         return the tables left to ``EmbeddingTable.reserve`` (an eviction needed, more keys
-        than the capacity, a step before the map's clock, call ids about to wrap), in
+        than the capacity, a step before the map's clock or outside 32 bits, call ids about
+        to wrap), in
         ascending order."""
         step = int(step)
         take, rest = [], []
         for i in idx:
             m = self.tables[i]._map
-            (take if m._call_id < _CALL_ID_MAX - 1 and not (m._has_clock and step < m._clock) else rest).append(i)
+            ok = m._call_id < _CALL_ID_MAX - 1 and STEP_MIN <= step <= STEP_MAX
+            ok = ok and not (m._has_clock and step < m._clock)
+            (take if ok else rest).append(i)
         if not take:
             return rest
         which = np.array(take, dtype=np.int64)
@@ -141,9 +144,9 @@ class TableGroup:
         new_slots = np.empty(n, dtype=np.int64)
         n_pend = np.empty(len(take), dtype=np.int64)
         n_hit_pos = np.empty(len(take), dtype=np.int64)
-        _reserve_kernel(which, lo, hi, self._buckets, self._rec, self._free,
-                        self._caps, call_ids, n_free, fresh, keys, np.array([step], dtype=np.int64), slots, pend, new_slots,
-                        n_pend, n_hit_pos, self._weights, self._states, self._salts, self._bounds, self._state_init)
+        _reserve_kernel(which, lo, hi, self._buckets, self._rec, self._free, self._caps, call_ids, n_free, fresh,
+                        keys, np.array([step], dtype=np.int64), slots, pend, new_slots, n_pend, n_hit_pos,
+                        self._weights, self._states, self._salts, self._bounds, self._state_init)
         for j, i in enumerate(take):  # the map's and the table's own bookkeeping, as lookup and _touch do
             m, c = maps[j], self.tables[i]._counters
             m._call_id = int(call_ids[j])  # used, even by a call left to the table: its touched marks

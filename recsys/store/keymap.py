@@ -60,10 +60,11 @@ key older than the current step remains, victims are chosen by an exact, uncache
 
 Costs: 26 bytes per slot (buckets 10, key and meta 16), plus the free stack's used depth;
 35 until 2026-11-29, when step (8 B), call id (4), occupancy (1) and a free stack written in
-full (4) were separate arrays, and 65 while buckets held their key, until 2026-11-28. A lookup is one probe per input key (repeats included), plus for its new keys a
-second probe, and per evicted key a backward-shift deletion, which reads the key of each
-entry it moves past (to find that entry's home); a pool scan (a selection and a sort of P
-entries) reads the slot arrays once per ~C/8 evictions. Keys are not validated beyond dtype
+full (4) were separate arrays, and 65 while buckets held their key, until 2026-11-28. A lookup
+is one probe per input key (repeats included), plus for its new keys a second probe, and per
+evicted key a backward-shift deletion, which reads the key of each entry it moves past (to
+find that entry's home); a pool scan (a selection and a sort of P entries) reads the slot
+array once per ~C/8 evictions. Keys are not validated beyond dtype
 and shape (hot path).
 """
 
