@@ -14,8 +14,8 @@ the routes stay declared there.
 
 Measured (``recsys bench serve``, 2 cores, 2 workers, 256 ids a request): 1.14× and 1.26× the
 keys/s of the same service answering through the full app, paired medians of 6 rounds in two
-runs (2026-11-28, Intel Xeon; 1.14× and 1.08× on AMD znver3 the same day, 1.47× when first
-measured; BENCHMARKS.md).
+runs (2026-11-28, Intel Xeon; 1.14× and 1.08× on AMD znver3 the same day, 1.16-1.20× on AMD
+znver4 on 2026-11-29, 1.47× when first measured; BENCHMARKS.md).
 """
 
 from __future__ import annotations
