@@ -482,6 +482,8 @@ def serve(settings: ServeSettings) -> None:
     """Run the service until interrupted (uvicorn; ``settings.workers`` processes)."""
     import uvicorn
 
+    from embedding_server.coalesce import CoalescingHttpToolsProtocol
+
     os.environ.update(settings.to_env())
     metrics_dir = None
     if settings.workers > 1 and "PROMETHEUS_MULTIPROC_DIR" not in os.environ:
@@ -490,17 +492,16 @@ def serve(settings: ServeSettings) -> None:
         metrics_dir = tempfile.mkdtemp(prefix="recsys-serve-metrics-")
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     try:
-        tls = uvicorn_tls(settings)
+        # a response's head and body in one write (embedding_server.coalesce)
+        args = {"log_level": "info", "access_log": False, "http": CoalescingHttpToolsProtocol, **uvicorn_tls(settings)}
         if settings.workers > 1:  # each worker on its own socket: embedding_server.workers says why
             from embedding_server.workers import run_workers
 
-            code = run_workers(settings.workers, settings.host, settings.port,
-                               {"log_level": "info", "access_log": False, **tls})
+            code = run_workers(settings.workers, settings.host, settings.port, args)
             if code:
                 raise SystemExit(code)
         else:
-            uvicorn.run(create_app_from_env(), host=settings.host, port=settings.port, log_level="info",
-                        access_log=False, **tls)
+            uvicorn.run(create_app_from_env(), host=settings.host, port=settings.port, **args)
     finally:
         if metrics_dir is not None:
             import shutil

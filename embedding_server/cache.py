@@ -42,19 +42,54 @@ import numpy as np
 from numba import njit
 
 from recsys.store.keymap import KeyMap
+from recsys.store.prefetch import ROWS_AHEAD, prefetch
 
 ENTRY_OVERHEAD = 100
 MIN_ROWS = 4096
+_FLOATS_PER_LINE = 16  # float32 values in a 64-byte cache line
 
 
 @njit(nogil=True, cache=True)
 def _gather_hits_kernel(slots_U, rows_CD, found_C, rows_UD, found_U):
-    """Copy the cached row and found flag of every key with a slot (>= 0)."""
-    for i in range(slots_U.shape[0]):
+    """Copy the cached row and found flag of every key with a slot (>= 0). Each row's cache
+    lines are asked for ``ROWS_AHEAD`` keys early (a cache of 256 MiB is far beyond the CPU's
+    caches, so nearly every row is a miss; ``recsys.store.prefetch``)."""
+    n = slots_U.shape[0]
+    dim = rows_CD.shape[1]
+    flat = rows_CD.reshape(-1)
+    for i in range(n):
+        # the hint is written out in each kernel on purpose (recsys.store.prefetch)
+        j = i + ROWS_AHEAD
+        if j < n and slots_U[j] >= 0:
+            base = slots_U[j] * dim
+            for off in range(0, dim, _FLOATS_PER_LINE):
+                prefetch(flat, base + off)
+            prefetch(found_C, slots_U[j])
         s = slots_U[i]
         if s >= 0:
-            rows_UD[i] = rows_CD[s]
+            for d in range(dim):
+                rows_UD[i, d] = rows_CD[s, d]
             found_U[i] = found_C[s]
+
+
+@njit(nogil=True, cache=True)
+def _scatter_kernel(slots_U, rows_UD, found_U, rows_CD, found_C):
+    """``rows_CD[slots_U] = rows_UD`` and ``found_C[slots_U] = found_U``, rows asked for
+    ``ROWS_AHEAD`` keys early (as ``_gather_hits_kernel``)."""
+    n = slots_U.shape[0]
+    dim = rows_CD.shape[1]
+    flat = rows_CD.reshape(-1)
+    for i in range(n):
+        j = i + ROWS_AHEAD
+        if j < n:
+            base = slots_U[j] * dim
+            for off in range(0, dim, _FLOATS_PER_LINE):
+                prefetch(flat, base + off)
+            prefetch(found_C, slots_U[j])
+        s = slots_U[i]
+        for d in range(dim):
+            rows_CD[s, d] = rows_UD[i, d]
+        found_C[s] = found_U[i]
 
 
 class TableCache:
@@ -96,8 +131,8 @@ class TableCache:
             keys_U, rows_UD, found_U = keys_U[: self.capacity], rows_UD[: self.capacity], found_U[: self.capacity]
         self._step += 1
         slots = self._map.lookup(keys_U, self._step).slots_N
-        self._rows[slots] = rows_UD
-        self._found[slots] = found_U
+        rows = np.ascontiguousarray(rows_UD, dtype=np.float32)
+        _scatter_kernel(slots, rows, np.ascontiguousarray(found_U, dtype=bool), self._rows, self._found)
 
 
 class LiveTableCache:
