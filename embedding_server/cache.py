@@ -21,8 +21,10 @@ fetched) and writes their rows, synchronously, so a slot is never written by a r
 that was preempted while another one reused it. Single-threaded use only (the service's
 event loop).
 
-Charged size per cached row: ``D·4`` bytes of row plus ``ENTRY_OVERHEAD`` (the map's
-65–97 bytes per slot and the found flag). ``CacheBudget`` splits the configured bytes
+Charged size per cached row: ``D·4`` bytes of row plus ``ENTRY_OVERHEAD``: the key map's
+26 bytes a slot, its free stack's 4 (allocated, written only as deep as evictions go) and
+the found flag's 1, rounded up to 32 (100 until 2026-11-29, when the map took 65–97 bytes a
+slot, then 35). ``CacheBudget`` splits the configured bytes
 over a version's tables in proportion to their published bytes (no table gets more rows
 than it has; a table of at most ``MIN_ROWS`` rows is cached whole, with room for as many
 absent ids). Arrays are allocated zeroed, so untouched capacity costs no resident memory.
@@ -44,7 +46,7 @@ from numba import njit
 from recsys.store.keymap import KeyMap
 from recsys.store.prefetch import ROWS_AHEAD, prefetch
 
-ENTRY_OVERHEAD = 100
+ENTRY_OVERHEAD = 32
 MIN_ROWS = 4096
 _FLOATS_PER_LINE = 16  # float32 values in a 64-byte cache line
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedding_server.cache import ENTRY_OVERHEAD, MIN_ROWS, CacheBudget, TableCache
+from embedding_server.cache import ENTRY_OVERHEAD, MIN_ROWS, CacheBudget, LiveTableCache, TableCache
 
 
 def row(key: int, dim: int) -> np.ndarray:
@@ -53,3 +54,17 @@ def test_more_keys_than_capacity_keep_the_first():
     cache.put(keys, np.ones((10, 2), np.float32), np.ones(10, bool))
     hit, _, _ = cache.get(keys)
     assert hit.tolist() == [True] * 4 + [False] * 6
+
+
+@pytest.mark.parametrize("dim", [8, 64, 100])
+def test_the_charge_per_row_covers_every_array_a_cache_allocates(dim):
+    """``entry_bytes`` is what the budget counts; the rows, found flags and key map a cache
+    allocates for its capacity must fit in it (a few bytes of rounding aside)."""
+    capacity = 50_000
+    for cache in (TableCache(capacity, dim), LiveTableCache(capacity, dim, ttl_s=1.0)):
+        owners = (vars(cache), vars(cache._map))  # per-slot arrays: not views, at least one entry a slot
+        arrays = [v for o in owners for v in o.values()
+                  if isinstance(v, np.ndarray) and v.base is None and v.size >= capacity]
+        assert len(arrays) >= 5  # rows, found; the map's buckets, slots, free stack (+ the live columns)
+        held = sum(a.nbytes for a in arrays)
+        assert held <= capacity * cache.entry_bytes(dim) + 64, (type(cache).__name__, held / capacity)
