@@ -84,6 +84,10 @@ def route(keys: np.ndarray, table_base: np.ndarray, world_size: int) -> tuple[np
     return send_keys, dest, counts
 
 
+_NUMPY_DTYPE = {torch.int64: np.int64, torch.float32: np.float32}
+"""The numpy dtype of each torch dtype an exchange carries (no tensor made per call to ask)."""
+
+
 class RankExchange:
     """The store's exchange between ranks (see module doc)."""
 
@@ -167,8 +171,7 @@ class RankExchange:
             return send
         t0 = time.perf_counter()
         if self._local is not None:
-            want = torch.empty(0, dtype=dtype).numpy().dtype
-            out, got = self._local.all_to_all(np.ascontiguousarray(send, dtype=want), send_sizes)
+            out, got = self._local.all_to_all(np.ascontiguousarray(send, dtype=_NUMPY_DTYPE[dtype]), send_sizes)
             if not np.array_equal(got, recv_sizes):  # the plan every rank derived from the counts
                 raise RuntimeError(f"rank {self.rank}: the {kind} exchange received blocks of {got.tolist()}, "
                                    f"expected {np.asarray(recv_sizes).tolist()}")

@@ -128,8 +128,8 @@ class TableGroup:
         take, rest = [], []
         for i in idx:
             m = self.tables[i]._map
-            ok = m._call_id < _CALL_ID_MAX - 1 and STEP_MIN <= step <= STEP_MAX
-            ok = ok and not (m._has_clock and step < m._clock)
+            ok = (m._call_id < _CALL_ID_MAX - 1 and STEP_MIN <= step <= STEP_MAX
+                  and not (m._has_clock and step < m._clock))
             (take if ok else rest).append(i)
         if not take:
             return rest
