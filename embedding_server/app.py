@@ -45,7 +45,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from embedding_server import overlay, wire
 from embedding_server.backends import BackendUnavailable, Snapshot, backend_from_settings
 from embedding_server.catalog import IdError
-from embedding_server.fastpath import FastLookup
+from embedding_server.fastpath import FrontedApp
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServeSettings
 from recsys.store.keymap import distinct_inverse
@@ -252,7 +252,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         finally:
             await backend.close()
 
-    app = FastAPI(title="recsys embedding lookup", version="1", lifespan=lifespan,
+    app = FrontedApp(title="recsys embedding lookup", version="1", lifespan=lifespan,
                   description=__doc__.split("\n\n")[0])
     app.state.backend = backend
     app.state.metrics = metrics
@@ -457,11 +457,11 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
     app.openapi = openapi
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(metrics.middleware)
-    if settings.fast_path:  # outermost: the lookups that end in 200 skip the stack (embedding_server.fastpath)
+    if settings.fast_path:  # in front of it all: the lookups that end in 200 skip the stack (embedding_server.fastpath)
         fast = {"/v1/lookup": lambda raw, binary: lookup_answer(raw, binary, observe=False),
                 "/v1/lookup/batch": lambda raw, binary: batch_answer(raw, binary, observe=False)}
-        app.add_middleware(FastLookup, routes=fast, metrics=metrics, token_ok=token_ok,
-                           max_bytes=settings.max_body_bytes, binary_media_type=wire.MEDIA_TYPE.encode())
+        app.front(fast, metrics=metrics, token_ok=token_ok, max_bytes=settings.max_body_bytes,
+                  binary_media_type=wire.MEDIA_TYPE.encode())
     return app
 
 

@@ -16,10 +16,8 @@ BINARY = {"accept": "application/octet-stream"}
 
 
 def _fast_layer(app) -> FastLookup:
-    stack = app.middleware_stack
-    while not isinstance(stack, FastLookup):
-        stack = stack.app  # ServerErrorMiddleware (the framework's, outermost) first
-    return stack
+    assert isinstance(app.fast, FastLookup)  # in front of the whole app, not among its middleware
+    return app.fast
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +76,25 @@ def test_the_fast_path_answers_as_the_app_does(servers, path, body, headers):
     assert a.content == b.content
     assert a.headers["content-type"] == b.headers["content-type"]
     assert _fast_layer(app).answered == before + 1  # answered by the fast path, not the app
+
+
+def test_a_fast_answer_never_enters_the_frameworks_stack(servers, monkeypatch):
+    fast, slow, app = servers
+    entered = []
+    full = app.fast.app
+
+    async def counted(scope, receive, send):
+        entered.append(scope["path"])
+        await full(scope, receive, send)
+
+    monkeypatch.setattr(app.fast, "app", counted)
+    for path, body, headers in REQUESTS:
+        assert _post(fast.url, path, body, {**AUTH, **headers}).status_code == 200
+        _post(slow.url, path, body, {**AUTH, **headers})  # the two servers' metrics stay comparable
+    assert entered == []
+    assert _post(fast.url, "/v1/lookup", {"feature": "nope", "ids": [1]}, AUTH).status_code == 422
+    _post(slow.url, "/v1/lookup", {"feature": "nope", "ids": [1]}, AUTH)
+    assert entered == ["/v1/lookup"]  # what it does not answer goes through the whole app
 
 
 @pytest.mark.parametrize("path, body, headers, status", ERRORS)
