@@ -36,15 +36,13 @@ import pyarrow.parquet as pq
 from embedding_server import overlay
 from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
-from embedding_server.resp import RespPool
+from embedding_server.resp import MGET_KEYS, RespPipeline
 from recsys import checkpoint_files
 from recsys import live_protocol as live
 from recsys import redis_layout as layout
 from recsys.redis_util import client_options, is_cluster_info, redact
 
 log = logging.getLogger(__name__)
-
-MGET_KEYS = 1000  # keys per MGET: large enough to amortize, small enough not to stall Redis
 
 
 class BackendUnavailable(RuntimeError):
@@ -172,7 +170,7 @@ class RedisBackend:
         self.errors = 0
         self._client = None
         self._cluster = False
-        self._resp: RespPool | None = None  # row MGETs on a single node over plain TCP / Unix socket
+        self._resp: RespPipeline | None = None  # row MGETs on a single node over plain TCP / Unix socket
         self._snap: Snapshot | None = None  # what requests are served: the version and its overlay
         self._base: Snapshot | None = None  # the published version alone
         self._manifests: dict[str, Snapshot] = {}
@@ -241,7 +239,7 @@ class RedisBackend:
             await probe.aclose()
         self._cluster = cluster
         if not cluster and self.url.startswith(("redis://", "unix://")):
-            self._resp = RespPool(self.url, self.timeout_s, self._options.get("password"))
+            self._resp = RespPipeline(self.url, self.timeout_s, self._options.get("password"))
         return RedisCluster.from_url(self.url, **opts) if cluster else aredis.Redis.from_url(self.url, **opts)
 
     async def _call(self, what: str, op):
@@ -445,15 +443,8 @@ class RedisBackend:
     async def _mget(self, names: list[bytes]) -> list[bytes | None]:
         if self._cluster:  # one MGET per hash slot, pipelined per node (redis-py)
             return await self._call("MGET of rows", lambda c: c.mget_nonatomic(names))
-        if self._resp is not None:  # plain TCP or a Unix socket: the lean client
-
-            async def lean(_c):
-                out = []
-                for s in range(0, len(names), MGET_KEYS):
-                    out += await self._resp.mget(names[s : s + MGET_KEYS])
-                return out
-
-            return await self._call("MGET of rows", lean)
+        if self._resp is not None:  # plain TCP or a Unix socket: the lean client, pipelined
+            return await self._call("MGET of rows", lambda _c: self._resp.mget(names))
 
         async def packed(c):
             # TLS: the command is packed by hiredis (C) and sent on one of redis-py's pooled

@@ -74,7 +74,7 @@ class ServeSettings:
     refresh_s: float = 1.0
     """How often the Redis alias is read: a published version is served within this interval."""
     redis_timeout_s: float = 2.0
-    """Socket timeout of one Redis call; past it the request gets 503."""
+    """Seconds a Redis call may wait for its reply; past it the request gets 503."""
     follow: str = ""
     """Live namespace whose rows (pushed by a training job) are overlaid on the served version
     (``recsys serve --follow``; empty: published rows only). Needs ``redis``."""

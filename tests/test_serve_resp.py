@@ -1,16 +1,37 @@
-"""The lean MGET client: AUTH and SELECT from the URL, errors as redis-py's, recovery after a restart."""
+"""The lean MGET client: AUTH and SELECT from the URL, errors as redis-py's, one pipelined
+connection, its timeout, callers cancelled mid-flight, recovery after a restart."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import pytest
 import redis
 
-from embedding_server.resp import RespPool
+from embedding_server import resp
+from embedding_server.resp import RespPipeline
 from recsys.harness import start_redis
 
 pytestmark = pytest.mark.redis
+
+
+@pytest.fixture
+def server(tmp_path):
+    s = start_redis(tmp_path / "r")
+    try:
+        yield s
+    finally:
+        if s.proc.poll() is None:
+            os.kill(s.proc.pid, signal.SIGCONT)  # should a test have stopped it
+        s.stop()
+
+
+def _connections(r: redis.Redis) -> int:
+    """Connections the server has accepted (``r`` keeps its own one open)."""
+    return int(r.info("stats")["total_connections_received"])
 
 
 def test_mget_with_password_and_db(tmp_path):
@@ -21,10 +42,10 @@ def test_mget_with_password_and_db(tmp_path):
         redis.Redis(port=server.port, password="pw", db=0).set(b"a", b"other db")
 
         async def run():
-            pool = RespPool(f"redis://:pw@127.0.0.1:{server.port}/2", timeout_s=5)
+            pool = RespPipeline(f"redis://:pw@127.0.0.1:{server.port}/2", timeout_s=5)
             try:
                 got = await pool.mget([b"a", b"b", b"c"])
-                again = await pool.mget([b"c"])  # on the pooled connection
+                again = await pool.mget([b"c"])  # on the same connection
                 return got, again
             finally:
                 pool.close()
@@ -33,7 +54,7 @@ def test_mget_with_password_and_db(tmp_path):
         assert got == [b"1", None, b"\x00\xff" * 100] and again == [b"\x00\xff" * 100]
 
         async def wrong():
-            pool = RespPool(f"redis://:nope@127.0.0.1:{server.port}/0", timeout_s=5)
+            pool = RespPipeline(f"redis://:nope@127.0.0.1:{server.port}/0", timeout_s=5)
             await pool.mget([b"a"])
 
         with pytest.raises(redis.ResponseError):
@@ -42,22 +63,105 @@ def test_mget_with_password_and_db(tmp_path):
         server.stop()
 
 
-def test_a_restarted_server_costs_one_failed_call(tmp_path):
-    server = start_redis(tmp_path / "r")
-    try:
-        redis.Redis(port=server.port).set(b"k", b"v")
+def test_concurrent_calls_share_one_connection_and_get_their_own_replies(server, monkeypatch):
+    monkeypatch.setattr(resp, "MGET_KEYS", 7)  # the long call is split into several MGETs
+    r = redis.Redis(port=server.port)
+    r.mset({f"k{i}".encode(): f"v{i}".encode() for i in range(100)})
+    asks = [[f"k{(7 * j + i) % 130}".encode() for i in range(j + 1)] for j in range(40)]
+    asks.append([f"k{i}".encode() for i in range(120)])
+    before = _connections(r)
 
-        async def run():
-            pool = RespPool(f"redis://127.0.0.1:{server.port}/0", timeout_s=5)
-            await asyncio.gather(*(pool.mget([b"k"]) for _ in range(4)))  # four idle connections
-            server.restart()
-            redis.Redis(port=server.port).set(b"k", b"v2")
-            with pytest.raises((redis.ConnectionError, OSError)):
-                await pool.mget([b"k"])
-            value = await pool.mget([b"k"])  # the dead idle connections were dropped
+    async def run():
+        pool = RespPipeline(f"redis://127.0.0.1:{server.port}/0", timeout_s=5)
+        try:
+            return await asyncio.gather(*(pool.mget(a) for a in asks))
+        finally:
             pool.close()
-            return value
 
-        assert asyncio.run(run()) == [b"v2"]
-    finally:
+    got = asyncio.run(run())
+    assert _connections(r) - before == 1
+    for ask, values in zip(asks, got):
+        assert values == [r.get(k) for k in ask]
+
+
+def test_a_stuck_server_times_out_and_the_next_call_reconnects(server):
+    r = redis.Redis(port=server.port)
+    r.set(b"k", b"v")
+    before = _connections(r)
+
+    async def run():
+        pool = RespPipeline(f"redis://127.0.0.1:{server.port}/0", timeout_s=0.5)
+        assert await pool.mget([b"k"]) == [b"v"]
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            calls = [asyncio.ensure_future(pool.mget([b"k"])) for _ in range(3)]
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            waited = time.monotonic() - t0
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        value = await pool.mget([b"k"])
+        pool.close()
+        return outcomes, waited, value
+
+    outcomes, waited, value = asyncio.run(run())
+    assert all(isinstance(o, TimeoutError) for o in outcomes), outcomes
+    assert "did not answer within 0.5 s" in str(outcomes[0])
+    assert waited >= 0.5
+    assert value == [b"v"]
+    assert _connections(r) - before == 2  # the stuck connection was dropped, a new one opened
+
+
+def test_a_caller_cancelled_in_flight_leaves_the_others_replies_in_place(server):
+    r = redis.Redis(port=server.port)
+    r.mset({b"a": b"1", b"b": b"2", b"c": b"3", b"d": b"4"})
+
+    async def run():
+        pool = RespPipeline(f"redis://127.0.0.1:{server.port}/0", timeout_s=5)
+        assert await pool.mget([b"d"]) == [b"4"]  # connected
+        os.kill(server.proc.pid, signal.SIGSTOP)  # the three calls are sent, their replies held
+        try:
+            calls = [asyncio.ensure_future(pool.mget([k])) for k in (b"a", b"b", b"c")]
+            await asyncio.sleep(0.05)
+            calls[1].cancel()
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        first, third = await calls[0], await calls[2]
+        after = await pool.mget([b"b", b"d"])  # on the same connection, after the skipped reply
+        pool.close()
+        return first, calls[1].cancelled(), third, after
+
+    assert asyncio.run(run()) == ([b"1"], True, [b"3"], [b"2", b"4"])
+
+
+def test_a_restarted_server_costs_at_most_the_calls_in_flight(server):
+    redis.Redis(port=server.port).set(b"k", b"v")
+
+    async def run():
+        pool = RespPipeline(f"redis://127.0.0.1:{server.port}/0", timeout_s=5)
+        assert await pool.mget([b"k"]) == [b"v"]
+        server.restart()
+        redis.Redis(port=server.port).set(b"k", b"v2")
+        try:
+            await pool.mget([b"k"])  # fails if it went out before the client saw the old connection close
+        except redis.ConnectionError:
+            pass
+        value = await pool.mget([b"k"])  # a new connection
+        pool.close()
+        return value
+
+    assert asyncio.run(run()) == [b"v2"]
+
+
+def test_a_closed_server_fails_with_a_connection_error(server):
+    async def run():
+        pool = RespPipeline(f"redis://127.0.0.1:{server.port}/0", timeout_s=5)
+        await pool.mget([b"k"])
         server.stop()
+        with pytest.raises((redis.ConnectionError, OSError)):
+            await pool.mget([b"k"])
+        with pytest.raises((redis.ConnectionError, OSError)):  # and again, while nothing listens
+            await pool.mget([b"k"])
+        pool.close()
+
+    asyncio.run(run())
