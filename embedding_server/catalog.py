@@ -35,6 +35,7 @@ ID_KINDS = ("int64", "string")
 ARMS = ("embedding", "wide")
 """What a lookup reads for a feature: its embeddings, or the wide arm's weights (``model.wide``)."""
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+_INT = frozenset((int,))  # the exact type of an int id (a bool is not one)
 
 
 class IdError(ValueError):
@@ -240,7 +241,7 @@ class Catalog:
             table = self.table(feature)
         if feature.kind == "int64":
             values = None
-            if all(type(v) is int for v in ids):  # the common case: one pass, one conversion
+            if set(map(type, ids)) <= _INT:  # the common case: one pass in C, one conversion
                 try:
                     values = np.array(ids, dtype=np.int64)
                 except OverflowError:

@@ -768,25 +768,39 @@ def distinct(values: np.ndarray) -> np.ndarray:
 
 
 def distinct_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return ``np.unique(keys, return_inverse=True)`` of int64 keys: the sorted distinct
-    keys and each key's index among them. One compiled call: for the few hundred keys of a
-    served request, numpy's eight array calls cost ~5x more than the work."""
+    """Return the distinct int64 ``keys`` in the order they first appear, and each key's
+    index among them (``uniq[inverse] == keys``). One compiled call with a small hash table:
+    for the few hundred keys of a served request, numpy's ``unique`` (eight array calls and
+    a sort) cost ~5x more than the work, and a sort alone 2.5x more than the table."""
     return _distinct_inverse_kernel(as_keys(keys))
 
 
 @njit(nogil=True, cache=True)
 def _distinct_inverse_kernel(keys):
     n = keys.shape[0]
-    order = np.argsort(keys)
+    size = 16
+    while size < 2 * n:  # at most half full
+        size <<= 1
+    mask = np.uint64(size - 1)
+    table = np.full(size, -1, dtype=np.int64)  # an index into uniq, or -1
     uniq = np.empty(n, dtype=np.int64)
     inverse = np.empty(n, dtype=np.int64)
     m = 0
     for i in range(n):
-        k = keys[order[i]]
-        if m == 0 or uniq[m - 1] != k:
-            uniq[m] = k
-            m += 1
-        inverse[order[i]] = m - 1
+        k = keys[i]
+        j = _hash(k) & mask
+        while True:
+            t = table[j]
+            if t < 0:
+                table[j] = m
+                uniq[m] = k
+                inverse[i] = m
+                m += 1
+                break
+            if uniq[t] == k:
+                inverse[i] = t
+                break
+            j = (j + np.uint64(1)) & mask
     return uniq[:m].copy(), inverse
 
 
