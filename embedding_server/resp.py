@@ -159,6 +159,8 @@ class RespPipeline:
     async def mget(self, names: list[bytes]) -> list[bytes | None]:
         """Return the values of ``names`` (None where absent), within the timeout; one MGET per
         ``MGET_KEYS`` names, all sent together."""
+        if not names:
+            return []
         pipe = self._pipe
         if pipe is None or pipe.closed:
             pipe = await self._connection()
@@ -179,6 +181,8 @@ class RespPipeline:
 
     def close(self) -> None:
         """Close the connection; calls waiting on it fail."""
+        if self._opening is not None and not self._opening.done():
+            self._opening.cancel()  # no connection opened after the close
         if self._pipe is not None:
             self._pipe.abort(redis.ConnectionError("the client was closed"))
             self._pipe = None
