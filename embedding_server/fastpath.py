@@ -20,7 +20,8 @@ about 10 % of a worker's CPU (py-spy, 2026-11-29) for nothing the fast path uses
 Measured (``recsys bench serve``, 2 cores, 2 workers, 256 ids a request): 1.14× and 1.26× the
 keys/s of the same service answering through the full app, paired medians of 6 rounds in two
 runs (2026-11-28, Intel Xeon; 1.14× and 1.08× on AMD znver3 the same day, 1.16-1.20× on AMD
-znver4 on 2026-11-29, 1.47× when first measured; BENCHMARKS.md).
+znver4 on 2026-11-29, 1.16-1.24× there once the layer stood in front of the whole app, 1.47× when
+first measured; BENCHMARKS.md).
 """
 
 from __future__ import annotations
