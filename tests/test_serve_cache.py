@@ -39,6 +39,35 @@ def test_cache_matches_a_reference_lru(requests, capacity):
         assert len(cache) == len(ref)
 
 
+@given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), min_size=2, max_size=40),
+       st.integers(12, 20))
+@settings(max_examples=150, deadline=None)
+def test_requests_that_await_redis_in_between_never_leave_a_wrong_row(requests, capacity):
+    # two requests at a time: A reads the cache, B reads and caches (evicting some of A's
+    # hits, caching some of A's misses), then A caches what it read: every row held is its key's
+    dim = 3
+    cache = TableCache(capacity, dim)
+
+    def fetched(req):
+        truth = np.array([k % 2 == 0 for k in req])
+        return np.stack([row(k, dim) if t else np.zeros(dim, np.float32) for k, t in zip(req, truth)]), truth
+
+    for a, b in zip(requests[::2], requests[1::2]):
+        ka, kb = np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)
+        hit_a, rows_a, found_a = cache.get(ka)
+        rows_b, found_b = fetched(b)
+        cache.put(kb, rows_b, found_b)
+        fresh_rows, fresh_found = fetched(a)  # A's misses come from Redis, its hits from the cache
+        rows_a[~hit_a], found_a[~hit_a] = fresh_rows[~hit_a], fresh_found[~hit_a]
+        cache.put(ka, rows_a, found_a)
+        held = np.arange(41, dtype=np.int64)
+        hit, rows, found = cache.get(held)
+        assert set(held[hit].tolist()) >= set(a)  # A's keys are the most recent
+        for k, h, r, f in zip(held, hit, rows, found):
+            if h:
+                assert f == (k % 2 == 0) and np.array_equal(r, row(k, dim) if f else np.zeros(dim, np.float32))
+
+
 def test_budget_splits_by_published_bytes():
     budget = CacheBudget(10_000 * (64 * 4 + ENTRY_OVERHEAD), {"big": (3_000_000, 64), "small": (10, 64),
                                                             "mid": (1_000_000, 64)})
