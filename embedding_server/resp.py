@@ -76,12 +76,13 @@ class _Pipe(asyncio.Protocol):
         """Queue one command; return the future of its reply (sent at the end of this turn)."""
         if self.closed:
             raise redis.ConnectionError("the connection to Redis is closed")
+        packed = hiredis.pack_command(args)  # first: a command that cannot be packed queues nothing
         fut = self.loop.create_future()
         deadline = self.loop.time() + self.timeout_s
         self.waiting.append((fut, deadline))
         if not self.out:
             self.loop.call_soon(self._flush)
-        self.out.append(hiredis.pack_command(args))
+        self.out.append(packed)
         if self.timer is None:
             self.timer = self.loop.call_at(deadline, self._check_deadline)
         return fut
@@ -129,6 +130,7 @@ class RespPipeline:
         self.timeout_s = timeout_s
         self._pipe: _Pipe | None = None
         self._opening: asyncio.Task | None = None  # one open that every caller meanwhile waits for
+        self._closed = False
 
     async def _open(self) -> _Pipe:
         loop = asyncio.get_running_loop()
@@ -151,19 +153,33 @@ class RespPipeline:
         return pipe
 
     async def _connection(self) -> _Pipe:
+        if self._closed:
+            raise redis.ConnectionError("the client was closed")
         if self._opening is None or self._opening.done():
             self._opening = asyncio.get_running_loop().create_task(self._open())
             self._opening.add_done_callback(lambda t: t.cancelled() or t.exception())  # read by someone
-        return await asyncio.shield(self._opening)  # one caller's cancel leaves the others' open
+        opening = self._opening
+        try:
+            return await asyncio.shield(opening)  # one caller's cancel leaves the others' open
+        except asyncio.CancelledError:
+            if self._closed and opening.cancelled() and not asyncio.current_task().cancelling():
+                raise redis.ConnectionError("the client was closed while connecting") from None
+            raise
 
     async def mget(self, names: list[bytes]) -> list[bytes | None]:
-        """Return the values of ``names`` (None where absent), within the timeout; one MGET per
-        ``MGET_KEYS`` names, all sent together."""
+        """Return the values of ``names`` (None where absent), within the timeout (a call that
+        must wait for a connection first included); one MGET per ``MGET_KEYS`` names, all
+        sent together."""
         if not names:
             return []
         pipe = self._pipe
         if pipe is None or pipe.closed:
-            pipe = await self._connection()
+            async with asyncio.timeout(self.timeout_s):  # the connection's open and the reply together
+                return await self._send_mget(await self._connection(), names)
+        return await self._send_mget(pipe, names)
+
+    @staticmethod
+    async def _send_mget(pipe: _Pipe, names: list[bytes]) -> list[bytes | None]:
         if len(names) <= MGET_KEYS:
             return await pipe.send(("MGET", *names))
         futs = [pipe.send(("MGET", *names[s : s + MGET_KEYS])) for s in range(0, len(names), MGET_KEYS)]
@@ -180,7 +196,8 @@ class RespPipeline:
         return out
 
     def close(self) -> None:
-        """Close the connection; calls waiting on it fail."""
+        """Close the connection for good; calls waiting on it fail, later ones too."""
+        self._closed = True
         if self._opening is not None and not self._opening.done():
             self._opening.cancel()  # no connection opened after the close
         if self._pipe is not None:

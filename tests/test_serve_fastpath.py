@@ -97,6 +97,15 @@ def test_a_fast_answer_never_enters_the_frameworks_stack(servers, monkeypatch):
     assert entered == ["/v1/lookup"]  # what it does not answer goes through the whole app
 
 
+def test_with_fastapis_own_telemetry_on_every_request_goes_through_the_app(tiny_run, monkeypatch):
+    app = create_app(ServeSettings(checkpoint=str(tiny_run)))
+    monkeypatch.setattr(type(app), "instrumented", lambda self: True)  # as with a tracer provider configured
+    with LiveServer(app) as server:
+        for path, body, headers in REQUESTS:
+            assert _post(server.url, path, body, headers).status_code == 200
+    assert app.fast.answered == 0
+
+
 @pytest.mark.parametrize("path, body, headers, status", ERRORS)
 def test_what_the_fast_path_does_not_answer_the_app_answers_unchanged(servers, path, body, headers, status):
     fast, slow, app = servers

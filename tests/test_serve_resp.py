@@ -8,6 +8,7 @@ import os
 import signal
 import time
 
+import hiredis
 import pytest
 import redis
 
@@ -165,3 +166,74 @@ def test_a_closed_server_fails_with_a_connection_error(server):
         pool.close()
 
     asyncio.run(run())
+
+
+def test_an_error_reply_in_the_pipeline_fails_only_its_own_call(server):
+    redis.Redis(port=server.port).mset({b"a": b"1", b"c": b"3"})
+
+    async def run():
+        pool = RespPipeline(f"redis://127.0.0.1:{server.port}/0", timeout_s=5)
+        assert await pool.mget([b"c"]) == [b"3"]  # connected
+        first = asyncio.ensure_future(pool.mget([b"a"]))
+        await asyncio.sleep(0)  # its MGET is queued in this turn
+        wrong = pool._pipe.send(("GET",))  # an error reply between two good ones, in the same write
+        last = asyncio.ensure_future(pool.mget([b"a", b"c"]))
+        outcomes = await asyncio.gather(first, wrong, last, return_exceptions=True)
+        pool.close()
+        return outcomes
+
+    first, wrong, last = asyncio.run(run())
+    assert first == [b"1"] and last == [b"1", b"3"]
+    assert isinstance(wrong, redis.ResponseError) and "wrong number of arguments" in str(wrong)
+
+
+async def _unanswering_server(auth_delay_s: float):
+    """A server that answers AUTH with +OK after ``auth_delay_s`` and nothing else, ever."""
+
+    async def handle(reader, writer):
+        parser = hiredis.Reader()
+        try:
+            while data := await reader.read(1 << 16):
+                parser.feed(data)
+                while (cmd := parser.gets()) is not False:
+                    if cmd[0].upper() == b"AUTH":
+                        await asyncio.sleep(auth_delay_s)
+                        writer.write(b"+OK\r\n")
+        finally:
+            writer.close()  # also when the test's loop ends and cancels this
+
+    srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return srv, srv.sockets[0].getsockname()[1]
+
+
+def test_a_call_that_must_connect_first_waits_no_longer_than_the_timeout():
+    async def run():
+        srv, port = await _unanswering_server(auth_delay_s=0.8)
+        pool = RespPipeline(f"redis://:pw@127.0.0.1:{port}/0", timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await pool.mget([b"k"])  # 0.8 s to connect, then a reply that never comes
+        waited = time.monotonic() - t0
+        pool.close()
+        srv.close()
+        return waited
+
+    waited = asyncio.run(run())
+    assert 1.0 <= waited < 1.6  # the open and the reply share one timeout (apart they took 1.8 s)
+
+
+def test_close_while_connecting_fails_the_waiting_calls_with_a_connection_error():
+    async def run():
+        srv, port = await _unanswering_server(auth_delay_s=60)
+        pool = RespPipeline(f"redis://:pw@127.0.0.1:{port}/0", timeout_s=30)
+        calls = [asyncio.ensure_future(pool.mget([b"k"])) for _ in range(2)]
+        await asyncio.sleep(0.1)  # both wait for the one open, stuck at AUTH
+        pool.close()
+        outcomes = await asyncio.gather(*calls, return_exceptions=True)
+        with pytest.raises(redis.ConnectionError, match="closed"):
+            await pool.mget([b"k"])  # closed for good
+        srv.close()
+        return outcomes
+
+    outcomes = asyncio.run(run())
+    assert all(isinstance(o, redis.ConnectionError) and "closed" in str(o) for o in outcomes), outcomes

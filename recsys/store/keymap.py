@@ -70,6 +70,7 @@ and shape (hot path).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import numpy as np
@@ -771,12 +772,18 @@ def distinct_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Return the distinct int64 ``keys`` in the order they first appear, and each key's
     index among them (``uniq[inverse] == keys``). One compiled call with a small hash table:
     for the few hundred keys of a served request, numpy's ``unique`` (eight array calls and
-    a sort) cost ~5x more than the work, and a sort alone 2.5x more than the table."""
-    return _distinct_inverse_kernel(as_keys(keys))
+    a sort) cost ~5x more than the work, and a sort alone 2.5x more than the table. The
+    table's hash is salted per process: served ids come from clients, and both hashes on
+    their way here are public, so ids chosen to share one probe run would otherwise cost
+    quadratic time."""
+    return _distinct_inverse_kernel(as_keys(keys), _DISTINCT_SALT)
+
+
+_DISTINCT_SALT = np.uint64(int.from_bytes(os.urandom(8), "little"))
 
 
 @njit(nogil=True, cache=True)
-def _distinct_inverse_kernel(keys):
+def _distinct_inverse_kernel(keys, salt):
     n = keys.shape[0]
     size = 16
     while size < 2 * n:  # at most half full
@@ -788,7 +795,7 @@ def _distinct_inverse_kernel(keys):
     m = 0
     for i in range(n):
         k = keys[i]
-        j = _hash(k) & mask
+        j = _hash(np.uint64(k) ^ salt) & mask
         while True:
             t = table[j]
             if t < 0:
