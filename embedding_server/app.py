@@ -42,7 +42,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedding_server import overlay, wire
+from embedding_server import fastpath, overlay, wire
 from embedding_server.backends import BackendUnavailable, Snapshot, backend_from_settings
 from embedding_server.catalog import IdError
 from embedding_server.fastpath import FrontedApp
@@ -281,6 +281,9 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
         return JSONResponse({"detail": str(exc)}, status_code=503, headers={"Retry-After": "1"})
 
     async def snapshot() -> Snapshot:
+        failed = fastpath.failure()
+        if isinstance(failed, BackendUnavailable):  # the fast path just asked: one wait, not two
+            raise failed
         snap = await backend.snapshot()
         metrics.serving(snap.version)
         return snap

@@ -27,13 +27,24 @@ first measured; BENCHMARKS.md).
 
 from __future__ import annotations
 
+import contextvars
 import time
 from typing import Awaitable, Callable
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["FastLookup", "FrontedApp"]
+__all__ = ["FastLookup", "FrontedApp", "failure"]
+
+_FAILURE: contextvars.ContextVar[Exception | None] = contextvars.ContextVar("recsys_fast_path_failure", default=None)
+
+
+def failure() -> Exception | None:
+    """Return what the fast path's handler raised for the request the app is answering now
+    (None: nothing, or the request did not come through the fast path). The app may answer
+    with it rather than ask again what just failed: a backend that timed out once should
+    not make the request wait for a second timeout."""
+    return _FAILURE.get()
 
 Handler = Callable[[bytes, bool], Awaitable[tuple[bytes, str, int]]]
 """(body, binary response wanted) -> (response body, media type, ids asked for); raises
@@ -81,12 +92,13 @@ class FastLookup:
                 if not message.get("more_body", False):
                     complete = True
                     break
+        failed = None
         if complete and self.token_ok(auth or b""):
             try:
                 body, media_type, ids = await handler(b"".join(m.get("body", b"") for m in received),
                                                       self.binary in (accept or b""))
-            except Exception:  # noqa: BLE001 - the app answers it, in its own words
-                body = None
+            except Exception as exc:  # noqa: BLE001 - the app answers it, in its own words
+                body, failed = None, exc
             if body is not None:
                 await send({"type": "http.response.start", "status": 200,
                             "headers": [(b"content-length", str(len(body)).encode()),
@@ -102,7 +114,11 @@ class FastLookup:
         async def replay() -> Message:
             return received.pop(0) if received else await receive()
 
-        await self.app(scope, replay, send)
+        token = _FAILURE.set(failed)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            _FAILURE.reset(token)
 
 
 class FrontedApp(FastAPI):

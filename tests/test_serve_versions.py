@@ -4,7 +4,9 @@ with a clear body, and the service recovers by itself when Redis returns."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import threading
 
 import httpx
@@ -113,6 +115,31 @@ def test_redis_outage_is_a_503_and_recovers(tiny_run, tmp_path):
             metrics = dict(line.rsplit(" ", 1) for line in c.get("/metrics").text.splitlines()
                            if line and not line.startswith("#"))
             assert float(metrics["recsys_serve_backend_errors_total"]) >= 1
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("fast_path", [True, False], ids=["fast-path", "full-app"])
+def test_a_hung_redis_costs_a_request_one_timeout_not_two(tiny_run, tmp_path, fast_path):
+    # the fast path's failed read is the app's answer: the app does not read again (and wait again)
+    server = start_redis(tmp_path / "redis")
+    try:
+        publish.export(tiny_run, server.url, publish.ExportSettings(version="v1"), progress=False)
+        app = create_app(ServeSettings(redis=server.url, refresh_s=3600, redis_timeout_s=0.5, cache_bytes=0,
+                                       fast_path=fast_path))
+        backend = app.state.backend
+        with LiveServer(app) as live, httpx.Client(base_url=live.url, timeout=30) as c:
+            body = {"feature": "c1", "ids": [1, 2, 3]}
+            assert c.post("/v1/lookup", json=body).status_code == 200
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            try:
+                before = backend.errors
+                r = c.post("/v1/lookup", json=body)
+                assert r.status_code == 503 and "TimeoutError" in r.json()["detail"], r.text
+                assert backend.errors - before == 1  # one Redis read failed, and only one was tried
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+            wait_until(lambda: c.post("/v1/lookup", json=body).status_code == 200, 30, "lookups to recover")
     finally:
         server.stop()
 
