@@ -40,15 +40,29 @@ request serves the newest row this worker has seen.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from numba import njit
 
-from recsys.store.keymap import KeyMap
+from recsys.store.keymap import KeyMap, as_keys
 from recsys.store.prefetch import ROWS_AHEAD, prefetch
 
 ENTRY_OVERHEAD = 32
 MIN_ROWS = 4096
 _FLOATS_PER_LINE = 16  # float32 values in a 64-byte cache line
+
+
+_SALT = np.int64(int.from_bytes(os.urandom(8), "little", signed=True))
+
+
+def salted(keys: np.ndarray) -> np.ndarray:
+    """Return ``keys`` as the caches' key maps hold them: XORed with a per-process random
+    word. Served keys come from clients, and the hashes on their way to a key map are public
+    (``recsys.hashing``, the map's own): unsalted, ids chosen to fill one probe run would
+    slow every later lookup that lands there. XOR keeps distinct keys distinct, and every
+    int64 is a valid key."""
+    return np.bitwise_xor(as_keys(keys), _SALT)
 
 
 @njit(nogil=True, cache=True)
@@ -121,7 +135,7 @@ class TableCache:
     def get(self, keys_U: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return (hit mask, float32 [U, D] rows, found [U]) for distinct ``keys_U``; rows and
         found are valid where hit. Touches nothing (``put`` does)."""
-        slots = self._map.find(keys_U)
+        slots = self._map.find(salted(keys_U))
         rows = np.zeros((keys_U.shape[0], self.dim), dtype=np.float32)
         found = np.zeros(keys_U.shape[0], dtype=bool)
         _gather_hits_kernel(slots, self._rows, self._found, rows, found)
@@ -132,7 +146,7 @@ class TableCache:
         if keys_U.shape[0] > self.capacity:  # more than fits: keep the first ones
             keys_U, rows_UD, found_U = keys_U[: self.capacity], rows_UD[: self.capacity], found_U[: self.capacity]
         self._step += 1
-        slots = self._map.lookup(keys_U, self._step).slots_N
+        slots = self._map.lookup(salted(keys_U), self._step).slots_N
         rows = np.ascontiguousarray(rows_UD, dtype=np.float32)
         _scatter_kernel(slots, rows, np.ascontiguousarray(found_U, dtype=bool), self._rows, self._found)
 
@@ -177,7 +191,7 @@ class LiveTableCache:
         ``keys_U`` at clock time ``now``: a hit is an entry read less than ``ttl_s`` before.
         The other arrays are valid where hit (elsewhere: zeros, false, -1, 0). Touches nothing."""
         n = keys_U.shape[0]
-        slots = self._map.find(keys_U)
+        slots = self._map.find(salted(keys_U))
         held = slots >= 0
         rows = np.zeros((n, self.dim), dtype=np.float32)
         found = np.zeros(n, dtype=bool)
@@ -197,7 +211,7 @@ class LiveTableCache:
         """Cache the entries of distinct ``keys_U`` (hits and fresh reads), except where the cache
         holds a later step: then keep that entry. Return the (rows, found, steps, stamps) kept."""
         rows, found, steps, stamps = rows_UD.copy(), found_U.copy(), steps_U.copy(), stamps_U.copy()
-        slots = self._map.find(keys_U)
+        slots = self._map.find(salted(keys_U))
         held = slots >= 0
         if held.any():
             newer = np.zeros(keys_U.shape[0], dtype=bool)
@@ -208,7 +222,7 @@ class LiveTableCache:
                                                                           self._steps[s], self._stamps[s])
         k = min(keys_U.shape[0], self.capacity)  # more than fits: keep the first ones
         self._lru += 1
-        slots = self._map.lookup(keys_U[:k], self._lru).slots_N
+        slots = self._map.lookup(salted(keys_U[:k]), self._lru).slots_N
         self._rows[slots], self._found[slots], self._steps[slots], self._stamps[slots] = (rows[:k], found[:k],
                                                                                          steps[:k], stamps[:k])
         return rows, found, steps, stamps

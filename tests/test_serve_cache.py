@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embedding_server.cache import ENTRY_OVERHEAD, MIN_ROWS, CacheBudget, LiveTableCache, TableCache
+from embedding_server.cache import ENTRY_OVERHEAD, MIN_ROWS, CacheBudget, LiveTableCache, TableCache, salted
 
 
 def row(key: int, dim: int) -> np.ndarray:
@@ -34,7 +34,8 @@ def test_cache_matches_a_reference_lru(requests, capacity):
         for k, t in zip(req, truth):
             ref[k] = (step, bool(t))
         # exact LRU: the least recently requested leave first, ties broken by the smaller key
-        for k in sorted(ref, key=lambda k: (ref[k][0], k))[: max(0, len(ref) - capacity)]:
+        # as the map holds it (salted)
+        for k in sorted(ref, key=lambda k: (ref[k][0], int(salted(np.array([k]))[0])))[: max(0, len(ref) - capacity)]:
             del ref[k]
         assert len(cache) == len(ref)
 
@@ -66,6 +67,26 @@ def test_requests_that_await_redis_in_between_never_leave_a_wrong_row(requests, 
         for k, h, r, f in zip(held, hit, rows, found):
             if h:
                 assert f == (k % 2 == 0) and np.array_equal(r, row(k, dim) if f else np.zeros(dim, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["published", "live"])
+def test_the_key_maps_hold_keys_salted_per_process(kind):
+    # clients choose the ids, and every hash on their way to a map is public: the map must not
+    # hold them as given (see embedding_server.cache.salted)
+    from embedding_server import cache as cache_module
+    keys = np.array([0, 1, -1, 2**62, -(2**63)], dtype=np.int64)
+    rows, found = np.ones((5, 2), np.float32), np.ones(5, dtype=bool)
+    if kind == "published":
+        cache = TableCache(16, 2)
+        cache.put(keys, rows, found)
+        assert cache.get(keys)[0].all()
+    else:
+        cache = LiveTableCache(16, 2, ttl_s=60)
+        cache.put(keys, rows, found, np.zeros(5, np.int64), np.zeros(5))
+        assert cache.get(keys, 1.0)[0].all()
+    assert cache_module._SALT != 0
+    assert (cache._map.find(keys) < 0).all()  # as given: not there
+    assert (cache._map.find(salted(keys)) >= 0).all()
 
 
 def test_budget_splits_by_published_bytes():
