@@ -211,7 +211,8 @@ class LiveTableCache:
         """Cache the entries of distinct ``keys_U`` (hits and fresh reads), except where the cache
         holds a later step: then keep that entry. Return the (rows, found, steps, stamps) kept."""
         rows, found, steps, stamps = rows_UD.copy(), found_U.copy(), steps_U.copy(), stamps_U.copy()
-        slots = self._map.find(salted(keys_U))
+        keys = salted(keys_U)
+        slots = self._map.find(keys)
         held = slots >= 0
         if held.any():
             newer = np.zeros(keys_U.shape[0], dtype=bool)
@@ -222,7 +223,7 @@ class LiveTableCache:
                                                                           self._steps[s], self._stamps[s])
         k = min(keys_U.shape[0], self.capacity)  # more than fits: keep the first ones
         self._lru += 1
-        slots = self._map.lookup(salted(keys_U[:k]), self._lru).slots_N
+        slots = self._map.lookup(keys[:k], self._lru).slots_N
         self._rows[slots], self._found[slots], self._steps[slots], self._stamps[slots] = (rows[:k], found[:k],
                                                                                          steps[:k], stamps[:k])
         return rows, found, steps, stamps

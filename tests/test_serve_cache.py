@@ -14,8 +14,19 @@ def row(key: int, dim: int) -> np.ndarray:
     return np.full(dim, key, dtype=np.float32)
 
 
-@given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), min_size=1, max_size=60),
-       st.integers(12, 20))
+def redis_answer(req: list[int], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, found) Redis holds for the keys ``req``: even keys have row(k), odd ones none."""
+    truth = np.array([k % 2 == 0 for k in req])
+    return np.stack([row(k, dim) if t else np.zeros(dim, np.float32) for k, t in zip(req, truth)]), truth
+
+
+def request_lists(min_size: int, max_size: int):
+    """Requests of 1-12 distinct keys in [0, 40]."""
+    return st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), min_size=min_size,
+                    max_size=max_size)
+
+
+@given(request_lists(1, 60), st.integers(12, 20))
 @settings(max_examples=150, deadline=None)
 def test_cache_matches_a_reference_lru(requests, capacity):
     dim = 3
@@ -28,8 +39,7 @@ def test_cache_matches_a_reference_lru(requests, capacity):
             assert h == (k in ref)
             if h:
                 assert f == ref[k][1] and (not f or np.array_equal(r, row(k, dim)))
-        truth = np.array([k % 2 == 0 for k in req])
-        fetched = np.stack([row(k, dim) if t else np.zeros(dim, np.float32) for k, t in zip(req, truth)])
+        fetched, truth = redis_answer(req, dim)
         cache.put(keys, fetched, truth)
         for k, t in zip(req, truth):
             ref[k] = (step, bool(t))
@@ -40,25 +50,19 @@ def test_cache_matches_a_reference_lru(requests, capacity):
         assert len(cache) == len(ref)
 
 
-@given(st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=12, unique=True), min_size=2, max_size=40),
-       st.integers(12, 20))
+@given(request_lists(2, 40), st.integers(12, 20))
 @settings(max_examples=150, deadline=None)
 def test_requests_that_await_redis_in_between_never_leave_a_wrong_row(requests, capacity):
     # two requests at a time: A reads the cache, B reads and caches (evicting some of A's
     # hits, caching some of A's misses), then A caches what it read: every row held is its key's
     dim = 3
     cache = TableCache(capacity, dim)
-
-    def fetched(req):
-        truth = np.array([k % 2 == 0 for k in req])
-        return np.stack([row(k, dim) if t else np.zeros(dim, np.float32) for k, t in zip(req, truth)]), truth
-
     for a, b in zip(requests[::2], requests[1::2]):
         ka, kb = np.array(a, dtype=np.int64), np.array(b, dtype=np.int64)
         hit_a, rows_a, found_a = cache.get(ka)
-        rows_b, found_b = fetched(b)
+        rows_b, found_b = redis_answer(b, dim)
         cache.put(kb, rows_b, found_b)
-        fresh_rows, fresh_found = fetched(a)  # A's misses come from Redis, its hits from the cache
+        fresh_rows, fresh_found = redis_answer(a, dim)  # A's misses come from Redis, its hits from the cache
         rows_a[~hit_a], found_a[~hit_a] = fresh_rows[~hit_a], fresh_found[~hit_a]
         cache.put(ka, rows_a, found_a)
         held = np.arange(41, dtype=np.int64)

@@ -122,8 +122,7 @@ class TableGroup:
         ``keys[base[i]:base[i+1]]``, its slots written to the same range of ``slots``;
         return the tables left to ``EmbeddingTable.reserve`` (an eviction needed, more keys
         than the capacity, a step before the map's clock or outside 32 bits, call ids about
-        to wrap), in
-        ascending order."""
+        to wrap), in ascending order."""
         step = int(step)
         take, rest = [], []
         for i in idx:
