@@ -15,9 +15,10 @@ One run, side by side, on this machine:
    closed loop for the maximum throughput, then open loop at half of it for p50/p99.
 
 Each target first gets one untimed warm-up pass (its figure is kept as the cold-cache
-one), as a running service would be warm. Every figure is a median over ``repeats``
-rounds (targets interleaved within each round, so drift on a shared machine hits all of
-them alike), with the spread (min, max).
+one), as a running service would be warm: every pass draws from one popularity order
+(``serve_load.POPULARITY_SEED``), so the ids hot in the warm-up stay hot in the rounds.
+Every figure is a median over ``repeats`` rounds (targets interleaved within each round,
+so drift on a shared machine hits all of them alike), with the spread (min, max).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
             "service_no_fast_path": {**base, "target": "http", "url": services["service_no_fast_path"]},
             "embedded": {**base, "target": "http", "url": services["embedded"]},
         }
-        # warm-up: one untimed pass per target (other ids of the same law), as a running
+        # warm-up: one untimed pass per target (other draws of the same ids' law), as a running
         # service would be; the cold pass's figure is kept too
         cold = {name: _load({**spec, "seed": 999}) for name, spec in targets.items()}
         before = _metrics(services["service"])

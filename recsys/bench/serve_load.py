@@ -31,14 +31,21 @@ from urllib.parse import urlsplit
 import numpy as np
 
 
+POPULARITY_SEED = 0
+"""Seeds the permutation from Zipf ranks to ids: one popularity order for every run and
+round (a round's ``seed`` draws other requests from the same law), as a service's traffic
+keeps its hot ids from one second to the next."""
+
+
 def zipf_ids(num_ids: int, count: int, s: float, seed: int) -> np.ndarray:
-    """Return ``count`` raw ids in ``[0, num_ids)`` drawn from a bounded Zipf law."""
+    """Return ``count`` raw ids in ``[0, num_ids)`` drawn from a bounded Zipf law: ``seed``
+    draws the ranks, and rank k is always the same id (``POPULARITY_SEED``)."""
     rng = np.random.default_rng(seed)
     weights = 1.0 / np.arange(1, num_ids + 1, dtype=np.float64) ** s
     cdf = np.cumsum(weights)
     cdf /= cdf[-1]
     ranks = np.searchsorted(cdf, rng.random(count))
-    return np.random.default_rng(seed + 1).permutation(num_ids)[np.minimum(ranks, num_ids - 1)]
+    return np.random.default_rng(POPULARITY_SEED).permutation(num_ids)[np.minimum(ranks, num_ids - 1)]
 
 
 class HttpConnection:
