@@ -25,19 +25,25 @@ def _vmstat(name: str) -> int:
     return 0
 
 
-def _on_huge_pages(arr: np.ndarray) -> int:
-    """Bytes of ``arr``'s mapping the kernel backs with huge pages now (``/proc/self/smaps``)."""
+def _smaps(arr: np.ndarray, field: str = "AnonHugePages") -> int:
+    """Bytes of ``/proc/self/smaps``'s ``field`` over the mappings ``arr`` spans (a range
+    advised apart is a mapping of its own): by default those the kernel backs with huge
+    pages now; ``Rss`` for all resident ones."""
     addr = arr.ctypes.data
-    inside = False
+    inside, total = False, 0
     with open("/proc/self/smaps") as fh:
         for line in fh:
             head = line.split(None, 1)[0] if line.strip() else ""
             if "-" in head and ":" not in head:
                 lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= addr < hi
-            elif inside and line.startswith("AnonHugePages:"):
-                return int(line.split()[1]) * 1024
-    return 0
+                inside = lo < addr + arr.nbytes and addr < hi
+            elif inside and line.startswith(field + ":"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+def _on_huge_pages(arr: np.ndarray) -> int:
+    return _smaps(arr)
 
 
 def _mapped(addr: int) -> bool:
@@ -74,6 +80,20 @@ def test_the_kernel_backs_the_array_with_huge_pages():
     if _vmstat("thp_fault_fallback") > fallback:
         pytest.skip("the kernel had no free huge page (fragmented memory): small pages, as documented")
     assert _on_huge_pages(a) >= 16 * pages.HUGE_PAGE
+
+
+@pytest.mark.skipif(not THP, reason="the kernel's transparent huge pages are off here")
+def test_only_whole_huge_pages_are_huge_so_memory_follows_the_bytes():
+    """An array of 3 MiB and 4 KiB: its first 2 MiB on a huge page, the rest on small pages,
+    so touching all of it makes ~3 MiB resident, not the 4 MiB of two huge pages."""
+    fallback = _vmstat("thp_fault_fallback")
+    a = pages.zeros(((3 << 20) + 4096,), np.uint8)
+    assert a.nbytes == (3 << 20) + 4096 and a.base.nbytes == a.nbytes  # the array's own bytes, not the mapping's
+    a[::4096] = 1  # touch every 4 KiB page
+    if _vmstat("thp_fault_fallback") > fallback:
+        pytest.skip("the kernel had no free huge page (fragmented memory): small pages, as documented")
+    assert _on_huge_pages(a) == pages.HUGE_PAGE
+    assert a.nbytes <= _smaps(a, "Rss") < 2 * pages.HUGE_PAGE
 
 
 @pytest.mark.skipif(not THP, reason="the kernel's transparent huge pages are off here")
