@@ -61,6 +61,8 @@ def test_quick_through_the_cli(tmp_path):
         assert 0.0 <= x["hit_rate"] <= 1.0
         assert x["bytes_per_row"] > x["payload_bytes_per_row"] == x["dim"] * 4 + 4
         assert x["arrays_bytes_per_row"] > x["payload_bytes_per_row"]
+        # the store's resident arrays: more than the payload, less than the process's growth
+        assert x["payload_bytes_per_row"] < x["store_resident_bytes_per_row"] < x["bytes_per_row"]
         assert x["samples_per_s"] > 0 and len(x["segment_samples_per_s"]) == 3
         assert x["checkpoint_s"] > 0 and x["restore_s"] > 0 and x["checkpoint_bytes"] > 0
         assert x["rows_after_restore"] == x["rows_in_memory"]

@@ -43,6 +43,23 @@ def test_belady_matches_brute_force():
         assert store.belady_misses(seq, cap) == _brute_min(seq.tolist(), cap)
 
 
+def test_resident_bytes_counts_the_pages_written_not_the_arrays_size():
+    """The store's RSS figure (``bench scale``): pages an array was never written on are not
+    memory yet; each buffer counts once, however many views of it a table holds."""
+    from recsys.store import pages
+
+    # fresh mappings, 2 MiB-aligned: 6 MiB written is three huge pages or 1536 small ones, and
+    # the 3 MiB array is one huge page and 256 small ones (or all small), 9 MiB either way (on
+    # a kernel without THP, np.zeros: the allocator's header page too)
+    big, other = pages.zeros((24 << 20,), np.uint8), pages.zeros((3 << 20,), np.uint8)
+    assert store.resident_bytes([big, other]) <= 2 * 4096
+    big[: 6 << 20] = 1
+    other[:] = 1
+    held = [big, big[10:20], other, {"again": other.view(np.int32)}]
+    assert store.resident_bytes(held) == pytest.approx(9 << 20, abs=4 * 4096)
+    assert sum(store.owned_arrays(held).values()) == big.nbytes + other.nbytes
+
+
 @pytest.mark.multiproc
 def test_store_bench_quick_writes_json(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(store, "QUICK", TINY)

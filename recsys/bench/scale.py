@@ -53,16 +53,19 @@ with what it had (``stopped`` says so):
    with spill, the tier is cleared and the rows beyond ``capacity`` are spilled again).
 
 **Figures per size.** ``samples_per_s`` (timed rows / seconds; per segment min, median,
-max) and ``ratio_to_first``, against the first size of the same run. ``bytes_per_row``:
-the process's resident memory after the prefill minus before the trainer was built, both
-read after ``malloc_trim`` (the store keeps freed temporaries for reuse,
-``store.keep_freed_memory``; they are not rows), divided by the rows held in memory; with
-spill it includes the tier's index of spilled keys and its buffers. It also holds fixed
-costs (the dense model and Adam, the trainer's metrics writer, the first lookups' torch
-allocations: tens of MiB, which swamp the quick sizes), so between two in-memory sizes
-``marginal_bytes_per_row`` gives the growth per added row, fixed costs cancelled. Next to it ``arrays_bytes_per_row`` (the ``nbytes`` of every array the tables
-and key maps allocate, over the rows held) and ``payload_bytes_per_row`` = dim × 4 + 4
-(float32 row + one float of row-wise Adagrad state); target ratio <= 1.2. ``hit_rate``:
+max) and ``ratio_to_first``, against the first size of the same run.
+``store_resident_bytes_per_row``, the store's RSS per row (target: <= 1.2 x
+``payload_bytes_per_row`` = dim × 4 + 4, a float32 row and one float of row-wise Adagrad
+state): the resident pages (``mincore``) of every array the store's tables hold after the
+prefill (rows, optimizer state, key maps; with spill also the tier's index of spilled keys),
+divided by the rows held in memory. ``bytes_per_row``: the process's resident memory after
+the prefill minus before the trainer was built, both read after ``malloc_trim`` (the store
+keeps freed temporaries for reuse, ``store.keep_freed_memory``; they are not rows), over the
+same rows: it also holds fixed costs (the store's compiled kernels, ~60 MiB; the dense model
+and Adam, the metrics writer, the first lookups' torch allocations), which swamp the small
+sizes, so between two in-memory sizes ``marginal_bytes_per_row`` gives the growth per added
+row, fixed costs cancelled; the plan sizes memory from these process figures. Next to them
+``arrays_bytes_per_row`` (the ``nbytes`` of those arrays, written or not). ``hit_rate``:
 looked-up keys that had a row in memory, over the timed steps. Spill: ``spill_reads`` (rows
 read from Redis) and ``spill_writes`` (rows written) per step, the cost per row read (time
 inside the tier's MGET calls / rows they returned, on the store's worker: the step waits
@@ -94,7 +97,7 @@ from recsys.bench import comparison, with_passive_omp, quiet_fbgemm, versions
 from recsys.bench.scale_plan import FULL, QUICK, Settings, _label, _ranks, capacities, cost_model, mem_available
 from recsys.bench.scale_plan import plan_size, universes
 from recsys.bench.store import CRITEO_CARDINALITIES, _kjt, _rss_bytes, _schema, _table_name
-from recsys.bench.store import owned_arrays
+from recsys.bench.store import owned_arrays, resident_bytes
 from recsys.bench.train import JOB, PausingSource, _window_phases
 
 REDIS_ENV = "RECSYS_BENCH_REDIS"
@@ -344,7 +347,9 @@ def run_size(s: Settings, n: int, spill_fraction: float | None, redis_url: str, 
         rss1 = _trimmed_rss()
         redis1 = _redis_used(redis_url) if spilled else 0
         after_prefill = _counters(store)
-        arrays = sum(sum(owned_arrays(t).values()) for t in store.tables.values())
+        tables = list(store.tables.values())
+        arrays = sum(owned_arrays(tables).values())
+        resident = resident_bytes(tables)
         trainer.step = prefill_steps
         snaps: list[dict] = []
 
@@ -413,6 +418,9 @@ def run_size(s: Settings, n: int, spill_fraction: float | None, redis_url: str, 
         "payload_bytes_per_row": payload,
         "bytes_per_row": (rss1 - rss0) / rows_mem,
         "bytes_per_row_ratio": (rss1 - rss0) / rows_mem / payload,
+        "store_resident_bytes": resident,
+        "store_resident_bytes_per_row": resident / rows_mem,
+        "store_resident_ratio": resident / rows_mem / payload,
         "arrays_bytes_per_row": arrays / rows_mem,
         "store_rss_bytes": rss1 - rss0,
         "rss_bytes_after_build": rss_built - rss0,
@@ -626,13 +634,14 @@ def _report(s: Settings, done: list[dict], plans: list[dict], stopped: str, redi
                 "samples/s", target_ratio=0.8 if r["mode"] == "memory" else None,
                 segment_spread=[r["samples_per_s_spread"][0] / first["samples_per_s_spread"][1],
                                 r["samples_per_s_spread"][1] / first["samples_per_s_spread"][0]]))
-        comparisons.append(comparison(f"bytes/row vs payload {label} (lower better)", r["bytes_per_row"],
-                                      r["payload_bytes_per_row"], "bytes/row", target_ratio=1.2))
+        comparisons.append(comparison(f"store bytes/row vs payload {label} (lower better)",
+                                      r["store_resident_bytes_per_row"], r["payload_bytes_per_row"], "bytes/row",
+                                      target_ratio=1.2))
         if r["mode"] == "spill":
             comparisons.append(comparison(f"longest step vs median {label} (lower better)", r["step_ms_max"],
                                           r["step_ms_median"], "ms", target_ratio=2.0))
     head = (f"{'ids':>8} {'mode':>6} {'in mem':>9} {'spilled':>9} {'samples/s (min-max)':>24} {'vs 1st':>6} "
-            f"{'B/row':>6} {'xpay':>5} {'hit':>6} {'spill r/w per step':>18} {'us/row r/w':>11} "
+            f"{'B/row':>6} {'xpay':>5} {'RSS B/row':>9} {'hit':>6} {'spill r/w per step':>18} {'us/row r/w':>11} "
             f"{'ckpt s':>7} {'restore s':>9}")
     notes.append(head)
     for r in done:
@@ -642,7 +651,8 @@ def _report(s: Settings, done: list[dict], plans: list[dict], stopped: str, redi
         lo, hi = r["samples_per_s_spread"]
         notes.append(f"{_label(r['distinct_ids']):>8} {r['mode']:>6} {r['rows_in_memory']:>9} {r['rows_spilled']:>9} "
                      f"{r['samples_per_s']:>9.0f} ({lo:.0f}-{hi:.0f}) {r['ratio_to_first']:>6.3f} "
-                     f"{r['bytes_per_row']:>6.0f} {r['bytes_per_row_ratio']:>5.2f} {r['hit_rate']:>6.4f} "
+                     f"{r['store_resident_bytes_per_row']:>6.0f} {r['store_resident_ratio']:>5.2f} "
+                     f"{r['bytes_per_row']:>9.0f} {r['hit_rate']:>6.4f} "
                      f"{spill:>18} {cost:>11} {r['checkpoint_s']:>7.2f} {r['restore_s']:>9.2f}")
     notes.append(f"stopped: {stopped}" if stopped else f"stopped: no, every size ran (largest {_label(s.sizes[-1])})")
     return {

@@ -302,12 +302,40 @@ def _rss_bytes() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def owned_arrays(obj, _seen: set | None = None, prefix: str = "") -> dict[str, int]:
+def owned_arrays(obj) -> dict[str, int]:
     """Return ``{attribute path: nbytes}`` of every numpy array ``obj`` holds, each buffer once.
 
     Follows attributes, dicts, lists and tuples of objects from ``recsys`` modules."""
-    seen = set() if _seen is None else _seen
-    out: dict[str, int] = {}
+    return {path: a.nbytes for path, a in _owned(obj).items()}
+
+
+def resident_bytes(obj) -> int:
+    """Return the bytes of memory the arrays ``obj`` holds (``owned_arrays``) have resident
+    now: their pages the kernel backs (``mincore``), whole 4 KiB pages; an array never
+    written is not resident, however large."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    total = 0
+    for a in _owned(obj).values():
+        addr = a.__array_interface__["data"][0]
+        lo = addr - addr % page
+        pages = -(-(addr + a.nbytes - lo) // page)
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(ctypes.c_void_p(lo), ctypes.c_size_t(pages * page), vec) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"mincore of an array of {a.nbytes} bytes: {os.strerror(err)}")
+        total += int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1)) * page
+    return total
+
+
+def _owned(obj) -> dict[str, np.ndarray]:
+    """Return ``{attribute path: array}``: the outermost array of each buffer ``obj`` holds,
+    once (see ``owned_arrays``)."""
+    seen: set = set()
+    out: dict[str, np.ndarray] = {}
 
     def visit(v, path: str) -> None:
         if isinstance(v, np.ndarray):
@@ -317,7 +345,7 @@ def owned_arrays(obj, _seen: set | None = None, prefix: str = "") -> dict[str, i
             addr = base.__array_interface__["data"][0]
             if addr not in seen and base.nbytes:
                 seen.add(addr)
-                out[path] = base.nbytes
+                out[path] = base
         elif isinstance(v, dict):
             for k, x in v.items():
                 visit(x, f"{path}[{k!r}]")
@@ -332,7 +360,7 @@ def owned_arrays(obj, _seen: set | None = None, prefix: str = "") -> dict[str, i
             for k, x in attrs.items():
                 visit(x, f"{path}.{k}" if path else k)
 
-    visit(obj, prefix)
+    visit(obj, "")
     return out
 
 
