@@ -71,8 +71,9 @@ def _tag(h):
 
 
 @njit(inline="always")
-def _find(table, state, k):
-    """Return the slot holding ``k`` in (table, state), or -1 (passes deleted slots)."""
+def _probe(table, state, k):
+    """Return (the slot holding ``k``, or the empty slot that ended the search; whether it
+    holds ``k``; ``k``'s state byte). Passes deleted slots."""
     mask = table.shape[0] - 1
     h = _hash(k)
     tag = _tag(h)
@@ -80,28 +81,28 @@ def _find(table, state, k):
     while True:
         s = state[j]
         if s == _EMPTY:
-            return -1
+            return j, False, tag
         if s == tag and table[j] == k:
-            return j
+            return j, True, tag
         j = (j + 1) & mask
+
+
+@njit(inline="always")
+def _find(table, state, k):
+    """Return the slot holding ``k`` in (table, state), or -1."""
+    j, there, _ = _probe(table, state, k)
+    return j if there else -1
 
 
 @njit(inline="always")
 def _insert(table, state, k):
     """Insert ``k`` into a table without deleted slots; return whether it was absent."""
-    mask = table.shape[0] - 1
-    h = _hash(k)
-    tag = _tag(h)
-    j = np.int64(h & np.uint64(mask))
-    while True:
-        s = state[j]
-        if s == _EMPTY:
-            table[j] = k
-            state[j] = tag
-            return True
-        if s == tag and table[j] == k:
-            return False
-        j = (j + 1) & mask
+    j, there, tag = _probe(table, state, k)
+    if there:
+        return False
+    table[j] = k
+    state[j] = tag
+    return True
 
 
 @njit(inline="always")
