@@ -6,6 +6,7 @@ the calls after it."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +27,24 @@ def _check(index: KeyIndex, model: set[int], probe: list[int]) -> None:
 @given(st.lists(st.tuples(st.sampled_from(["add", "remove"]),
                           st.lists(st.one_of(st.integers(0, 300), KEYS), max_size=60)), max_size=40))
 def test_answers_as_a_set_does(ops):
+    _replay(ops)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "add", "remove"]), st.lists(st.integers(0, 400), max_size=4)),
+                min_size=100, max_size=300))
+def test_answers_as_a_set_does_in_the_middle_of_a_growth(ops):
+    """Two old slots drained and 32 faulted in per call: a growth past 64 keys (below, every
+    batch is a bulk add) spans tens of calls, so keys are added again, removed and looked up
+    while the next table fills and the old one drains (in ~60 % of 200 such calls)."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in (("DRAIN_MIN", 2), ("DRAIN_PER_KEY", 0), ("FAULT_MIN_BYTES", 9 * 32),
+                            ("FAULT_BYTES_PER_KEY", 0)):
+            mp.setattr(spill_index, name, value)
+        _replay(ops)
+
+
+def _replay(ops) -> None:
     index, model = KeyIndex(), set()
     for op, keys in ops:
         arr = np.array(keys, dtype=np.int64)
@@ -56,8 +75,10 @@ def test_growth_is_spread_over_the_calls_around_it_and_loses_nothing(monkeypatch
     phases, step = [], 0
     while len(phases) < 3 or phases[-1] != "idle":
         step += 1
-        new = rng.integers(-(2**63), 2**63 - 1, 100, dtype=np.int64)
-        gone = rng.choice(np.array(sorted(model), dtype=np.int64), 30, replace=False)
+        held = np.array(sorted(model), dtype=np.int64)
+        new = np.concatenate([rng.integers(-(2**63), 2**63 - 1, 100, dtype=np.int64),
+                              rng.choice(held, 10)])  # some held already: maybe not yet drained
+        gone = rng.choice(held, 30, replace=False)
         index.add(new)
         index.remove(gone)
         model.update(new.tolist())

@@ -312,7 +312,10 @@ def owned_arrays(obj) -> dict[str, int]:
 def resident_bytes(obj) -> int:
     """Return the bytes of memory the arrays ``obj`` holds (``owned_arrays``) have resident
     now: their pages the kernel backs (``mincore``), whole 4 KiB pages; an array never
-    written is not resident, however large."""
+    touched is not resident, however large. Two overcounts, small for the store's arrays
+    (written where they are read): a page only read maps the kernel's shared zero page,
+    which ``mincore`` reports as present though RSS does not count it; and arrays that
+    share a page each count it whole."""
     import ctypes
     import mmap
 

@@ -27,7 +27,7 @@ not argument by argument.
 The index (``recsys.store.spill_index``): the exact set of keys this tier has in Redis
 (built by one SCAN on first use, or known empty after ``clear``; then kept by the writer: a
 confirmed SET adds a key, a confirmed UNLINK removes it). 14-36 bytes of host memory per
-spilled row, and no pause to grow it or to clean up after deletions (see that module). It
+spilled row (up to ~54 while it grows), and no pause to grow it or to clean up after deletions (see that module). It
 lets a miss of a key never spilled cost no round trip and no Redis at all, which is what
 lets training go on during an outage; and a key in the index that Redis no longer has is a
 lost row, reported (``SpillError``) instead of re-initialized. One writer

@@ -20,11 +20,12 @@ Two properties matter at tens of millions of keys, where the tier works every st
   entries of ``max(DRAIN_MIN, DRAIN_PER_KEY · n)`` old slots into it. Until the old table is
   drained a lookup probes both, and a deletion deletes in both (in the old one by marking
   the slot deleted, so the drain's cursor never misses an entry). A bulk ``add`` (a key
-  list of at least an eighth of the table: the index's first build, a restore), or growth
+  list of at least a sixteenth of the table: the index's first build, a restore), or growth
   past ``MAX_LOAD`` before the new table was ready, rebuilds at once instead.
 
-Memory: 9 bytes a slot at a load between 0.25 and 0.64: 14-36 bytes a key (twice the table
-while the next one is faulted in and drained into). Before, tables were sized for a load of
+Memory: 9 bytes a slot at a load between 0.25 and 0.64: 14-36 bytes a key; while a growth
+faults in and drains, the old table and the new one hold three times the slots (up to ~54
+bytes a key). Before, tables were sized for a load of
 1/8 to 1/2: 18-72 bytes a key.
 """
 
@@ -50,7 +51,9 @@ FAULT_MIN_BYTES = 1 << 20
 DRAIN_PER_KEY = 4
 """Old slots drained per key an ``add`` or ``remove`` is given: the old table (C slots) is
 drained after C / 4 keys, while the new one (2·C slots) goes from at most 0.32 to 0.45 full,
-so before the next growth."""
+so before the next growth. (The bounds count keys, not calls: a call's whole batch lands
+before its share of the work. Batches below a sixteenth of the table, the bulk bound, keep
+them: at a ninth, the two shares' rounding let the new table pass ``MAX_LOAD`` first.)"""
 DRAIN_MIN = 4096
 """Old slots drained by any ``add`` or ``remove``, however few its keys."""
 _MIN_SLOTS = 16
@@ -252,7 +255,7 @@ class KeyIndex:
         ``PREPARE_LOAD``; past ``MAX_LOAD`` (or for a bulk add) rebuild at once."""
         need = self.size + incoming
         slots = self._table.shape[0]
-        if need > MAX_LOAD * slots or (need > PREPARE_LOAD * slots and incoming * 8 >= slots):
+        if need > MAX_LOAD * slots or (need > PREPARE_LOAD * slots and incoming * 16 >= slots):
             self._rebuild(need)
         elif need > PREPARE_LOAD * slots and self._spare is None and not self.draining:
             self._spare, self._faulted = self._alloc(2 * slots), 0
