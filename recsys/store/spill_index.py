@@ -142,9 +142,8 @@ def _add_kernel(table, state, old, old_state, items):
 
 @njit(nogil=True, cache=True)
 def _remove_kernel(table, state, old, old_state, items):
-    """Delete ``items`` from both tables; return (keys that were present, deleted from new)."""
+    """Delete ``items`` from both tables; return how many were present."""
     removed = 0
-    from_new = 0
     has_old = old.shape[0] > 0
     for i in range(items.shape[0]):
         k = items[i]
@@ -152,7 +151,6 @@ def _remove_kernel(table, state, old, old_state, items):
         j = _find(table, state, k)
         if j >= 0:
             _delete_at(table, state, j)
-            from_new += 1
             there = True
         if has_old:
             j = _find(old, old_state, k)
@@ -161,7 +159,7 @@ def _remove_kernel(table, state, old, old_state, items):
                 there = True
         if there:
             removed += 1
-    return removed, from_new
+    return removed
 
 
 @njit(nogil=True, cache=True)
@@ -232,8 +230,7 @@ class KeyIndex:
     def remove(self, keys: np.ndarray) -> None:
         keys = as_keys(keys)
         if keys.shape[0]:
-            removed, _ = _remove_kernel(self._table, self._state, self._old, self._old_state, keys)
-            self.size -= int(removed)
+            self.size -= int(_remove_kernel(self._table, self._state, self._old, self._old_state, keys))
             self._progress(keys.shape[0])
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
