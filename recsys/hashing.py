@@ -38,6 +38,7 @@ __all__ = [
     "hash_string_list",
     "fold",
     "owner_of",
+    "hex_into",
 ]
 
 _M1 = np.uint64(0xFF51AFD7ED558CCD)
@@ -47,6 +48,8 @@ _STR_TAG = np.uint64(0x27D4EB2F165667C5)
 _OWNER_TAG = np.uint64(0x5BD1E9955BD1E995)
 _S33 = np.uint64(33)
 _MASK = (1 << 64) - 1
+HEX_PAIRS = np.frombuffer(b"".join(b"%02x" % i for i in range(256)), dtype=np.uint8).reshape(256, 2)
+"""Each byte value's two lowercase hex digits."""
 
 
 # --------------------------------------------------------------------------- kernels
@@ -103,6 +106,22 @@ def owner_rank(key_u64, world_size):
     """Return the owning rank of one key (uint64 bit pattern) among ``world_size`` (uint64):
     ``owner_of``'s rule, callable from numba kernels."""
     return np.int64(fmix(key_u64 ^ _OWNER_TAG) % world_size)
+
+
+@njit(inline="always")
+def put_hex(key_u64, pairs, out, i, col):
+    """Write ``key_u64``'s 16 lowercase hex digits, most significant first, into row ``i`` of
+    ``out`` (uint8) from column ``col``; ``pairs``: ``HEX_PAIRS``. Callable from numba kernels."""
+    for j in range(8):
+        v = np.int64((key_u64 >> np.uint64(56 - 8 * j)) & np.uint64(0xFF))
+        out[i, col + 2 * j] = pairs[v, 0]
+        out[i, col + 2 * j + 1] = pairs[v, 1]
+
+
+@njit(nogil=True, cache=True)
+def _hex_kernel(keys_u64, pairs, out, col):
+    for i in range(keys_u64.shape[0]):
+        put_hex(keys_u64[i], pairs, out, i, col)
 
 
 @njit(nogil=True, cache=True)
@@ -200,6 +219,16 @@ def owner_of(keys: np.ndarray, world_size: int) -> np.ndarray:
     out = np.empty(keys.shape[0], dtype=np.int64)
     _owner_kernel(keys.view(np.uint64), np.uint64(world_size), out)
     return out
+
+
+def hex_into(keys: np.ndarray, out: np.ndarray, col: int) -> None:
+    """Write each key's 16 lowercase hex digits (its uint64 bits, most significant first)
+    into ``out[i, col : col + 16]`` (uint8 [N, >= col + 16], C-contiguous): the hex part of
+    the Redis names of rows, one compiled pass instead of a string a key."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    if out.dtype != np.uint8 or out.ndim != 2 or out.shape[0] != keys.shape[0] or out.shape[1] < col + 16:
+        raise ValueError(f"out must be uint8 [{keys.shape[0]}, >= {col + 16}], found {out.dtype} {out.shape}")
+    _hex_kernel(keys.view(np.uint64), HEX_PAIRS, out, np.int64(col))
 
 
 # --------------------------------------------------------------------------- references

@@ -44,8 +44,6 @@ from recsys.redis_util import glob_escape
 
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
-_HEX_DIGITS = np.frombuffer(b"".join(f"{i:02x}".encode() for i in range(256)), dtype=np.uint8).reshape(256, 2)
-"""Each byte value's two lowercase hex digits."""
 
 
 def check_name(value: str, what: str) -> str:
@@ -104,7 +102,7 @@ def row_key_bytes(ns: str, version: str, table: str, keys_N: np.ndarray, buckets
     keys = np.ascontiguousarray(keys_N, dtype=np.int64)
     prefixes = _prefixes(ns, version, table, buckets)
     buf = np.empty((keys.shape[0], prefixes.shape[1] + 16), dtype=np.uint8)
-    _row_key_kernel(keys.view(np.uint64), np.uint64(buckets), prefixes, _HEX_DIGITS, buf)
+    _row_key_kernel(keys.view(np.uint64), np.uint64(buckets), prefixes, hashing.HEX_PAIRS, buf)
     return buf
 
 
@@ -117,10 +115,7 @@ def _row_key_kernel(keys_u64, buckets_u64, prefixes, hex_digits, out):
         b = hashing.owner_rank(k, buckets_u64)
         for j in range(p):
             out[i, j] = prefixes[b, j]
-        for j in range(8):
-            v = np.int64((k >> np.uint64(56 - 8 * j)) & np.uint64(0xFF))
-            out[i, p + 2 * j] = hex_digits[v, 0]
-            out[i, p + 2 * j + 1] = hex_digits[v, 1]
+        hashing.put_hex(k, hex_digits, out, i, p)
 
 
 @functools.lru_cache(maxsize=1024)

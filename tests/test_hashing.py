@@ -99,3 +99,13 @@ def test_hashing_stays_torch_free():
     code = "import sys, recsys.hashing, recsys.schema, recsys.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_hex_into_writes_each_keys_uint64_digits_at_the_column_and_refuses_a_short_buffer():
+    keys = np.array([0, 5, -1, -(1 << 63), 0x0123456789ABCDEF], dtype=np.int64)
+    out = np.full((keys.shape[0], 20), ord("x"), dtype=np.uint8)
+    hashing.hex_into(keys, out, 3)
+    want = [b"xxx" + f"{int(k) & ((1 << 64) - 1):016x}".encode() + b"x" for k in keys]
+    assert [bytes(row) for row in out] == want
+    with pytest.raises(ValueError, match="uint8"):
+        hashing.hex_into(keys, out, 5)

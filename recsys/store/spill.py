@@ -100,6 +100,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from recsys.errors import UserError
+from recsys.hashing import hex_into
 from recsys.redis_util import client_options as _client_options
 from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
@@ -115,8 +116,6 @@ from recsys.store.spill_protocol import (DTYPE_CODES, FORMAT_VERSION, HEADER, OP
 __all__ = ["SpillTier", "SpillError", "clear_tables", "find_leftovers"]
 
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, redis.exceptions.BusyLoadingError)
-_HEX_DIGITS = np.frombuffer(b"0123456789abcdef", dtype=np.uint8)
-_NIBBLE_SHIFTS = np.arange(60, -4, -4, dtype=np.uint64)  # a key's hex digits, most significant first
 _HEX_VALUES = np.full(256, 16, dtype=np.uint8)  # a byte's hex value (16: not a hex digit)
 _HEX_VALUES[np.frombuffer(b"0123456789abcdef", dtype=np.uint8)] = np.arange(16)
 _HEX_VALUES[np.frombuffer(b"ABCDEF", dtype=np.uint8)] = np.arange(10, 16)
@@ -670,12 +669,12 @@ class SpillTier:
 
     def _name_chars(self, keys: np.ndarray) -> np.ndarray:
         """Return the Redis names of ``keys`` (``spill_key``'s) as rows of bytes [N, W],
-        formatted as one array of hex digits rather than one string at a time."""
-        u = as_keys(keys).view(np.uint64)
-        n, p = u.shape[0], np.frombuffer(self._prefix_b, dtype=np.uint8)
-        chars = np.empty((n, p.shape[0] + 16), dtype=np.uint8)
+        their hex digits written by one compiled pass rather than one string at a time."""
+        keys = as_keys(keys)
+        p = np.frombuffer(self._prefix_b, dtype=np.uint8)
+        chars = np.empty((keys.shape[0], p.shape[0] + 16), dtype=np.uint8)
         chars[:, : p.shape[0]] = p
-        chars[:, p.shape[0] :] = _HEX_DIGITS[(u[:, None] >> _NIBBLE_SHIFTS) & np.uint64(15)]
+        hex_into(keys, chars, p.shape[0])
         return chars
 
     def _packed(self, command: bytes, keys: np.ndarray, values_NV: np.ndarray | None = None) -> list[bytes]:
