@@ -27,7 +27,7 @@ from recsys.store.rowblock import RowBlock
 from recsys.store.sharded import ShardedEmbeddingStore
 from recsys.store.spill import SpillError, SpillTier
 from recsys.store.spill_protocol import FORMAT_VERSION, spill_key, value_dtype
-from recsys.store.table import EmbeddingTable
+from recsys.store.table import EmbeddingTable, init_vectors
 from store_data import random_kjts, three_feature_schema, train_pooled
 
 pytestmark = pytest.mark.redis
@@ -187,7 +187,59 @@ def test_evicted_row_comes_back_bit_identical(redis_server, closing, optimizer, 
     assert np.frombuffer(after[-1], np.int64)[0] == 4  # touched by the lookup
     assert np.array_equal(out[0], t.peek(np.array([42]))[0])
     t.flush()
-    assert r.exists(name) == 0  # restored rows stop being authoritative in Redis
+    assert r.exists(name) == 1  # kept (spill_delete_restored is off): stale, unread while 42 is here
+    assert t.counters()["spill_unlinks"] == 0
+
+
+def test_a_restored_rows_kept_copy_is_never_read_and_its_next_eviction_overwrites_it(redis_server, closing):
+    """With ``spill_delete_restored`` off, a row back in memory keeps its Redis copy: a
+    checkpoint does not read it (garbage there changes nothing), the row's next eviction
+    writes its newer state over it, and a row popped from the table takes its copy along."""
+    t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url))
+    closing(t)
+    r = raw_client(redis_server)
+    closing(r)
+    k = np.array([42])
+    name = spill_key("recsys", "user", 42)
+    rows = t.lookup(k, 0)
+    t.apply_gradients(k, grads_for(k, rows, 0), 0)
+    t.lookup(np.array([1, 2]), 1)  # evicts 42
+    t.flush()
+    rows = t.lookup(k, 2)  # back from Redis, its copy kept
+    t.apply_gradients(k, grads_for(k, rows, 2), 2)  # the row moves on; the copy is stale
+    newer = row_map(t.state_dict())[42]
+    r.set(name, b"not a row")  # were the copy read, the format check would raise
+    t.flush()
+    assert row_map(t.state_dict())[42] == newer
+    t.lookup(np.array([3, 4]), 3)  # evicts 42 again: its newer state replaces the copy
+    t.flush()
+    assert r.get(name) != b"not a row"
+    assert row_map(t.state_dict())[42] == newer
+    back = t.lookup(k, 4)
+    assert row_map(t.state_dict())[42][:-1] == newer[:-1]
+    assert t.counters()["spill_unlinks"] == 0
+    popped = t.pop_rows(k)  # the row leaves this table: the copy would outlive it
+    assert np.array_equal(np.asarray(popped.column("embedding")[0].as_py(), np.float32), back[0])
+    t.flush()
+    assert r.exists(name) == 0 and t.counters()["spill_unlinks"] == 1
+    hits = t.counters()["spill_hits"]
+    t.lookup(k, 5)  # a new row, not the popped one
+    assert t.counters()["spill_hits"] == hits
+    assert np.array_equal(t.peek(k), init_vectors(k, D, "user", 0, cfg_for().init_bound(D)))
+
+
+def test_with_delete_restored_a_restored_rows_copy_is_deleted(redis_server, closing):
+    t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url, spill_delete_restored=True))
+    closing(t)
+    r = raw_client(redis_server)
+    closing(r)
+    t.lookup(np.array([42]), 0)
+    t.lookup(np.array([1, 2]), 1)  # evicts 42
+    t.flush()
+    assert r.exists(spill_key("recsys", "user", 42)) == 1
+    t.lookup(np.array([42]), 2)
+    t.flush()
+    assert r.exists(spill_key("recsys", "user", 42)) == 0 and t.counters()["spill_unlinks"] == 1
 
 
 @pytest.mark.parametrize("optimizer,min_count", [(o, 1) for o in OPTIMIZERS] + [("adam", 2)])
@@ -223,8 +275,9 @@ def test_gradient_for_a_row_evicted_after_its_lookup_is_applied(redis_server, cl
     assert small.state_dict().equals(big.state_dict())
 
 
-def test_rows_in_flight_or_pending_are_served_from_the_buffer(redis_server, closing):
-    cfg = cfg_for(redis_server.url)
+@pytest.mark.parametrize("delete_restored", [False, True])
+def test_rows_in_flight_or_pending_are_served_from_the_buffer(redis_server, closing, delete_restored):
+    cfg = cfg_for(redis_server.url, spill_delete_restored=delete_restored)
     t = EmbeddingTable("t", TableSpec(dim=D, capacity=2), cfg)
     closing(t)
     ref = EmbeddingTable("t", TableSpec(dim=D, capacity=100), cfg_for())
@@ -253,9 +306,12 @@ def test_rows_in_flight_or_pending_are_served_from_the_buffer(redis_server, clos
     r = raw_client(redis_server)
     closing(r)
     present = {k: r.exists(spill_key("recsys", "t", k)) for k in range(1, 7)}
-    # 1 was written (in flight) then unlinked; 3 was never written; 2, 4, 5, 6 are spilled
-    assert present == {1: 0, 2: 1, 3: 0, 4: 1, 5: 1, 6: 1}
-    assert t.state_dict().equals(ref.state_dict())
+    if delete_restored:  # 1 was written (in flight) then unlinked; 3 was never written
+        assert present == {1: 0, 2: 1, 3: 0, 4: 1, 5: 1, 6: 1}
+    else:  # 1 and 3, back in memory, keep the copies written from the buffer (stale, unread)
+        assert present == dict.fromkeys(range(1, 7), 1)
+    assert t.counters()["spill_unlinks"] == (2 if delete_restored else 0)
+    assert t.state_dict().equals(ref.state_dict())  # the rows in memory, not their stale copies
 
 
 def test_state_round_trip_beyond_capacity_spills_the_oldest(redis_server, closing):

@@ -142,11 +142,28 @@ def test_a_restore_sees_exactly_its_checkpoints_rows(redis_server, tmp_path):
         other.close()
 
 
-def test_a_restore_in_the_running_process_leaves_redis_exactly_its_spilled_rows(redis_server, tmp_path):
+def check_spilled_after_restore(url: str, ns: str, saved_rows, table, delete_restored: bool) -> None:
+    """Redis holds every checkpoint row the table does not hold and no key the checkpoint
+    lacks; the rows back in memory keep their copies unless ``spill_delete_restored``."""
+    table.flush()
+    held = set(table._map.items()[0].tolist())
+    saved_keys = saved_rows.column("key").to_pylist()
+    want = {spill_key(ns, "user", k).encode() for k in saved_keys if k not in held}
+    names = set(spilled_names(url, ns))
+    if delete_restored:
+        assert names == want
+    else:
+        assert want <= names <= {spill_key(ns, "user", k).encode() for k in saved_keys}
+
+
+@pytest.mark.parametrize("delete_restored", [False, True])
+def test_a_restore_in_the_running_process_leaves_redis_exactly_its_spilled_rows(redis_server, tmp_path,
+                                                                                delete_restored):
     """Restored into the store that kept training: spilled rows of keys the checkpoint lacks
     are deleted, the checkpoint's rows replace the others, and Redis ends holding exactly the
-    checkpoint's rows the table does not hold."""
-    store = store_for(redis_server.url, tmp_path / "run")
+    checkpoint's rows the table does not hold (and, unless ``spill_delete_restored``, the
+    kept copies of rows it does)."""
+    store = store_for(redis_server.url, tmp_path / "run", spill_delete_restored=delete_restored)
     try:
         train(store, steps=2)
         saved = store.state_dict()
@@ -160,19 +177,16 @@ def test_a_restore_in_the_running_process_leaves_redis_exactly_its_spilled_rows(
         assert any(name.endswith(b"%016x" % 100) for name in spilled_names(redis_server.url, ns))
         store.load_state_dict(saved)
         assert store.state_dict()["user"].equals(saved["user"])
-        table.flush()
-        held = set(table._map.items()[0].tolist())
-        want = sorted(spill_key(ns, "user", k).encode() for k in saved["user"].column("key").to_pylist() if k not in held)
-        assert sorted(spilled_names(redis_server.url, ns)) == want
+        check_spilled_after_restore(redis_server.url, ns, saved["user"], table, delete_restored)
     finally:
         store.close()
 
 
-def trained_tables(names, url: str, run, steps: int) -> tuple[Schema, ShardedEmbeddingStore]:
+def trained_tables(names, url: str, run, steps: int, **kw) -> tuple[Schema, ShardedEmbeddingStore]:
     """A store of 4-row tables ``names`` in ``run``, every table trained on ``KEYS`` (most spill)."""
     schema_ = Schema(dense=["d"], tables={n: TableSpec(dim=D, capacity=4) for n in names},
                      sparse=[FeatureSpec(name=n) for n in names])
-    store = ShardedEmbeddingStore(schema_, cfg_for(url), run_dir=run, job_name="job")
+    store = ShardedEmbeddingStore(schema_, cfg_for(url, **kw), run_dir=run, job_name="job")
     for step in range(steps):
         for n in names:
             for start in range(0, KEYS.shape[0], 4):
@@ -183,12 +197,15 @@ def trained_tables(names, url: str, run, steps: int) -> tuple[Schema, ShardedEmb
     return schema_, store
 
 
-def test_a_store_built_to_restore_rewrites_its_earlier_rows_instead_of_deleting_them_first(redis_server, tmp_path):
+@pytest.mark.parametrize("delete_restored", [False, True])
+def test_a_store_built_to_restore_rewrites_its_earlier_rows_instead_of_deleting_them_first(redis_server, tmp_path,
+                                                                                           delete_restored):
     """``restoring=True`` (a resume): the start only finds the earlier attempt's rows, refuses
     to read them, and the load deletes those its checkpoint lacks (in a table it does not
     hold, all) and rewrites the others: no UNLINK of a row it writes again."""
     run = tmp_path / "run"
-    two, store = trained_tables(("user", "item"), redis_server.url, run, steps=3)
+    opt = {"spill_delete_restored": delete_restored}
+    two, store = trained_tables(("user", "item"), redis_server.url, run, steps=3, **opt)
     saved = {"user": store.state_dict()["user"]}  # a checkpoint without "item"
     later = np.arange(100, 106, dtype=np.int64)  # spilled after it: in Redis, not in the checkpoint
     for step, keys in enumerate([later[:3], later[3:], KEYS[:4]], start=3):
@@ -203,7 +220,8 @@ def test_a_store_built_to_restore_rewrites_its_earlier_rows_instead_of_deleting_
     client = redis.Redis.from_url(redis_server.url)
     try:
         unlinks = int(client.info("commandstats").get("cmdstat_unlink", {}).get("calls", 0))
-        restored = ShardedEmbeddingStore(two, cfg_for(redis_server.url), run_dir=run, job_name="job", restoring=True)
+        restored = ShardedEmbeddingStore(two, cfg_for(redis_server.url, **opt), run_dir=run, job_name="job",
+                                         restoring=True)
         try:
             assert sorted(spilled_names(redis_server.url, ns)) == sorted(left)  # nothing deleted at start
             assert int(client.info("commandstats").get("cmdstat_unlink", {}).get("calls", 0)) == unlinks
@@ -214,10 +232,8 @@ def test_a_store_built_to_restore_rewrites_its_earlier_rows_instead_of_deleting_
             assert restored.state_dict()["item"].num_rows == 0
             for t in restored.tables.values():
                 t.flush()
-            held = set(restored.tables["user"]._map.items()[0].tolist())
-            want = sorted(spill_key(ns, "user", k).encode() for k in saved["user"].column("key").to_pylist()
-                          if k not in held)
-            assert sorted(spilled_names(redis_server.url, ns)) == want
+            check_spilled_after_restore(redis_server.url, ns, saved["user"], restored.tables["user"],
+                                        delete_restored)
         finally:
             restored.close()
     finally:

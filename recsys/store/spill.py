@@ -10,7 +10,8 @@ One ``SpillTier`` per table and shard (``EmbeddingTable`` drives it; see its mod
     table misses ──► fetch(keys) ──► buffer first ─┤  else, keys in the index: read ahead, or MGET ──► Redis
                                                    └─ else: not spilled (no round trip)
     next lookup's misses ──► prefetch(keys) ──► MGET ahead (while the step trains)
-    rows restored ──► forget(keys) ──► buffer {key: None} (a tombstone) ──► writer: UNLINK
+    rows restored ──► restored(keys): copies kept (spill_delete_restored: forget(keys) ──►
+                      buffer {key: None} (a tombstone) ──► writer: UNLINK)
 
 Keys: ``<namespace>:spill:<table>:<key as 16 lowercase hex digits>`` (the key's uint64
 bits). Nothing about the shard or world size enters it, so a row spilled at one world size
@@ -48,10 +49,16 @@ Semantics, exactly:
   ask for: the store calls it with a training lookup's misses while that lookup still waits
   for the pushes before it, so the round trip overlaps the step's dense work. It is a hint:
   it never raises, and ``fetch`` reads itself whatever it did not get (see ``prefetch``).
-- After the table restored rows it calls ``forget``: tombstones, written as UNLINK by the
-  writer, after any in-flight SET of the same key (batches are written in order), so a
-  later eviction's copy is the only one that counts. Once the index is built, only keys it
-  or the buffer holds get one (the others are not spilled: nothing to delete).
+- After the table restored rows it calls ``restored``. By default the copies stay: the
+  table asks only for keys it does not hold and ``rows(skip=...)`` passes over those it
+  does, so a copy is never read while its row is in memory, and the row's next ``put``
+  overwrites it (Redis then holds every row evicted at least once: the price in Redis
+  memory of sending no UNLINK per restored row). With ``spill_delete_restored``,
+  ``restored`` is ``forget``: tombstones, written as UNLINK by the writer, after any
+  in-flight SET of the same key (batches are written in order), so a later eviction's copy
+  is the only one that counts. Once the index is built, only keys it or the buffer holds get
+  one (the others are not spilled: nothing to delete). The table also ``forget``s the rows
+  it hands over (``pop_rows``), whose copies would otherwise outlive them.
 - Every Redis call is retried ``spill_retries`` times on connection errors and timeouts,
   waiting ``spill_backoff_s`` and doubling. Then, by ``spill_outage``:
 
@@ -272,9 +279,21 @@ class SpillTier:
                 f"({self.cfg.spill_hold_max_rows}) allows (last error: {self._outage_cause}); they are not lost "
                 "while this process lives. Bring Redis back, or raise spill_hold_max_rows", transient=True)
 
+    def restored(self, keys: np.ndarray) -> None:
+        """Note that the rows of ``keys`` are back in the table's memory: with
+        ``spill_delete_restored`` their copies are deleted (``forget``); else kept, unread while
+        the rows stay in memory and overwritten by their next ``put``."""
+        if self.cfg.spill_delete_restored:
+            self.forget(keys)
+            return
+        keys = as_keys(keys)
+        if keys.shape[0]:
+            with self._cond:
+                self._drop_ahead(keys)
+
     def forget(self, keys: np.ndarray) -> None:
-        """Mark ``keys``' spilled copies as stale (restored into the table): they will be
-        unlinked, and ``fetch`` reports them as not spilled from now on."""
+        """Mark ``keys``' spilled copies as stale (restored into the table, or gone from it):
+        they will be unlinked, and ``fetch`` reports them as not spilled from now on."""
         keys = as_keys(keys)
         if keys.shape[0] == 0:
             return
@@ -427,13 +446,18 @@ class SpillTier:
         if self._own_client:
             self._client.close()
 
-    def rows(self) -> RowBlock:
-        """Return every row spilled by this table (``owns``' keys only), after a flush."""
+    def rows(self, skip: Callable[[np.ndarray], np.ndarray] | None = None) -> RowBlock:
+        """Return every row spilled by this table (``owns``' keys only), after a flush.
+
+        ``skip(keys) -> bool mask``: keys whose copies are not read (the table's: rows it holds
+        in memory, whose copies kept by ``restored`` are stale)."""
         self._ensure_index()
         self._refuse_leftovers("list spilled rows")
         self.flush()
         with self._cond:
             keys = self._index.keys()
+        if skip is not None and keys.shape[0]:
+            keys = keys[~np.asarray(skip(keys), dtype=bool)]
         blocks = []
         # a piece at a time: the replies as bytes objects take ~1.5x the decoded rows
         for start in range(0, max(keys.shape[0], 1), _ROWS_PER_READ):

@@ -46,7 +46,9 @@ lookup's misses are asked of it before anything is initialized::
       one KeyMap.lookup of every admitted key (the whole call's keys protected from eviction)
         new slots: found rows copied back exactly, the others initialized; every key's
         last_seen becomes ``step``; evicted rows ─► spill.put (async)
-      spill.forget(found keys): their Redis copies stop being authoritative (async UNLINK)
+      spill.restored(found keys): their Redis copies are kept, stale and never read while
+        the rows are in memory, overwritten when they are evicted again (with
+        ``spill_delete_restored``: deleted, an async UNLINK each)
 
 A spilled key found in the tier is admitted whatever the sketch says (it had a row).
 ``apply_gradients`` brings back spilled rows of its keys the same way (with their own
@@ -347,7 +349,7 @@ class EmbeddingTable:
         c["rejected"] += n_miss - n_admit
         c["inserts"] += new_slots.shape[0]
         if fetched is not None and fetched.num_rows:
-            spill.forget(fetched.keys)
+            spill.restored(fetched.keys)
         self._emit(evicted)
         return slots
 
@@ -408,8 +410,8 @@ class EmbeddingTable:
         if self.spill is not None:
             self.spill.check()
             block = self._block(keys, slots, steps)
-            spilled = self.spill.rows()  # flushes pending writes first
-            spilled = spilled.take(self._map.find(spilled.keys) < 0)  # the host copy wins
+            # flushes pending writes first; a row held here has no copy there or a stale one
+            spilled = self.spill.rows(skip=lambda k: self._map.find(k) >= 0)
             block = RowBlock.concat([block, spilled])
             return self._block_table(block.take(np.argsort(block.keys)))
         order = np.argsort(keys)  # distinct keys: any sort gives the one order (quicksort: 2x a stable one)
@@ -423,12 +425,15 @@ class EmbeddingTable:
         """Remove the rows of ``keys`` and return them (absent keys are skipped).
 
         Only rows held in memory move; spilled rows stay in the spill tier, whose keys do
-        not depend on the shard (their new owner finds them on its next miss)."""
+        not depend on the shard (their new owner finds them on its next miss). A copy the
+        tier kept of a moved row (``SpillTier.restored``) is deleted: it is older than the row."""
         keys = as_keys(keys)
         slots = self._map.remove(keys)
         live = slots >= 0
         slots = slots[live]
         out = self._rows_table(keys[live], slots, self._map.steps_of(slots))
+        if self.spill is not None and slots.shape[0]:
+            self.spill.forget(keys[live])
         self._counters["rows_out"] += out.num_rows
         return out
 
@@ -587,7 +592,7 @@ class EmbeddingTable:
         evicted = self._take_evicted(upd)
         self._write_rows(upd.slots_N, block)
         if self.spill is not None and upd.new_keys_M.shape[0]:
-            self.spill.forget(upd.new_keys_M)  # a spilled copy of these keys is now stale
+            self.spill.restored(upd.new_keys_M)  # a spilled copy of these keys is now stale
         self._emit(evicted)
 
     def _write_rows(self, slots: np.ndarray, block: RowBlock) -> None:
@@ -614,7 +619,7 @@ class EmbeddingTable:
         upd = self._map.assign(all_keys, all_steps)  # protects the present keys too
         evicted = self._take_evicted(upd)
         self._write_rows(upd.slots_N[present.sum():], block)
-        self.spill.forget(block.keys)
+        self.spill.restored(block.keys)
         self._emit(evicted)
         return self._map.find(keys)
 
