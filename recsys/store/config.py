@@ -127,9 +127,9 @@ class StoreConfig:
     only the rows not in memory. False (the default): the copy stays, never read while the
     row is in memory and overwritten when the row is evicted again, so Redis holds every row
     evicted at least once (up to one per id; with a tenth of the ids in memory, a ninth more
-    than true) and a step with spill sends no UNLINK per restored row: 1.16-1.34x the
+    than true) and a step with spill sends no UNLINK per restored row: 1.30-1.40x the
     samples/s of deleting them (``recsys bench scale``'s job at 5 M ids, a tenth in memory,
-    2026-11-29, 2 cores)."""
+    three alternated pairs, 2026-11-29, 2 cores)."""
     spill_batch_rows: int = 1000
     """Keys per Redis command (MSET / MGET / UNLINK) of the spill tier."""
     spill_queue_rows: int = 100_000
