@@ -228,6 +228,54 @@ def test_a_restored_rows_kept_copy_is_never_read_and_its_next_eviction_overwrite
     assert np.array_equal(t.peek(k), init_vectors(k, D, "user", 0, cfg_for().init_bound(D)))
 
 
+@pytest.mark.parametrize("delete_restored", [False, True])
+def test_prefetch_reads_no_copy_of_a_row_the_table_holds(redis_server, closing, delete_restored):
+    """The store passes a coming lookup's every key to ``prefetch``; a held row's kept copy
+    is stale, and reading it ahead would be wasted round trips."""
+    t = EmbeddingTable("u", TableSpec(dim=D, capacity=4), cfg_for(redis_server.url, spill_delete_restored=delete_restored))
+    closing(t)
+    a, b = np.arange(4), np.arange(4, 8)
+    t.lookup(a, 0)
+    t.lookup(b, 1)  # evicts a
+    t.lookup(a, 2)  # restores a, evicts b
+    t.flush()
+    assert t.prefetch(a) == 0
+    assert t.prefetch(np.concatenate([a, b])) == 4  # b's rows are spilled: read ahead
+
+
+@pytest.mark.parametrize("delete_restored", [False, True])
+def test_a_popped_rows_copy_is_gone_before_a_new_owner_can_write_it(redis_server, closing, delete_restored):
+    """``pop_rows`` deletes the row's Redis copy before it returns: an UNLINK still queued
+    then could land after the new owner's write of the same key and lose the row."""
+    cfg = cfg_for(redis_server.url, spill_delete_restored=delete_restored)
+    a = EmbeddingTable("u", TableSpec(dim=D, capacity=2), cfg)
+    b = EmbeddingTable("u", TableSpec(dim=D, capacity=2), cfg)
+    closing(a)
+    closing(b)
+    b.lookup(np.array([100]), 0)  # b's index is built (empty)
+    k = np.array([42])
+    a.lookup(k, 0)
+    a.lookup(np.array([1, 2]), 1)  # evicts 42
+    a.flush()
+    a.lookup(k, 2)  # 42 back in a's memory
+    a.flush()
+    gate = threading.Event()
+    a.spill._write_gate = lambda: gate.wait(10)  # a's writer is slow
+    timer = threading.Timer(0.3, gate.set)
+    timer.start()
+    try:
+        popped = a.pop_rows(k)
+        assert a.spill.counters()["spill_pending"] == 0  # written before the row left
+    finally:
+        gate.set()
+        timer.cancel()
+    b.insert_rows(popped)  # the new owner
+    b.lookup(np.array([200, 201]), 3)  # evicts 100 and 42: b writes 42's newest state
+    b.flush()
+    a.flush()
+    assert np.array_equal(b.peek(k)[0], np.asarray(popped.column("embedding")[0].as_py(), np.float32))
+
+
 def test_with_delete_restored_a_restored_rows_copy_is_deleted(redis_server, closing):
     t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url, spill_delete_restored=True))
     closing(t)

@@ -455,8 +455,9 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
 
         The saved rows are the whole truth: rows this shard spilled to Redis earlier (say,
         after the checkpoint was taken) are deleted first unless the checkpoint has their
-        keys, whose rows then replace them (written to Redis again, or loaded into memory and
-        the spilled copy deleted), so none comes back stale.
+        keys, whose rows then replace them (written to Redis again, or loaded into memory,
+        where a copy kept in Redis is never read and the next eviction overwrites it), so
+        none comes back stale.
         ``admission``: ``admission_state_dict()["admission"]`` of the same checkpoint (see there).
         """
         unknown = sorted(set(state) - set(self.tables))

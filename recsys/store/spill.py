@@ -58,7 +58,9 @@ Semantics, exactly:
   in-flight SET of the same key (batches are written in order), so a later eviction's copy
   is the only one that counts. Once the index is built, only keys it or the buffer holds get
   one (the others are not spilled: nothing to delete). The table also ``forget``s the rows
-  it hands over (``pop_rows``), whose copies would otherwise outlive them.
+  it hands over (``pop_rows``, flushed before they leave, so a new owner's write of the same
+  key lands after the UNLINK), whose copies would otherwise outlive them, and passes
+  ``prefetch`` only the keys it does not hold.
 - Every Redis call is retried ``spill_retries`` times on connection errors and timeouts,
   waiting ``spill_backoff_s`` and doubling. Then, by ``spill_outage``:
 
@@ -512,7 +514,8 @@ class SpillTier:
 
     def retain(self, keys: np.ndarray) -> int:
         """Delete this tier's spilled rows except those of ``keys`` (a restore's rows: it
-        writes them again or loads them into the table, whose ``forget`` deletes them), after
+        writes them again or loads them into the table, whose ``restored`` keeps or deletes
+        their copies), after
         a flush; return how many Redis keys were unlinked. Builds the index first if needed."""
         keys = as_keys(keys)
         self._ensure_index()

@@ -273,12 +273,13 @@ class EmbeddingTable:
         many rows it read. Changes no row and no key; with no spill tier, does nothing. May run
         before pushes of earlier steps are applied: a push changes only rows this table holds.
 
-        The keys are not probed here: the tier reads only keys its index has and its buffer
-        does not, and a row this table holds is not both (restoring it buffered a tombstone,
-        and the index drops the key once the tombstone is written)."""
+        Only the keys this table does not hold are passed on: the tier reads every key its
+        index has and its buffer does not, and a row held here may have a copy there (kept by
+        ``SpillTier.restored``), stale and not to be read."""
         if self.spill is None:
             return 0
-        return self.spill.prefetch(keys_U)
+        keys = as_keys(keys_U)
+        return self.spill.prefetch(keys[self._map.find(keys) < 0])
 
     @property
     def departures(self) -> int:
@@ -428,12 +429,18 @@ class EmbeddingTable:
         not depend on the shard (their new owner finds them on its next miss). A copy the
         tier kept of a moved row (``SpillTier.restored``) is deleted: it is older than the row."""
         keys = as_keys(keys)
+        if self.spill is not None:
+            # deleted before the rows leave (a raise keeps them here), and at once: a new
+            # owner's write of the same Redis key must land after this UNLINK, not before
+            self.spill.check()
+            held = keys[self._map.find(keys) >= 0]
+            if held.shape[0]:
+                self.spill.forget(held)
+                self.spill.flush()
         slots = self._map.remove(keys)
         live = slots >= 0
         slots = slots[live]
         out = self._rows_table(keys[live], slots, self._map.steps_of(slots))
-        if self.spill is not None and slots.shape[0]:
-            self.spill.forget(keys[live])
         self._counters["rows_out"] += out.num_rows
         return out
 
