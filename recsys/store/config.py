@@ -127,7 +127,7 @@ class StoreConfig:
     only the rows not in memory. False (the default): the copy stays, never read while the
     row is in memory and overwritten when the row is evicted again, so Redis holds every row
     evicted at least once (up to one per id; with a tenth of the ids in memory, a ninth more
-    than true) and a step with spill sends no UNLINK per restored row: 1.30-1.40x the
+    than true) and a step with spill sends no UNLINK per restored row: 1.30-1.39x the
     samples/s of deleting them (``recsys bench scale``'s job at 5 M ids, a tenth in memory,
     three alternated pairs, 2026-11-29, 2 cores)."""
     spill_batch_rows: int = 1000
