@@ -515,8 +515,8 @@ class SpillTier:
     def retain(self, keys: np.ndarray) -> int:
         """Delete this tier's spilled rows except those of ``keys`` (a restore's rows: it
         writes them again or loads them into the table, whose ``restored`` keeps or deletes
-        their copies), after
-        a flush; return how many Redis keys were unlinked. Builds the index first if needed."""
+        their copies), after a flush; return how many Redis keys were unlinked. Builds the
+        index first if needed."""
         keys = as_keys(keys)
         self._ensure_index()
         self.flush()
