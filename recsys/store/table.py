@@ -432,7 +432,6 @@ class EmbeddingTable:
         if self.spill is not None:
             # deleted before the rows leave (a raise keeps them here), and at once: a new
             # owner's write of the same Redis key must land after this UNLINK, not before
-            self.spill.check()
             held = keys[self._map.find(keys) >= 0]
             if held.shape[0]:
                 self.spill.forget(held)
