@@ -180,6 +180,11 @@ class RedisBackend:
         self._live_said: set[str] = set()  # reasons already logged
         self._refused: dict[str, str] = {}  # version -> why its manifest cannot be served
         self._last_error = "not connected yet"
+        # calls overlap (the follower's refresh, requests): the outcome status() reports is that
+        # of the latest-started call to have ended, so an older call that fails after a newer one
+        # answered does not mark a recovered Redis unready
+        self._calls_started = 0
+        self._outcome_of = 0  # start number of the call whose outcome _last_error holds
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -208,7 +213,8 @@ class RedisBackend:
             self._resp.close()
 
     def status(self) -> tuple[bool, str]:
-        """Return (ready, why): Redis answered the last refresh and a version is loaded."""
+        """Return (ready, why): the latest-started Redis call to end got an answer (a refresh
+        or a request; see ``_settle``) and a version is loaded."""
         refused = "".join(f"; refused version {v!r}: {why}" for v, why in self._refused.items())
         if self._last_error:
             return False, self._last_error + refused
@@ -246,16 +252,25 @@ class RedisBackend:
         """Run ``op(client)``; Redis errors become ``BackendUnavailable`` naming the URL."""
         import redis
 
+        self._calls_started += 1
+        mine = self._calls_started
         try:
             if self._client is None:
                 self._client = await self._connect()
             result = await op(self._client)
         except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
             self.errors += 1
-            self._last_error = f"Redis at {redact(self.url)} failed during {what}: {type(exc).__name__}: {exc}"
-            raise BackendUnavailable(self._last_error) from None
-        self._last_error = ""  # Redis answered: ready again as soon as it does
+            why = f"Redis at {redact(self.url)} failed during {what}: {type(exc).__name__}: {exc}"
+            self._settle(mine, why)
+            raise BackendUnavailable(why) from None
+        self._settle(mine, "")  # Redis answered: ready again as soon as it does
         return result
+
+    def _settle(self, call: int, error: str) -> None:
+        """Record the outcome of call number ``call`` unless a call started after it has ended."""
+        if call > self._outcome_of:
+            self._outcome_of = call
+            self._last_error = error
 
     # ------------------------------------------------------------------ versions
 

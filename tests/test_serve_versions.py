@@ -3,6 +3,7 @@ with a clear body, and the service recovers by itself when Redis returns."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import pytest
 from conftest import wait_until
 from embedding_server import publish, wire
 from embedding_server.app import create_app
+from embedding_server.backends import BackendUnavailable, RedisBackend
 from embedding_server.settings import ServeSettings
 from recsys import checkpoint_files
 from recsys.harness import start_redis
@@ -142,6 +144,60 @@ def test_a_hung_redis_costs_a_request_one_timeout_not_two(tiny_run, tmp_path, fa
             wait_until(lambda: c.post("/v1/lookup", json=body).status_code == 200, 30, "lookups to recover")
     finally:
         server.stop()
+
+
+def test_a_failure_of_an_older_call_does_not_undo_a_newer_calls_recovery(tiny_run, redis_server):
+    # the follower's refresh and requests overlap: a call that began before Redis came back
+    # can fail after a later call has answered, and must not mark the service unready again
+    import redis
+
+    publish.export(tiny_run, redis_server.url, publish.ExportSettings(version="v1"), progress=False)
+    backend = RedisBackend(redis_server.url, refresh_s=3600)
+
+    async def run():
+        await backend.refresh()
+        assert backend.status()[0], backend.status()
+        release = asyncio.Event()
+
+        async def failing(_client):
+            await release.wait()
+            raise redis.ConnectionError("the connection broke in the outage")
+
+        async def answering(client):
+            return await client.get("recsys:current")
+
+        older = asyncio.create_task(backend._call("an older read", failing))
+        await asyncio.sleep(0)  # the older call starts first
+        assert await backend._call("a newer read", answering) == b"v1"
+        release.set()
+        with pytest.raises(BackendUnavailable, match="an older read"):
+            await older
+        ready_after_older, why = backend.status()
+
+        # the other order: a newer call's failure stands though an older call answers after it
+        release.clear()
+
+        async def answering_late(client):
+            await release.wait()
+            return await client.get("recsys:current")
+
+        async def failing_now(_client):
+            raise redis.ConnectionError("Redis went away again")
+
+        older = asyncio.create_task(backend._call("an older read", answering_late))
+        await asyncio.sleep(0)
+        with pytest.raises(BackendUnavailable):
+            await backend._call("a newer read", failing_now)
+        release.set()
+        assert await older == b"v1"
+        ready_after_newer, why_newer = backend.status()
+        await backend.close()
+        return ready_after_older, why, ready_after_newer, why_newer
+
+    ready_after_older, why, ready_after_newer, why_newer = asyncio.run(run())
+    assert ready_after_older, why
+    assert backend.errors == 2
+    assert not ready_after_newer and "a newer read" in why_newer and "went away again" in why_newer
 
 
 def test_a_manifest_the_server_cannot_serve_is_refused_and_the_old_version_stays(tiny_run, redis_server):
