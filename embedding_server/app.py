@@ -48,7 +48,7 @@ from embedding_server.catalog import IdError
 from embedding_server.fastpath import FrontedApp
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServeSettings
-from recsys.store.keymap import distinct_inverse
+from recsys.store.tables.keymap import distinct_inverse
 
 log = logging.getLogger(__name__)
 _F32_MAX = float(np.finfo(np.float32).max)

@@ -3,7 +3,7 @@
 Legend: ``U`` unique keys of a request part, ``C`` cached rows of a table, ``D`` dim.
 
 One ``TableCache`` per (version, table): the store's own vectorized key map
-(``recsys.store.keymap.KeyMap``: 64-bit key → slot, exact LRU eviction, numba) over
+(``recsys.store.tables.keymap.KeyMap``: 64-bit key → slot, exact LRU eviction, numba) over
 preallocated arrays, so a request's 256 keys cost a few microseconds, not 256 dict
 operations::
 
@@ -45,8 +45,8 @@ import os
 import numpy as np
 from numba import njit
 
-from recsys.store.keymap import KeyMap, as_keys
-from recsys.store.prefetch import ROWS_AHEAD, prefetch
+from recsys.store.tables.keymap import KeyMap, as_keys
+from recsys.store.host.prefetch import ROWS_AHEAD, prefetch
 
 ENTRY_OVERHEAD = 32
 MIN_ROWS = 4096
@@ -69,12 +69,12 @@ def salted(keys: np.ndarray) -> np.ndarray:
 def _gather_hits_kernel(slots_U, rows_CD, found_C, rows_UD, found_U):
     """Copy the cached row and found flag of every key with a slot (>= 0). Each row's cache
     lines are asked for ``ROWS_AHEAD`` keys early (a cache of 256 MiB is far beyond the CPU's
-    caches, so nearly every row is a miss; ``recsys.store.prefetch``)."""
+    caches, so nearly every row is a miss; ``recsys.store.host.prefetch``)."""
     n = slots_U.shape[0]
     dim = rows_CD.shape[1]
     flat = rows_CD.reshape(-1)
     for i in range(n):
-        # the hint is written out in each kernel on purpose (recsys.store.prefetch)
+        # the hint is written out in each kernel on purpose (recsys.store.host.prefetch)
         j = i + ROWS_AHEAD
         if j < n and slots_U[j] >= 0:
             base = slots_U[j] * dim

@@ -5,11 +5,11 @@ A ``Catalog`` is built from a checkpoint (its meta.json carries the resolved job
 travels inside the manifest of every published version, so a server hashes a raw id with
 the same table salt, folding and kind checks as the reader did, and gives a key that was
 never trained the vector ``recsys eval`` reads for it: the store's initial vector (a pure
-function of seed, table and key; ``recsys.store.initial``) when ``store.min_count == 1``,
+function of seed, table and key; ``recsys.store.tables.initial``) when ``store.min_count == 1``,
 zeros when admission was on (an unadmitted key reads zeros in training and evaluation).
 
 A job trained with ``model.wide = true`` also has the wide arm's weights: one scalar per id
-in a dim-1 table ``<table>.wide`` per embedding table (``recsys.store.wide``). Those tables
+in a dim-1 table ``<table>.wide`` per embedding table (``recsys.store.tables.wide``). Those tables
 are served like any other (``TableInfo.wide_of`` names the embedding table whose ids they
 weigh); a lookup asks for them with ``arm = "wide"`` and the same feature and raw ids as
 for the embeddings. Their keys are the embedding table's keys (the trainer looks both up
@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from recsys import hashing
-from recsys.store.initial import init_vectors
-from recsys.store.wide import wide_store_config, wide_table
+from recsys.store.tables.initial import init_vectors
+from recsys.store.tables.wide import wide_store_config, wide_table
 
 MANIFEST_FORMAT = 1
 ID_KINDS = ("int64", "string")

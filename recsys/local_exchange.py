@@ -28,7 +28,7 @@ A peer that exits is noticed: at once when no writer of the FIFO is left, else b
 at the next one-second poll (ranks in one pid namespace); a call that waits longer than
 ``timeout_s`` raises.
 
-Used by the store's exchange (``recsys.store.exchange``), the trainer's per-step control
+Used by the store's exchange (``recsys.store.sharded.exchange``), the trainer's per-step control
 values and the dense gradients' mean (``recsys.train.distributed``); ``open`` returns None
 (gloo stays) for one rank, ranks on several hosts, or no writable ``/dev/shm``.
 """

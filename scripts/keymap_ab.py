@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/keymap_ab.py OTHER_CHECKOUT [CAPACITY ...]
 
-``OTHER_CHECKOUT``: a directory holding ``recsys/store/keymap.py`` (say, ``git worktree add
+``OTHER_CHECKOUT``: a directory holding ``recsys/store/tables/keymap.py`` (say, ``git worktree add
 /tmp/base daff01e``). Per capacity, both maps hold the same random keys; each of 12 rounds
 times, for each map in turn (the order alternates): lookups of held keys (Zipf(1.05) over
 them, 10 calls of 16 Ki keys), ``find`` of the same keys, and lookups of 10 × 4 Ki new keys,
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> int:
         print(f"keymap_ab: no {other}", file=sys.stderr)
         return 2
     capacities = [int(a) for a in argv[1:]] or [1_000_000, 8_000_000]
-    mods = {"other": _load("keymap_other", other), "this": _load("keymap_this", HERE / "recsys/store/keymap.py")}
+    mods = {"other": _load("keymap_other", other), "this": _load("keymap_this", HERE / "recsys/store/tables/keymap.py")}
     from recsys.bench import cpu_info
 
     cpu = cpu_info()

@@ -33,8 +33,8 @@ import numpy as np
 from recsys.harness import start_redis
 from recsys.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.table import EmbeddingTable
+from recsys.store.sharded.store import ShardedEmbeddingStore
+from recsys.store.tables.table import EmbeddingTable
 
 n, cap = int(sys.argv[1]), int(sys.argv[2])
 tmp = Path(tempfile.mkdtemp(prefix="restore-ab-"))

@@ -17,8 +17,8 @@ import torch
 from dist_utils import run_distributed
 from recsys import hashing
 from recsys.store.config import StoreConfig
-from recsys.store.keymap import FrequencySketch, merge_sketch_states
-from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.store.tables.keymap import FrequencySketch, merge_sketch_states
+from recsys.store.sharded.store import ShardedEmbeddingStore
 from store_data import random_kjts, three_feature_schema
 
 D = 4

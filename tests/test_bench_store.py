@@ -46,7 +46,7 @@ def test_belady_matches_brute_force():
 def test_resident_bytes_counts_the_pages_written_not_the_arrays_size():
     """The store's RSS figure (``bench scale``): pages an array was never written on are not
     memory yet; each buffer counts once, however many views of it a table holds."""
-    from recsys.store import pages
+    from recsys.store.host import pages
 
     # fresh mappings, 2 MiB-aligned: 6 MiB written is three huge pages or 1536 small ones, and
     # the 3 MiB array is one huge page and 256 small ones (or all small), 9 MiB either way (on

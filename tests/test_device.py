@@ -19,10 +19,10 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.store.config import StoreConfig
-from recsys.store.device_cache import DeviceCache, device_budget_rows
-from recsys.store.device_table import DeviceTable
-from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.table import EmbeddingTable
+from recsys.store.device.cache import DeviceCache, device_budget_rows
+from recsys.store.device.table import DeviceTable
+from recsys.store.sharded.store import ShardedEmbeddingStore
+from recsys.store.tables.table import EmbeddingTable
 from store_data import random_kjts, three_feature_schema, train_pooled
 from test_train import JOB, ROOT, overrides
 

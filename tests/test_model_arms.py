@@ -88,8 +88,8 @@ def test_default_model_is_unchanged_by_the_new_arms():
 def _wide_store(optimizer="sgd", lr=0.5):
     from recsys.schema import FeatureSpec, Schema, TableSpec
     from recsys.store.config import StoreConfig
-    from recsys.store.sharded import ShardedEmbeddingStore
-    from recsys.store.wide import wide_schema, wide_store_config
+    from recsys.store.sharded.store import ShardedEmbeddingStore
+    from recsys.store.tables.wide import wide_schema, wide_store_config
 
     schema = Schema(dense=["x"], tables={"item": TableSpec(dim=4), "user": TableSpec(dim=4)}, sparse=[
         FeatureSpec(name="item"), FeatureSpec(name="user"),
@@ -226,8 +226,8 @@ def test_wide_term_of_an_id_score_list_is_the_scores_times_the_weights():
 
     from recsys.schema import FeatureSpec, Schema, TableSpec
     from recsys.store.config import StoreConfig
-    from recsys.store.sharded import ShardedEmbeddingStore
-    from recsys.store.wide import wide_schema, wide_store_config
+    from recsys.store.sharded.store import ShardedEmbeddingStore
+    from recsys.store.tables.wide import wide_schema, wide_store_config
 
     schema = Schema(tables={"tag": TableSpec(dim=4)},
                     sparse=[FeatureSpec(name="tags", table="tag", multi_hot=True, weighted=True)])

@@ -130,7 +130,7 @@ def _train_watching(data, run_dir, *extra) -> tuple[list[dict[str, int]], list[i
     the store worker's own policy as each push starts its work."""
     from test_train import build
 
-    from recsys.store.sharded import ShardedEmbeddingStore
+    from recsys.store.sharded.store import ShardedEmbeddingStore
 
     trainer = build(data, run_dir, *extra)
     forward = trainer.ddp.forward

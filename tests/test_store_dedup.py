@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsys.store.dedup import index_batch, unique_blocks, unique_inverse
-from recsys.store.exchange import route
+from recsys.store.tables.dedup import index_batch, unique_blocks, unique_inverse
+from recsys.store.sharded.exchange import route
 from recsys.hashing import owner_of
 
 

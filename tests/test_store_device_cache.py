@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from recsys.schema import TableSpec
-from recsys.store import optim
+from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
-from recsys.store.device_cache import DeviceCache, apply_update_torch
-from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.table import EmbeddingTable
+from recsys.store.device.cache import DeviceCache, apply_update_torch
+from recsys.store.sharded.store import ShardedEmbeddingStore
+from recsys.store.tables.table import EmbeddingTable
 from store_data import random_kjts, three_feature_schema, train_pooled
 
 D = 6

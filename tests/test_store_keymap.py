@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recsys.store import keymap
-from recsys.store.keymap import FrequencySketch, KeyMap
+from recsys.store.tables import keymap
+from recsys.store.tables.keymap import FrequencySketch, KeyMap
 
 MASK = (1 << 64) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -152,7 +152,7 @@ def test_keys_crowding_one_bucket_with_one_tag_match_reference():
     two buckets and whose tag bits agree each need the slot's key to be told apart, and
     every deletion shifts a long run. Lookups, evictions, removes and assigns through such a
     cluster (a call's pending keys shifted by its own evictions included) keep the policy."""
-    import recsys.store.keymap as keymap
+    import recsys.store.tables.keymap as keymap
 
     capacity = 24
     nb_u = np.uint64(int(keymap.BUCKETS_PER_SLOT * capacity) + 1)
@@ -396,7 +396,7 @@ def test_a_call_reads_only_the_pool_entries_it_takes_or_passes_over():
 def test_distinct_and_has_repeats_agree_with_numpy():
     """``distinct`` is ``np.unique`` (sorted distinct values) and ``has_repeats`` tells
     whether any value repeats, on sorted, unsorted, empty, one-element and uint64 input."""
-    from recsys.store.keymap import distinct, has_repeats
+    from recsys.store.tables.keymap import distinct, has_repeats
 
     rng = np.random.default_rng(3)
     cases = [np.empty(0, np.int64), np.array([7], np.int64), np.arange(10, dtype=np.int64),
@@ -410,7 +410,7 @@ def test_distinct_and_has_repeats_agree_with_numpy():
 
 
 def test_distinct_inverse_is_each_key_once_in_first_seen_order_with_the_inverse():
-    from recsys.store.keymap import distinct_inverse
+    from recsys.store.tables.keymap import distinct_inverse
 
     rng = np.random.default_rng(4)
     for keys in (np.empty(0, np.int64), np.array([9], np.int64), rng.integers(-5, 5, 300),

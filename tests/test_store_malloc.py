@@ -1,4 +1,4 @@
-"""``recsys.store.malloc``: freed memory is reused instead of faulted in again."""
+"""``recsys.store.host.malloc``: freed memory is reused instead of faulted in again."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ _PROBE = r"""
 import resource, sys
 import numpy as np
 if sys.argv[1] == "keep":
-    from recsys.store.malloc import keep_freed_memory
+    from recsys.store.host.malloc import keep_freed_memory
     assert keep_freed_memory()
 faults = []
 for _ in range(6):
@@ -39,7 +39,7 @@ def test_a_freed_block_is_reused_without_page_faults():
 
 def test_a_store_sets_it_unless_told_not_to(monkeypatch):
     from recsys.schema import FeatureSpec, Schema, TableSpec
-    from recsys.store import sharded
+    from recsys.store.sharded import store as sharded
     from recsys.store.config import StoreConfig
 
     calls = []

@@ -30,7 +30,7 @@ import torch
 
 from recsys.schema import TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.table import EmbeddingTable, init_vectors
+from recsys.store.tables.table import EmbeddingTable, init_vectors
 
 N, D, STEPS = 12, 4, 6
 KEYS = (np.arange(N, dtype=np.int64) * 1_000_003) - 5

@@ -8,10 +8,10 @@ import pytest
 
 from recsys import hashing
 from recsys.schema import TableSpec
-from recsys.store import pages
+from recsys.store.host import pages
 from recsys.store.config import StoreConfig
-from recsys.store.keymap import KeyMap
-from recsys.store.table import EmbeddingTable
+from recsys.store.tables.keymap import KeyMap
+from recsys.store.tables.table import EmbeddingTable
 
 THP = pages.thp_mode() in ("always", "madvise")
 

@@ -3,7 +3,7 @@
 import numpy as np
 import torch
 
-from recsys.store.pooling import local_copy, pool_backward, pool_forward, pool_torch
+from recsys.store.tables.pooling import local_copy, pool_backward, pool_forward, pool_torch
 
 
 def _case(seed: int, weighted: bool):

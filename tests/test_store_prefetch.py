@@ -5,7 +5,7 @@ import pytest
 from numba import njit
 from numba.core.errors import TypingError
 
-from recsys.store.prefetch import prefetch
+from recsys.store.host.prefetch import prefetch
 
 
 @njit

@@ -10,11 +10,11 @@ import pytest
 
 from recsys.store import protocols
 from recsys.store.config import StoreConfig
-from recsys.store.device_cache import DeviceCache
-from recsys.store.device_table import DeviceTable
-from recsys.store.sharded import Lookup, ShardedEmbeddingStore
-from recsys.store.table import EmbeddingTable
-from recsys.store.wide import PairLookup, WideStore, wide_schema
+from recsys.store.device.cache import DeviceCache
+from recsys.store.device.table import DeviceTable
+from recsys.store.sharded.store import Lookup, ShardedEmbeddingStore
+from recsys.store.tables.table import EmbeddingTable
+from recsys.store.tables.wide import PairLookup, WideStore, wide_schema
 from store_data import random_kjts, three_feature_schema
 
 IMPLEMENTATIONS = [

@@ -11,7 +11,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from dist_utils import run_distributed
 from recsys.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.store.sharded.store import ShardedEmbeddingStore
 
 DIM = 4
 
@@ -416,7 +416,7 @@ def test_a_failing_table_raises_as_in_table_order_with_threads(threaded):
 
 
 def test_lanes_split_every_item_once_and_balance():
-    from recsys.store.lanes import Lanes
+    from recsys.store.sharded.lanes import Lanes
 
     lanes = Lanes(3)
     try:
@@ -436,7 +436,7 @@ def test_a_waiting_caller_takes_tables_of_the_workers_call():
     import threading
     from concurrent.futures import Future
 
-    from recsys.store.lanes import Board, HelpedFuture, Lanes
+    from recsys.store.sharded.lanes import Board, HelpedFuture, Lanes
 
     board = Board()
     lanes = Lanes(1, board)
@@ -551,8 +551,8 @@ def test_a_step_outside_32_bits_is_refused_by_the_table_group_too():
     step outside them to the tables' own path, which refuses it with a clear error and
     changes nothing; the largest step inside them goes through the group."""
     from recsys.store.group import TableGroup
-    from recsys.store.keymap import STEP_MAX
-    from recsys.store.table import EmbeddingTable
+    from recsys.store.tables.keymap import STEP_MAX
+    from recsys.store.tables.table import EmbeddingTable
 
     cfg = StoreConfig(lr=0.1)
     tables = [EmbeddingTable(n, TableSpec(dim=4, capacity=100), cfg) for n in ("a", "b")]

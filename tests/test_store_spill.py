@@ -21,13 +21,13 @@ from conftest import wait_until
 from recsys import hashing
 from recsys.harness import RedisServer
 from recsys.schema import TableSpec
-from recsys.store import optim
+from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
-from recsys.store.rowblock import RowBlock
-from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.spill import SpillError, SpillTier
+from recsys.store.tables.rowblock import RowBlock
+from recsys.store.sharded.store import ShardedEmbeddingStore
+from recsys.store.spill.tier import SpillError, SpillTier
 from recsys.store.spill_protocol import FORMAT_VERSION, spill_key, value_dtype
-from recsys.store.table import EmbeddingTable, init_vectors
+from recsys.store.tables.table import EmbeddingTable, init_vectors
 from store_data import random_kjts, three_feature_schema, train_pooled
 
 pytestmark = pytest.mark.redis

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recsys.store import spill_index
-from recsys.store.spill_index import KeyIndex
+from recsys.store.spill import index as spill_index
+from recsys.store.spill.index import KeyIndex
 
 KEYS = st.integers(-(2**63), 2**63 - 1)
 

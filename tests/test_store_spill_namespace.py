@@ -14,10 +14,10 @@ import redis
 
 from recsys.schema import Schema, TableSpec, FeatureSpec
 from recsys.store.config import StoreConfig, run_namespace
-from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.spill import SpillError
+from recsys.store.sharded.store import ShardedEmbeddingStore
+from recsys.store.spill.tier import SpillError
 from recsys.store.spill_protocol import owner_key, spill_key
-from recsys.store.table import EmbeddingTable, init_vectors
+from recsys.store.tables.table import EmbeddingTable, init_vectors
 
 pytestmark = pytest.mark.redis
 

@@ -18,9 +18,9 @@ from conftest import wait_until
 from recsys.harness import RedisServer, start_redis
 from recsys.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.spill import SpillError
-from recsys.store.table import EmbeddingTable
+from recsys.store.sharded.store import ShardedEmbeddingStore
+from recsys.store.spill.tier import SpillError
+from recsys.store.tables.table import EmbeddingTable
 
 pytestmark = pytest.mark.redis
 

@@ -15,10 +15,10 @@ from hypothesis import strategies as st
 
 from recsys import hashing
 from recsys.schema import TableSpec
-from recsys.store import optim
+from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
-from recsys.store.float16 import to_float16, to_float32
-from recsys.store.table import COUNTERS, EmbeddingTable, init_vectors
+from recsys.store.tables.float16 import to_float16, to_float32
+from recsys.store.tables.table import COUNTERS, EmbeddingTable, init_vectors
 
 MASK = (1 << 64) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -624,7 +624,7 @@ _PREFAULT_PROBE = r"""
 import sys
 from recsys.schema import TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.table import EmbeddingTable
+from recsys.store.tables.table import EmbeddingTable
 
 def rss():
     with open("/proc/self/statm") as fh:
@@ -664,7 +664,7 @@ def test_prefault_commits_the_tables_memory_and_changes_no_row(optimizer):
 
 
 def test_gather_kernel_copies_rows_and_zeros_absent_slots():
-    from recsys.store.table import _gather_kernel
+    from recsys.store.tables.table import _gather_kernel
 
     rng = np.random.default_rng(4)
     w = rng.standard_normal((50, 16)).astype(np.float32)
@@ -677,7 +677,7 @@ def test_gather_kernel_copies_rows_and_zeros_absent_slots():
 
 
 def test_a_shard_above_the_key_maps_limit_is_refused_by_name():
-    from recsys.store.keymap import MAX_CAPACITY
+    from recsys.store.tables.keymap import MAX_CAPACITY
 
     with pytest.raises(ValueError, match=r"table 'huge': 536870912 rows in one shard, above the 536870911"):
         EmbeddingTable("huge", TableSpec(dim=4, capacity=MAX_CAPACITY + 1), StoreConfig())

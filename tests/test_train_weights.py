@@ -82,7 +82,7 @@ def _initial(run_dir: Path, rows: dict) -> dict:
     """The initial vector of every saved key, as the store draws it (a function of the key)."""
     from recsys import checkpoint_files
     from recsys.eval.evaluate import _job_of
-    from recsys.store.initial import init_vectors
+    from recsys.store.tables.initial import init_vectors
 
     job = _job_of(checkpoint_files.resolve(run_dir))  # the job the checkpoint saved
     out = {}

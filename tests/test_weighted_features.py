@@ -16,7 +16,7 @@ from recsys.io.errors import ReadError
 from recsys.io.reader import ParquetReader
 from recsys.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.sharded import ShardedEmbeddingStore
+from recsys.store.sharded.store import ShardedEmbeddingStore
 
 DIM = 8
 

@@ -94,7 +94,7 @@ def test_wide_optimizer_settings_move_the_wide_weights_only(tiny_data, tmp_path)
 def test_wide_settings_reach_the_wide_store_only_and_are_checked():
     from recsys.model.config import ModelConfig
     from recsys.store.config import StoreConfig
-    from recsys.store.wide import wide_store_config
+    from recsys.store.tables.wide import wide_store_config
 
     store = StoreConfig(lr=0.05, weight_decay=0.01, initial_accumulator=0.0)
     same = wide_store_config(store, ModelConfig(wide=True))

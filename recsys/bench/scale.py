@@ -539,7 +539,7 @@ def _warm_kernels(s: Settings, url: str) -> None:
     pool broken."""
     from recsys.schema import TableSpec
     from recsys.store.config import StoreConfig
-    from recsys.store.table import EmbeddingTable
+    from recsys.store.tables.table import EmbeddingTable
 
     SyntheticIds.make(dataclasses.replace(s, batch=8), universes(1000), 1, 1)
     keys = np.arange(64, dtype=np.int64)

@@ -52,7 +52,7 @@ def _write_checkpoint(root: Path, rows: int) -> Path:
     from recsys import hashing
     from recsys.schema import TableSpec
     from recsys.store.config import StoreConfig
-    from recsys.store.table import EmbeddingTable
+    from recsys.store.tables.table import EmbeddingTable
     from recsys.train import checkpoint as ckpt
 
     job = config_mod.from_dict(config_mod.JobConfig, {

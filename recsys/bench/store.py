@@ -199,8 +199,8 @@ def _measure_step(s: Settings) -> dict:
     import torch
 
     from recsys.store.config import StoreConfig
-    from recsys.store.sharded import ShardedEmbeddingStore
-    from recsys.store.table import init_vectors
+    from recsys.store.sharded.store import ShardedEmbeddingStore
+    from recsys.store.tables.table import init_vectors
 
     _, tbe_mod, EmbOptimType, EmbeddingLocation, PoolingMode, WeightDecayMode = _fbgemm()
     torch.set_num_threads(s.threads)
@@ -381,7 +381,7 @@ def _measure_memory(s: Settings) -> dict:
     from recsys import hashing
     from recsys.schema import TableSpec
     from recsys.store.config import StoreConfig
-    from recsys.store.table import EmbeddingTable
+    from recsys.store.tables.table import EmbeddingTable
 
     C, D = s.mem_capacity, s.dim
     cfg = StoreConfig()
@@ -503,7 +503,7 @@ def lru_misses(batches: list[np.ndarray], capacity: int, dim: int = 4) -> tuple[
     """Return the misses of our ``EmbeddingTable`` (LRU) fed ``batches`` of distinct keys."""
     from recsys.schema import TableSpec
     from recsys.store.config import StoreConfig
-    from recsys.store.table import EmbeddingTable
+    from recsys.store.tables.table import EmbeddingTable
 
     table = EmbeddingTable("lru", TableSpec(dim=dim, capacity=capacity), StoreConfig())
     for step, keys in enumerate(batches):
@@ -561,7 +561,7 @@ def _dist_rank(rank: int, world: int, s: Settings) -> dict:
     import torch.distributed as dist
 
     from recsys.store.config import StoreConfig
-    from recsys.store.sharded import ShardedEmbeddingStore
+    from recsys.store.sharded.store import ShardedEmbeddingStore
 
     torch.set_num_threads(1)
     rounds = s.dist_warmup_rounds + s.dist_repeats

@@ -160,7 +160,7 @@ def _variant_overrides(job, s: Settings) -> dict[str, list[str]]:
 
 def _device_rows(job) -> dict[str, int]:
     """Return the device rows per table the job's store gets (one process)."""
-    from recsys.store.device_cache import device_budget_rows
+    from recsys.store.device.cache import device_budget_rows
 
     cfg = job.store
     if cfg.device_cache_rows:

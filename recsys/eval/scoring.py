@@ -46,9 +46,9 @@ def dense_stats_of(job, meta: dict, path) -> "DenseStats | None":
 def load_trained(checkpoint: str | Path, device: str = "cpu"):
     """Return (job, store, model) restored from ``checkpoint`` for inference in this process."""
     from recsys.model.arch import model_for
-    from recsys.store import wide
-    from recsys.store.wide import table_names
-    from recsys.store.sharded import ShardedEmbeddingStore
+    from recsys.store.tables import wide
+    from recsys.store.tables.wide import table_names
+    from recsys.store.sharded.store import ShardedEmbeddingStore
     from recsys import checkpoint_files as ckpt
 
     path = ckpt.resolve(checkpoint)

@@ -364,7 +364,7 @@ def model_for(job) -> RankingModel:
 
 def model_inputs(lookup, num_features: int) -> tuple:
     """Return the sparse inputs of the model from a store lookup: (pooled,) or, with the
-    wide arm's store (``recsys.store.wide.PairLookup``), (pooled, wide weights)."""
+    wide arm's store (``recsys.store.tables.wide.PairLookup``), (pooled, wide weights)."""
     wide = getattr(lookup, "wide_pooled", None)
     pooled = lookup.pooled(num_features)
     return (pooled,) if wide is None else (pooled, wide(num_features))

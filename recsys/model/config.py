@@ -26,7 +26,7 @@ class ModelConfig:
     wide: bool = False
     """Add a wide arm to any arch: a learned scalar weight per id of every sparse feature,
     summed into the logit (logistic regression's per-id weights). The weights are rows of
-    dim-1 tables ``<table>.wide`` in the embedding store (``recsys.store.wide``): unbounded,
+    dim-1 tables ``<table>.wide`` in the embedding store (``recsys.store.tables.wide``): unbounded,
     sharded and checkpointed like the embeddings, starting at 0."""
     wide_lr: float | None = None
     """Learning rate of the wide arm's weights (unset: ``store.lr``). Its rows are scalars whose

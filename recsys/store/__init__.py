@@ -1,10 +1,13 @@
 """The embedding store: key→slot maps, rows and optimizer state, LRU tiers, spill, sharding.
 
-Import the modules themselves (``recsys.store.table``, ``recsys.store.keymap``, ...):
-this package imports nothing heavy, so ``recsys.store.config`` stays cheap for the CLI.
+Import the modules themselves: no ``__init__`` here imports anything, so
+``recsys.store.config`` stays cheap for the CLI.
 
-- ``config``  ``StoreConfig``: optimizer, init, admission, storage dtype.
-- ``keymap``  ``KeyMap`` (64-bit key → slot, exact LRU eviction) and ``FrequencySketch``.
-- ``optim``   the sparse optimizers (row-wise Adagrad, Adagrad, Adam, SGD), numba kernels.
-- ``table``   ``EmbeddingTable``: one shard's rows of one table, Arrow state in and out.
+- ``config``     ``StoreConfig`` and its sections: the settings of every part below.
+- ``protocols``  the contracts the trainer and ``recsys eval`` call on a store, a lookup, a table.
+- ``tables``     one shard of one table: key map (exact LRU), rows, optimizer state, kernels.
+- ``spill``      the spill tier: evicted rows kept in Redis, and its key index.
+- ``device``     the device tiers: a table's hot rows (``DeviceCache``) or all of them (``DeviceTable``).
+- ``sharded``    ``ShardedEmbeddingStore``: rows owned by rank, its schedule, exchange and lanes.
+- ``host``       host-memory tricks the tables use: huge pages, kept heap, prefetch hints.
 """

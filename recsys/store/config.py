@@ -22,7 +22,7 @@ class StoreConfig:
     """How every table of the store keeps, initializes, admits and updates its rows."""
 
     optimizer: Literal["rowwise_adagrad", "adagrad", "adam", "sgd"] = "rowwise_adagrad"
-    """Sparse optimizer applied to the touched rows (see ``recsys.store.optim``)."""
+    """Sparse optimizer applied to the touched rows (see ``recsys.store.tables.optim``)."""
     lr: float = 0.01
     """Learning rate."""
     eps: float = 1e-8
@@ -54,7 +54,7 @@ class StoreConfig:
     (resident memory grows with the rows held; build time is shorter)."""
     huge_pages: bool = True
     """Keep every table's large arrays (rows, optimizer state, key map) on the kernel's 2 MiB
-    pages where Linux allows it (``recsys.store.pages``): the store's kernels read and write
+    pages where Linux allows it (``recsys.store.host.pages``): the store's kernels read and write
     rows at random, and on 4 KiB pages nearly every such access also misses the TLB. The
     numbers are the same either way. False: ordinary pages."""
     threads: int = 1
@@ -73,7 +73,7 @@ class StoreConfig:
     the same whoever runs a table. Threaded CPU stores whose tables have no spill tier or
     device cache only."""
     keep_freed_memory: bool = True
-    """Set glibc's malloc to keep freed memory for reuse (``recsys.store.malloc``), process-wide,
+    """Set glibc's malloc to keep freed memory for reuse (``recsys.store.host.malloc``), process-wide,
     when a store is built: a step's large arrays (rows, pooled embeddings, gradients) then
     reuse last step's memory instead of paying fresh page faults, which made the store's
     step up to 1.7x slower per round on a 2-core VM. The process keeps up to 1 GiB of freed

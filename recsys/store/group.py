@@ -6,7 +6,7 @@ at a time, each step is a handful of numpy and numba calls of a few microseconds
 26 tables that was ~1.3 ms a step of Python between kernels (measured at batch 4096). A
 ``TableGroup`` holds the arrays of every table (numba typed lists) and runs each step for
 all of them in one kernel call, which calls the same per-table kernels the tables use
-(``recsys.store.keymap``, ``recsys.store.initial``, ``recsys.store.optim``), so the numbers
+(``recsys.store.tables.keymap``, ``recsys.store.tables.initial``, ``recsys.store.tables.optim``), so the numbers
 are the tables' own, bit for bit.
 
 Only the common case is taken: a *plain* table (``EmbeddingTable`` itself, float32 rows,
@@ -24,10 +24,10 @@ import numpy as np
 from numba import njit
 from numba.typed import List
 
-from recsys.store.initial import init_kernel
-from recsys.store.keymap import _CALL_ID_MAX, STEP_MAX, STEP_MIN, _commit_kernel, _delete_pending_kernel, _probe_kernel
-from recsys.store.optim import _rowwise_adagrad_kernel
-from recsys.store.table import EmbeddingTable, _fill_rows_kernel, _gather_kernel
+from recsys.store.tables.initial import init_kernel
+from recsys.store.tables.keymap import _CALL_ID_MAX, STEP_MAX, STEP_MIN, _commit_kernel, _delete_pending_kernel, _probe_kernel
+from recsys.store.tables.optim import _rowwise_adagrad_kernel
+from recsys.store.tables.table import EmbeddingTable, _fill_rows_kernel, _gather_kernel
 
 __all__ = ["TableGroup"]
 

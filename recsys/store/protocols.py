@@ -1,13 +1,13 @@
 """The store's contracts, declared: what the trainer and ``recsys eval`` call on a store, a
 lookup and a table, whichever implementation is behind them.
 
-    EmbeddingStore   ShardedEmbeddingStore (recsys/store/sharded.py); WideStore
-                     (recsys/store/wide.py: the embeddings' store and the wide arm's, driven
+    EmbeddingStore   ShardedEmbeddingStore (recsys/store/sharded/store.py); WideStore
+                     (recsys/store/tables/wide.py: the embeddings' store and the wide arm's, driven
                      as one)
     StoreLookup      Lookup (sharded.py); PairLookup (wide.py)
-    Table            EmbeddingTable (recsys/store/table.py: host rows, LRU, spill tier);
-                     DeviceCache (recsys/store/device_cache.py: a device tier in front of one);
-                     DeviceTable (recsys/store/device_table.py: a whole table on a device)
+    Table            EmbeddingTable (recsys/store/tables/table.py: host rows, LRU, spill tier);
+                     DeviceCache (recsys/store/device/cache.py: a device tier in front of one);
+                     DeviceTable (recsys/store/device/table.py: a whole table on a device)
 
 A walk through evaluation or a training step stops at these names: every ``lookup`` the
 trainer calls is ``EmbeddingStore.lookup``, every row read below it ``Table.lookup`` /

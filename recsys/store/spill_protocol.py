@@ -1,4 +1,4 @@
-"""The spill tier's Redis layout (``recsys.store.spill`` writes and reads it): the keys, the
+"""The spill tier's Redis layout (``recsys.store.spill.tier`` writes and reads it): the keys, the
 values and the owner record of a namespace.
 
 Legend: ``D`` dim.
@@ -30,7 +30,7 @@ import json
 
 import numpy as np
 
-from recsys.store import optim
+from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
 
 FORMAT_VERSION = 1

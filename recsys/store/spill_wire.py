@@ -1,4 +1,4 @@
-"""The spill tier's Redis commands, packed as arrays (``recsys.store.spill``).
+"""The spill tier's Redis commands, packed as arrays (``recsys.store.spill.tier``).
 
 Legend: ``N`` keys, ``W`` bytes of a Redis name, ``V`` bytes of a value, ``B`` keys per command.
 

@@ -44,8 +44,8 @@ from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
 from recsys.local_exchange import LocalExchange
 from recsys.model.arch import model_for, model_inputs
-from recsys.store.sharded import ShardedEmbeddingStore
-from recsys.store.wide import table_names
+from recsys.store.sharded.store import ShardedEmbeddingStore
+from recsys.store.tables.wide import table_names
 from recsys.train import checkpoint as ckpt
 from recsys.train.distributed import EXCHANGE_MAX_RANKS, exchange_mean, init_distributed, local_mean, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
@@ -248,8 +248,8 @@ class Trainer:
                                            run_dir=self.run_dir, job_name=job.name,
                                            restoring=restore_from is not None, local_exchange=tc.local_exchange,
                                            collective_timeout_s=env.collective_timeout_s)
-        if job.model.wide:  # the wide arm's dim-1 tables: a store of their own (recsys.store.wide)
-            from recsys.store import wide
+        if job.model.wide:  # the wide arm's dim-1 tables: a store of their own (recsys.store.tables.wide)
+            from recsys.store.tables import wide
 
             group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
             self.store = wide.WideStore(self.store, ShardedEmbeddingStore(

@@ -110,7 +110,7 @@ class LivePublisher:
 
     def _snapshot(self, step: int) -> bool:
         """Take a snapshot of the touched rows into the queue; False (coalesced) if it is full."""
-        from recsys.store.dedup import unique_inverse
+        from recsys.store.tables.dedup import unique_inverse
 
         if self._queue.full():
             self.counters["coalesced"] += 1
@@ -293,7 +293,7 @@ def live_manifest(cfg: PublishConfig, run: str, schema, wide: bool = False) -> d
     ``wide`` (``model.wide``) the wide arm's dim-1 tables too, whose keys are hashed with
     their embedding table's salt (the trainer looks both up with the same keys)."""
     from recsys import hashing, live_protocol
-    from recsys.store.wide import wide_table
+    from recsys.store.tables.wide import wide_table
 
     dims = {n: t.dim for n, t in schema.tables.items()}
     salts = {n: f"{hashing.table_salt(n):016x}" for n in schema.tables}

@@ -1,8 +1,8 @@
-"""The spill tier's key index (``recsys.store.spill``): the keys a tier has in Redis, as a set.
+"""The spill tier's key index (``recsys.store.spill.tier``): the keys a tier has in Redis, as a set.
 
 An open-addressing set of int64 keys (every bit pattern is a key, so a slot's state is kept
 apart, a byte: empty, deleted, or used with 7 bits of the key's hash), linear probing from
-``fmix64(key ^ tag)``; the probes are numba kernels. What the tier does with it: the module doc of ``recsys.store.spill``.
+``fmix64(key ^ tag)``; the probes are numba kernels. What the tier does with it: the module doc of ``recsys.store.spill.tier``.
 
 Two properties matter at tens of millions of keys, where the tier works every step:
 
@@ -35,7 +35,7 @@ import numpy as np
 from numba import njit
 
 from recsys.hashing import fmix
-from recsys.store.keymap import as_keys
+from recsys.store.tables.keymap import as_keys
 
 _INDEX_TAG = np.uint64(0x2545F4914F6CDD1D)
 PREPARE_LOAD = 0.5

@@ -1,5 +1,5 @@
 """The sharded store's all-to-alls between ranks (``W > 1``): keys to their owners, rows
-back, gradients to the owners, each one message for all tables (``recsys.store.sharded``
+back, gradients to the owners, each one message for all tables (``recsys.store.sharded.store``
 draws the step). ``RankExchange`` is a part of ``ShardedEmbeddingStore``: it uses the
 store's ``world_size``, ``rank``, ``group``, ``_local`` (the group's shared-memory channel
 when every rank is on this host, ``recsys.local_exchange``; else None and gloo carries the
@@ -26,10 +26,10 @@ import torch.distributed as dist
 from numba import njit
 
 from recsys.hashing import owner_rank
-from recsys.store.dedup import block_starts, unique_blocks
-from recsys.store.lookup import Lookup, _TablePart
-from recsys.store.pooling import scatter_add
-from recsys.store.table import _gather_kernel
+from recsys.store.tables.dedup import block_starts, unique_blocks
+from recsys.store.sharded.lookup import Lookup, _TablePart
+from recsys.store.tables.pooling import scatter_add
+from recsys.store.tables.table import _gather_kernel
 
 __all__ = ["RankExchange", "route"]
 

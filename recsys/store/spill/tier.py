@@ -25,7 +25,7 @@ record is in ``recsys.store.spill_protocol``. Fixed-size names and values let a 
 MSET / MGET / UNLINK commands be packed as one byte array (``recsys.store.spill_wire``),
 not argument by argument.
 
-The index (``recsys.store.spill_index``): the exact set of keys this tier has in Redis
+The index (``recsys.store.spill.index``): the exact set of keys this tier has in Redis
 (built by one SCAN on first use, or known empty after ``clear``; then kept by the writer: a
 confirmed SET adds a key, a confirmed UNLINK removes it). 14-36 bytes of host memory per
 spilled row (up to ~54 while it grows), and no pause to grow it or to clean up after deletions (see that module). It
@@ -113,12 +113,13 @@ from recsys.hashing import hex_into
 from recsys.redis_util import client_options as _client_options
 from recsys.redis_util import glob_escape as _glob_escape
 from recsys.redis_util import redact as _redact
-from recsys.store import optim, spill_wire
+from recsys.store import spill_wire
+from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
-from recsys.store.float16 import to_float16
-from recsys.store.keymap import as_keys
-from recsys.store.rowblock import RowBlock, int64_column, matrix_column, vector_column
-from recsys.store.spill_index import KeyIndex
+from recsys.store.tables.float16 import to_float16
+from recsys.store.tables.keymap import as_keys
+from recsys.store.tables.rowblock import RowBlock, int64_column, matrix_column, vector_column
+from recsys.store.spill.index import KeyIndex
 from recsys.store.spill_protocol import (DTYPE_CODES, FORMAT_VERSION, HEADER, OPTIMIZER_CODES, describe_owner,
                                          owner_key, parse_owner, spill_key, spill_prefix, value_dtype)
 

@@ -38,9 +38,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recsys.store.device_cache import DeviceTier, _allocate
-from recsys.store.keymap import as_keys, distinct
-from recsys.store.table import EmbeddingTable, check_push
+from recsys.store.device.cache import DeviceTier, _allocate
+from recsys.store.tables.keymap import as_keys, distinct
+from recsys.store.tables.table import EmbeddingTable, check_push
 
 __all__ = ["DeviceTable", "fits_whole"]
 

@@ -1,7 +1,7 @@
 """The sharded store's schedule: every lookup, push, flush and call runs in one sequence
 (on the store's worker thread when ``threaded``, else in the caller), identical on every
 rank, and a training lookup of step t runs once the pushes of steps ``<= t - staleness - 1``
-have arrived (``recsys.store.sharded`` states the staleness contract). On the worker, a
+have arrived (``recsys.store.sharded.store`` states the staleness contract). On the worker, a
 lookup's batch-only work (``_prepare``) runs when it arrives and its key work
 (``_reserve``) once it is first in line; only its row reads wait for the pushes.
 
@@ -19,8 +19,8 @@ from concurrent.futures import Future
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys import priority
-from recsys.store.lanes import HelpedFuture
-from recsys.store.lookup import Lookup, _Failed, _Prepared
+from recsys.store.sharded.lanes import HelpedFuture
+from recsys.store.sharded.lookup import Lookup, _Failed, _Prepared
 
 __all__ = ["StoreSchedule"]
 

@@ -78,8 +78,8 @@ from numba import njit
 
 # The numba-callable murmur3 finalizer of THE hashing module (one definition of the mixer).
 from recsys.hashing import fmix
-from recsys.store import pages
-from recsys.store.prefetch import KEYS_AHEAD, prefetch
+from recsys.store.host import pages
+from recsys.store.host.prefetch import KEYS_AHEAD, prefetch
 
 __all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "distinct", "distinct_inverse", "has_repeats",
            "merge_sketch_states"]
@@ -492,7 +492,7 @@ class KeyMap:
     """Return slots for 64-bit keys, inserting absent keys and evicting LRU keys (see module doc)."""
 
     def __init__(self, capacity: int, *, pool_fraction: float = 0.125, huge_pages: bool = False) -> None:
-        """``huge_pages``: the buckets and per-slot arrays on 2 MiB pages (``recsys.store.pages``)."""
+        """``huge_pages``: the buckets and per-slot arrays on 2 MiB pages (``recsys.store.host.pages``)."""
         if capacity <= 0:
             raise ValueError(f"capacity must be > 0, found {capacity}")
         if capacity > MAX_CAPACITY:

@@ -43,7 +43,7 @@ import numpy as np
 from numba import njit
 
 from recsys.store.config import StoreConfig
-from recsys.store.prefetch import ROWS_AHEAD, prefetch
+from recsys.store.host.prefetch import ROWS_AHEAD, prefetch
 
 __all__ = ["StateColumn", "state_columns", "initial_state_value", "apply_update"]
 
@@ -112,7 +112,7 @@ def _rowwise_adagrad_kernel(w, w_idx, state, s_idx, g, lr, eps, wd):
     lr32, eps32, wd32, inv_d = np.float32(lr), np.float32(eps), np.float32(wd), np.float32(1.0 / D)
     n = g.shape[0]
     for i in range(n):
-        # the hint is written out in each kernel on purpose (recsys.store.prefetch)
+        # the hint is written out in each kernel on purpose (recsys.store.host.prefetch)
         j = i + ROWS_AHEAD
         if j < n:
             rj, sj = w_idx[j], s_idx[j]

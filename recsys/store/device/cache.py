@@ -15,7 +15,7 @@ load_state_dict / insert_rows / pop_rows / counters / flush / close)::
       dirty ones are written back (row + state + last_seen) to the host first.
     apply_gradients(keys_U, grads_UD, step)
       cached keys: the optimizer in torch on the device (the formulas of
-      ``recsys.store.optim``, float32 math); other keys: the host's optimizer.
+      ``recsys.store.tables.optim``, float32 math); other keys: the host's optimizer.
 
 Write-back: while a row is cached its device copy is authoritative and the host's copy may
 be stale (it is marked dirty once updated). A dirty row is written back when the cache
@@ -44,10 +44,10 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from recsys.store import optim
-from recsys.store.keymap import KeyMap, as_keys, distinct
-from recsys.store.rowblock import RowBlock
-from recsys.store.table import EmbeddingTable, check_push
+from recsys.store.tables import optim
+from recsys.store.tables.keymap import KeyMap, as_keys, distinct
+from recsys.store.tables.rowblock import RowBlock
+from recsys.store.tables.table import EmbeddingTable, check_push
 
 __all__ = ["DeviceArena", "DeviceCache", "DeviceTier", "device_budget_rows", "CACHE_COUNTERS", "apply_update_torch"]
 
@@ -58,7 +58,7 @@ _TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torc
 
 class DeviceTier:
     """What the device tiers over a host ``EmbeddingTable`` share (``DeviceCache``,
-    ``recsys.store.device_table.DeviceTable``): ``host``, the device rows ``_w``, and a
+    ``recsys.store.device.table.DeviceTable``): ``host``, the device rows ``_w``, and a
     ``write_back_all`` that brings the host's rows up to date before anything reads them."""
 
     host: EmbeddingTable
@@ -430,7 +430,7 @@ def _update_rows(cfg, w_all: torch.Tensor, state_all: dict[str, torch.Tensor], r
 
 def apply_update_torch(cfg, w: torch.Tensor, state: dict[str, torch.Tensor], g: torch.Tensor) -> None:
     """Apply ``cfg.optimizer`` in place to float32 rows ``w`` [U, D] and their ``state`` rows,
-    one gradient row each, with ``recsys.store.optim``'s formulas (float32 math, per-row
+    one gradient row each, with ``recsys.store.tables.optim``'s formulas (float32 math, per-row
     scalars formed in float64). Results agree with the numba kernels to float rounding
     (row-wise Adagrad sums ``g'^2`` in another order)."""
     f32 = torch.float32

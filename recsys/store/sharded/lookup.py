@@ -1,4 +1,4 @@
-"""A lookup of the sharded store (``recsys.store.sharded``): what it knows from its batch
+"""A lookup of the sharded store (``recsys.store.sharded.store``): what it knows from its batch
 (``_Prepared``), each table's share (``_TablePart``), and the result the trainer pools and
 pushes (``Lookup``).
 
@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from recsys.store.pooling import local_copy, pool_backward, pool_forward, pool_torch
+from recsys.store.tables.pooling import local_copy, pool_backward, pool_forward, pool_torch
 from recsys.transfer import arrive
 
 __all__ = ["Lookup"]

@@ -21,7 +21,7 @@ Layout (every array preallocated at construction, indexed by slot)::
               │ new key: init row            (absent / rejected keys: ignored, counted)
               └ full: evict LRU rows ─► on_evict(rows as Arrow)
 
-A new key's initial vector depends only on (seed, table name, key) (``recsys.store.initial``),
+A new key's initial vector depends only on (seed, table name, key) (``recsys.store.tables.initial``),
 so every shard, insertion order, capacity and world size starts a key identically.
 
 Admission (``min_count > 1``): sightings of keys that have no row are counted in a
@@ -37,7 +37,7 @@ not part of ``state_dict``: carry it with ``admission_state`` / ``load_admission
 the look-ahead lookup a resumed run redoes, or one withdrawn and redone
 (``arm_admission_replay``) — counts each key's sighting of that step once.
 
-Spill tier (``spill``, a ``recsys.store.spill.SpillTier``; built from ``cfg.spill_url``
+Spill tier (``spill``, a ``recsys.store.spill.tier.SpillTier``; built from ``cfg.spill_url``
 unless given): evicted rows go to it with their optimizer state and last_seen, and a
 lookup's misses are asked of it before anything is initialized::
 
@@ -69,14 +69,15 @@ import pyarrow as pa
 from numba import njit
 
 from recsys.schema import TableSpec
-from recsys.store import optim, pages
+from recsys.store.tables import optim
+from recsys.store.host import pages
 from recsys.store.config import StoreConfig
-from recsys.store.float16 import f16_lut, gather_f16_kernel, scatter_f16_kernel, to_float32
-from recsys.store.initial import init_kernel as _init_kernel
-from recsys.store.initial import init_salt, init_vectors
-from recsys.store.keymap import MAX_CAPACITY, FrequencySketch, KeyMap, as_keys, commit_pages, distinct, has_repeats
-from recsys.store.prefetch import ROWS_AHEAD, prefetch
-from recsys.store.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column
+from recsys.store.tables.float16 import f16_lut, gather_f16_kernel, scatter_f16_kernel, to_float32
+from recsys.store.tables.initial import init_kernel as _init_kernel
+from recsys.store.tables.initial import init_salt, init_vectors
+from recsys.store.tables.keymap import MAX_CAPACITY, FrequencySketch, KeyMap, as_keys, commit_pages, distinct, has_repeats
+from recsys.store.host.prefetch import ROWS_AHEAD, prefetch
+from recsys.store.tables.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column
 
 __all__ = ["EmbeddingTable", "init_vectors", "COUNTERS"]
 
@@ -113,7 +114,7 @@ def _gather_kernel(w, rows, out):
     (``prefetch`` asks to write: in training the push updates the same rows next)."""
     n = rows.shape[0]
     for i in range(n):
-        # the hint is written out in each kernel on purpose (recsys.store.prefetch)
+        # the hint is written out in each kernel on purpose (recsys.store.host.prefetch)
         j = i + ROWS_AHEAD
         if j < n and rows[j] >= 0:
             prefetch(w, rows[j])
@@ -195,7 +196,7 @@ class EmbeddingTable:
                 raise ValueError(f"spill must be a SpillTier, None or 'auto', found {spill!r}")
             spill = None
             if cfg.spill_url:
-                from recsys.store.spill import SpillTier  # redis is only needed with a spill tier
+                from recsys.store.spill.tier import SpillTier  # redis is only needed with a spill tier
 
                 spill = SpillTier(name, self.dim, cfg)
         self.spill = spill
@@ -695,5 +696,5 @@ def _positions(needles: np.ndarray, haystack: np.ndarray) -> np.ndarray:
 
 
 def _as_float32(values: np.ndarray) -> np.ndarray:
-    """Return float16 or float32 rows as float32 (float16 through ``recsys.store.float16``'s kernel)."""
+    """Return float16 or float32 rows as float32 (float16 through ``recsys.store.tables.float16``'s kernel)."""
     return to_float32(values) if values.dtype == np.float16 else np.asarray(values, dtype=np.float32)

@@ -33,11 +33,11 @@ lookup must see. Pooling runs in ``Lookup.pooled``, its backward on the worker i
 Costs: one all_to_all for keys, one for rows and one for gradients per step (all tables
 in one message each), plus one for the per-table counts.
 
-Elsewhere: a lookup's types and its pooling (``recsys.store.lookup``); the order of
-lookups and pushes on the worker thread (``recsys.store.schedule``); the all-to-alls
-between ranks (``recsys.store.exchange``); the per-table work spread over threads
-(``recsys.store.lanes``); the device tiers and their budget (``recsys.store.device_cache``,
-``recsys.store.device_table``); the contracts (``recsys.store.protocols``).
+Elsewhere: a lookup's types and its pooling (``recsys.store.sharded.lookup``); the order of
+lookups and pushes on the worker thread (``recsys.store.sharded.schedule``); the all-to-alls
+between ranks (``recsys.store.sharded.exchange``); the per-table work spread over threads
+(``recsys.store.sharded.lanes``); the device tiers and their budget (``recsys.store.device.cache``,
+``recsys.store.device.table``); the contracts (``recsys.store.protocols``).
 """
 
 from __future__ import annotations
@@ -63,13 +63,13 @@ from recsys import hashing, priority
 from recsys.local_exchange import LocalExchange
 from recsys.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
-from recsys.store.dedup import index_batch
-from recsys.store.exchange import RankExchange, route
+from recsys.store.tables.dedup import index_batch
+from recsys.store.sharded.exchange import RankExchange, route
 from recsys.store.group import TableGroup
-from recsys.store.schedule import StoreSchedule
-from recsys.store.malloc import keep_freed_memory
-from recsys.store.lanes import Board, Lanes, raise_first
-from recsys.store.lookup import Lookup, _Failed, _Prepared, _TablePart
+from recsys.store.sharded.schedule import StoreSchedule
+from recsys.store.host.malloc import keep_freed_memory
+from recsys.store.sharded.lanes import Board, Lanes, raise_first
+from recsys.store.sharded.lookup import Lookup, _Failed, _Prepared, _TablePart
 from recsys.transfer import Transfers
 
 log = logging.getLogger(__name__)
@@ -132,17 +132,17 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         self._local = (LocalExchange.open(group, collective_timeout_s)
                        if local_exchange and self.world_size > 1 else None)
         self.table_names = list(schema.tables)
-        from recsys.store.device_cache import device_budget_rows
+        from recsys.store.device.cache import device_budget_rows
 
         budget_rows = device_budget_rows(
             {name: self._shard_spec(spec) for name, spec in schema.tables.items()}, cfg)
-        self._arena = None  # every table's device cache in one array (recsys.store.device_cache.DeviceArena)
+        self._arena = None  # every table's device cache in one array (recsys.store.device.cache.DeviceArena)
         # each table's device cache rows (0: none), from device_cache_rows or the budget
         self._cache_rows = {name: cfg.device_cache_rows or budget_rows.get(name, 0)
                             for name in schema.tables}
         cache_rows = self._cache_rows
         if table_factory is None and cache_rows and all(cache_rows.values()):
-            from recsys.store.device_cache import DeviceArena
+            from recsys.store.device.cache import DeviceArena
 
             dims = {spec.dim for spec in schema.tables.values()}
             if len(dims) == 1:  # else the check below raises
@@ -216,11 +216,11 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         if table_factory is not None:
             table = table_factory(name, spec, cfg)
         else:
-            from recsys.store.table import EmbeddingTable
+            from recsys.store.tables.table import EmbeddingTable
 
             spill = None
             if cfg.spill_url:
-                from recsys.store.spill import SpillTier
+                from recsys.store.spill.tier import SpillTier
 
                 owns = None
                 if self.world_size > 1:
@@ -230,8 +230,8 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             table = EmbeddingTable(name, spec, cfg, spill=spill)
         rows = self._cache_rows[name]
         if rows > 0:
-            from recsys.store.device_cache import DeviceCache
-            from recsys.store.device_table import DeviceTable, fits_whole
+            from recsys.store.device.cache import DeviceCache
+            from recsys.store.device.table import DeviceTable, fits_whole
 
             if fits_whole(table, rows, self.world_size):  # the whole table on the device
                 return DeviceTable(table, self.device, arena=self._arena)
@@ -247,7 +247,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         tiers = self._spill_tiers()
         if not tiers or tiers[0].temporary:
             return
-        from recsys.store.spill import clear_tables, find_leftovers
+        from recsys.store.spill.tier import clear_tables, find_leftovers
 
         if self.run_dir is not None:
             taken = tiers[0].claim({"run_dir": str(self.run_dir), "job": job_name}, takeover=self.cfg.spill_takeover)
@@ -266,7 +266,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
     def _explain(self, exc: BaseException) -> BaseException:
         """Return ``exc``, or for a ``SpillError`` of a store with a run directory, the same
         error naming the run's latest complete checkpoint (intact: it holds every row)."""
-        spill_mod = sys.modules.get("recsys.store.spill")
+        spill_mod = sys.modules.get("recsys.store.spill.tier")
         if (spill_mod is None or not isinstance(exc, spill_mod.SpillError) or self.run_dir is None
                 or getattr(exc, "explained", False)):
             return exc
@@ -531,7 +531,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
 
     def _load_admission(self, payload: dict) -> None:
         """Restore ``admission_state_dict()["admission"]`` (see there) into this shard's tables."""
-        from recsys.store.keymap import merge_sketch_states
+        from recsys.store.tables.keymap import merge_sketch_states
 
         if int(payload.get("format", 0)) != ADMISSION_FORMAT:
             raise ValueError(f"admission state of format {payload.get('format')}, this store reads {ADMISSION_FORMAT}")
