@@ -11,6 +11,6 @@
 - ``metrics``   Prometheus metrics
 
 What lies in Redis (the protocol the trainer and ``recsys export`` write and this package
-reads): ``recsys.redis_layout`` (published versions) and ``recsys.live_protocol`` (live rows).
+reads): ``recsys.redisio.published`` (published versions) and ``recsys.redisio.live`` (live rows).
 The design: docs/serving.md.
 """

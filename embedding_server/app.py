@@ -122,7 +122,7 @@ class DenseRequest(BaseModel):
 
 class DenseResponse(BaseModel):
     columns: list[str] = Field(description="the dense columns, in the model's input order")
-    dense: list[list[float]] = Field(description="per row, the model's dense input (recsys.dense): a number, a "
+    dense: list[list[float]] = Field(description="per row, the model's dense input (recsys.features.dense): a number, a "
                                                  "quantile bucket id or a numeric-embedding position per column")
     version: str
 

@@ -37,10 +37,10 @@ from embedding_server import overlay
 from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
 from embedding_server.resp import MGET_KEYS, RespPipeline
-from recsys import checkpoint_files
-from recsys import live_protocol as live
-from recsys import redis_layout as layout
-from recsys.redis_util import client_options, is_cluster_info, redact
+from recsys.checkpoint import read as checkpoint_files
+from recsys.redisio import live
+from recsys.redisio import published as layout
+from recsys.redisio.client import client_options, is_cluster_info, redact
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class RedisBackend:
     ``cache_bytes``; the published rows' caches get the other half.
 
     A ``url`` without a password takes it from ``password_file``, else ``$REDIS_PASSWORD``
-    (``recsys.redis_util.password_for``), read once here.
+    (``recsys.redisio.client.password_for``), read once here.
     """
 
     name = "redis"

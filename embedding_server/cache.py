@@ -59,7 +59,7 @@ _SALT = np.int64(int.from_bytes(os.urandom(8), "little", signed=True))
 def salted(keys: np.ndarray) -> np.ndarray:
     """Return ``keys`` as the caches' key maps hold them: XORed with a per-process random
     word. Served keys come from clients, and the hashes on their way to a key map are public
-    (``recsys.hashing``, the map's own): unsalted, ids chosen to fill one probe run would
+    (``recsys.features.hashing``, the map's own): unsalted, ids chosen to fill one probe run would
     slow every later lookup that lands there. XOR keeps distinct keys distinct, and every
     int64 is a valid key."""
     return np.bitwise_xor(as_keys(keys), _SALT)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from recsys import hashing
+from recsys.features import hashing
 from recsys.store.tables.initial import init_vectors
 from recsys.store.tables.wide import wide_store_config, wide_table
 
@@ -63,7 +63,7 @@ class TableInfo:
     num_rows: int | None = None
     """Fixed-size table: keys are folded into ``[0, num_rows)`` after hashing."""
     salt: int = 0
-    """``recsys.hashing.table_salt(name)`` when published; checked on load."""
+    """``recsys.features.hashing.table_salt(name)`` when published; checked on load."""
     checksum: str = ""
     """Order-independent checksum of (key, row bytes) over the published rows."""
     wide_of: str = ""
@@ -163,7 +163,7 @@ class Catalog:
             "format": MANIFEST_FORMAT,
             "step": self.step,
             "source_checkpoint": self.source,
-            "hashing": {"function": "recsys.hashing (fmix64, per-table salt)",
+            "hashing": {"function": "recsys.features.hashing (fmix64, per-table salt)",
                         "salts": {n: f"{t.salt:016x}" for n, t in self.tables.items()}},
             "tables": {n: {k: v for k, v in dataclasses.asdict(t).items()
                            if k not in ("name", "salt") and not (k == "wide_of" and not v)}
@@ -187,7 +187,7 @@ class Catalog:
             salt = hashing.table_salt(t.get("wide_of") or name)
             if int(salts[name], 16) != salt:
                 raise ValueError(f"{where}: table {name!r} was hashed with salt {salts[name]}, this server's "
-                                 f"recsys.hashing gives {salt:016x}: refusing to serve keys it cannot reproduce")
+                                 f"recsys.features.hashing gives {salt:016x}: refusing to serve keys it cannot reproduce")
             tables[name] = TableInfo(name=name, salt=salt, **t)
         feats = {f["name"]: FeatureInfo(**f) for f in manifest["features"]}
         return cls(tables=tables, features=feats, step=int(manifest.get("step", 0)),
@@ -197,7 +197,7 @@ class Catalog:
     # ------------------------------------------------------------------ serving
 
     def dense_transform(self):
-        """Return the ``recsys.dense.DenseTransform`` the job's reader applied (the one
+        """Return the ``recsys.features.dense.DenseTransform`` the job's reader applied (the one
         implementation), or None when the version has no dense columns."""
         if not self.dense.get("columns"):
             return None
@@ -280,8 +280,8 @@ def dense_settings(schema, stats: dict | None) -> dict:
 
 def dense_transform_of(settings: dict, where: str = "the served version"):
     """Return the ``DenseTransform`` of ``dense_settings`` output (ValueError if unusable)."""
-    from recsys.dense import DenseStats, DenseTransform
-    from recsys.schema import Schema
+    from recsys.features.dense import DenseStats, DenseTransform
+    from recsys.features.schema import Schema
 
     schema = Schema(dense=list(settings["columns"]), dense_transform=settings["transform"],
                     dense_buckets=int(settings["buckets"]), dense_standardize_log=bool(settings["standardize_log"]),

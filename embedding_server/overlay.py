@@ -1,7 +1,7 @@
 """Live rows over a published version (``recsys serve --follow NS``): when to overlay, and with what.
 
 A training job pushes fresh rows of the keys it touched into a live namespace
-(``recsys.live_protocol``: the layout, the step prefix and the Lua guard). The service
+(``recsys.redisio.live``: the layout, the step prefix and the Lua guard). The service
 reads that namespace's manifest at every refresh of the served version and overlays its
 rows on the version only when the two agree on how a raw id becomes a row:
 

@@ -14,7 +14,7 @@ Legend: ``N`` rows of a chunk, ``B`` buckets per table.
 
 An export that fails midway marks its version ``failed`` (or, if the process died, leaves
 it ``writing`` with a heartbeat that stops): ``current`` is untouched, and ``gc`` removes
-it (``writing`` ones once their heartbeat is older than ``grace_s``). Layout: ``recsys.redis_layout``.
+it (``writing`` ones once their heartbeat is older than ``grace_s``). Layout: ``recsys.redisio.published``.
 
 No served row goes missing:
 
@@ -41,9 +41,9 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from embedding_server.catalog import Catalog
-from recsys import checkpoint_files
-from recsys import redis_layout as layout
-from recsys.redis_util import connect, redact
+from recsys.checkpoint import read as checkpoint_files
+from recsys.redisio import published as layout
+from recsys.redisio.client import connect, redact
 
 log = logging.getLogger(__name__)
 

@@ -121,7 +121,7 @@ class RespPipeline:
     """MGETs to one Redis node (``redis://`` or ``unix://`` URLs), pipelined on one connection."""
 
     def __init__(self, url: str, timeout_s: float, password: str | None = None) -> None:
-        """``password``: sent when the URL has none (``recsys.redis_util.client_options``)."""
+        """``password``: sent when the URL has none (``recsys.redisio.client.client_options``)."""
         if not url.startswith(("redis://", "unix://")):
             raise ValueError("RespPipeline speaks plain TCP or a Unix socket: use redis-py for rediss:// URLs")
         self.opts = parse_url(url)

@@ -17,8 +17,8 @@ import os
 import typing
 from dataclasses import dataclass
 
-from recsys import redis_layout as layout
-from recsys.redis_util import check_url
+from recsys.redisio import published as layout
+from recsys.redisio.client import check_url
 
 ENV_PREFIX = "RECSYS_SERVE_"
 

@@ -1,6 +1,6 @@
 """recsys: a training stack for recommendation models with huge sparse ID features.
 
-Kept import-light on purpose: importing `recsys` (or `recsys.hashing`, `recsys.schema`,
+Kept import-light on purpose: importing `recsys` (or `recsys.features.hashing`, `recsys.features.schema`,
 `recsys.config`) must not import torch, because the lookup service shares the hashing.
 """
 

@@ -20,7 +20,7 @@ BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
-    from recsys import synth
+    from recsys.io import synth
 
     if args.format == "criteo":
         oracle = synth.write_criteo_tsv(args.out, args.preset, seed=args.seed,
@@ -166,7 +166,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import redis
 
     from embedding_server import publish
-    from recsys.redis_util import redact
+    from recsys.redisio.client import redact
 
     if args.list or args.gc:
         if args.gc:
@@ -212,7 +212,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                         "versions)")
     try:
         if args.follow is not None:  # an explicit empty name is an error, not "no --follow"
-            from recsys.redis_layout import check_name
+            from recsys.redisio.published import check_name
 
             check_name(args.follow, "--follow")
         settings = ServeSettings(checkpoint=str(args.checkpoint or ""), redis=args.redis or "",
@@ -226,7 +226,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                                  fast_path=not args.no_fast_path)
         settings.token()  # a bad token file fails here, before the server starts
         if settings.redis:  # and a bad Redis password file
-            from recsys.redis_util import password_for
+            from recsys.redisio.client import password_for
 
             password_for(settings.redis, settings.redis_password_file, "--redis-password-file")
     except (ValueError, OSError) as exc:

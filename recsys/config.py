@@ -232,14 +232,14 @@ def dumps(cfg: Any) -> str:
 
     The text is saved (a run's ``config.toml``, every checkpoint's ``meta.json``), and run
     directories and checkpoints are copied to serving hosts and shared: every Redis URL in
-    it is written without its password (``recsys.redis_util.strip_password``). A run that
+    it is written without its password (``recsys.redisio.client.strip_password``). A run that
     loads it again takes the password from the ``*_password_file`` keys or
     ``$REDIS_PASSWORD``."""
     return tomli_w.dumps(_without_secrets(to_dict(cfg)))
 
 
 def _without_secrets(data: Any) -> Any:
-    from recsys.redis_util import URL_SCHEMES, redact, strip_password
+    from recsys.redisio.client import URL_SCHEMES, redact, strip_password
 
     if isinstance(data, dict):
         return {k: _without_secrets(v) for k, v in data.items()}
@@ -258,7 +258,7 @@ def saved_job(text: str, where: str) -> "JobConfig":
     settings its recsys had implied where a default changed since
     (``saved_model_settings``, ``saved_schema_settings``)."""
     from recsys.model.config import saved_model_settings
-    from recsys.schema import saved_schema_settings
+    from recsys.features.schema import saved_schema_settings
 
     data = saved_schema_settings(saved_model_settings(tomllib.loads(text)))
     return from_dict(JobConfig, data, where)
@@ -279,7 +279,7 @@ def write_resolved(cfg: Any, run_dir: str | os.PathLike, name: str = "config.tom
 
 from recsys.io.config import ReaderConfig  # noqa: E402  (component configs, torch-free)
 from recsys.model.config import ModelConfig  # noqa: E402
-from recsys.schema import Schema  # noqa: E402
+from recsys.features.schema import Schema  # noqa: E402
 from recsys.store.config import StoreConfig  # noqa: E402
 from recsys.train.config import PublishConfig, TrainConfig  # noqa: E402
 

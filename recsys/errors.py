@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from recsys.redaction import redact_text
+from recsys.redisio.redaction import redact_text
 
 
 class UserError(ValueError):
@@ -17,7 +17,7 @@ def user_message(exc: BaseException) -> str | None:
     Input errors: ``UserError`` (config errors, the reader's ``ReadError``...), an ``OSError``
     (a path that is missing, a directory, unreadable, a full disk...), a file that is not
     UTF-8 or not JSON. Anything else is a bug and keeps its traceback. Every Redis URL in the
-    message is redacted (``recsys.redaction.redact_text``).
+    message is redacted (``recsys.redisio.redaction.redact_text``).
     """
     if isinstance(exc, UserError):
         text = str(exc)

@@ -12,7 +12,7 @@ Redis and lookup-service starters, waits, and a run's records.
 - ``records``, ``last_step``, ``losses``: a run's ``metrics.jsonl``; ``final_rows``: the
   sparse rows of its latest checkpoint.
 
-Free ports come from ``recsys.spawn.free_port``. No torch and no pytest here: a failure is
+Free ports come from ``recsys.runtime.spawn.free_port``. No torch and no pytest here: a failure is
 an exception whose message says why.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.spawn import free_port
+from recsys.runtime.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "jobs" / "synthetic_tiny.toml"
@@ -355,7 +355,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def final_rows(run_dir: Path) -> dict[str, dict[int, bytes]]:
     """Return ``{table: {key: embedding bytes}}`` of the run's latest checkpoint."""
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
 
     out = {}
     for name, table in checkpoint_files.load_sparse(checkpoint_files.latest(Path(run_dir) / "checkpoints")).items():

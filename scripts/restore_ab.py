@@ -31,7 +31,7 @@ import inspect, json, sys, tempfile, time
 from pathlib import Path
 import numpy as np
 from recsys.harness import start_redis
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.tables.table import EmbeddingTable

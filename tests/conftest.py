@@ -26,7 +26,7 @@ def redis_server(tmp_path):
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory):
     """The tiny synthetic data set (seed 0), generated once per session; tests only read it."""
-    from recsys import synth
+    from recsys.io import synth
 
     out = tmp_path_factory.mktemp("tiny")
     synth.generate("tiny", out, seed=0)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from recsys.spawn import run_gloo
+from recsys.runtime.spawn import run_gloo
 
 
 def run_distributed(fn, world_size: int, *args, timeout: float = 300):

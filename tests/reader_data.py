@@ -14,9 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recsys import hashing
+from recsys.features import hashing
 from recsys.io.config import ReaderConfig
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 
 DENSE = ["d1", "d2", "d3"]
 

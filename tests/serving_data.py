@@ -17,7 +17,7 @@ import pytest
 
 from conftest import wait_until
 from recsys.harness import RedisServer, start_redis
-from recsys.spawn import free_port
+from recsys.runtime.spawn import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "jobs" / "synthetic_tiny.toml"
@@ -27,7 +27,7 @@ UNSEEN_STR = "never-seen-"
 
 def train_tiny(out: Path, *extra: str) -> Path:
     """Generate the tiny synthetic set and train it (1 process, CLI); return the run directory."""
-    from recsys import synth
+    from recsys.io import synth
 
     data = out / "data"
     synth.generate("tiny", data, seed=0)

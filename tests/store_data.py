@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 
 
 def three_feature_schema(dim: int, capacity: int) -> Schema:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
-from recsys import hashing
+from recsys.features import hashing
 from recsys.store.config import StoreConfig
 from recsys.store.tables.keymap import FrequencySketch, merge_sketch_states
 from recsys.store.sharded.store import ShardedEmbeddingStore

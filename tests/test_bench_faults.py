@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import test_train as tt
-from recsys import checkpoint_files
+from recsys.checkpoint import read as checkpoint_files
 from recsys.bench import faults
 from recsys.harness import records
 

@@ -2,7 +2,7 @@
 complete checkpoint that loads, a half-written or half-deleted one is never picked, the next
 save removes what the crash left, and the resumed job ends exactly like an uninterrupted one.
 
-The kills come from the test hook of ``recsys.train.checkpoint`` (``RECSYS_FAULT_CHECKPOINT``):
+The kills come from the test hook of ``recsys.checkpoint.write`` (``RECSYS_FAULT_CHECKPOINT``):
 the process SIGKILLs itself at the named point. One process runs here; a driver process
 imports the trainer once and forks each run (``python -m recsys.train``'s ``main``) from
 it, so the many short runs do not each pay torch's import. The 2-rank case goes through
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys import checkpoint_files as cf
+from recsys.checkpoint import read as cf
 from test_faults import assert_same_end
 from test_train import JOB, ROOT, overrides
 
@@ -31,7 +31,7 @@ DEADLINE = 300  # seconds a launched job may take before the test calls it hung
 # one process: checkpoints at steps 2 and 4, the save of step 6 is killed; keep_last=2 so
 # that save prunes step 2
 EVERY, KILLED_AT, STEPS, KEEP = 2, 6, 8, 2
-# the points of a save (module doc of recsys.train.checkpoint; ``mid-sparse`` is the torchrun
+# the points of a save (module doc of recsys.checkpoint.write; ``mid-sparse`` is the torchrun
 # case below), with what must be there after the kill: the checkpoint ``latest`` resolves to,
 # and which leftover shows the kill landed
 POINTS = {
@@ -131,7 +131,7 @@ def _records(run_dir: Path) -> list[dict]:
 
 def _assert_loads(path: Path) -> None:
     """The checkpoint at ``path`` is complete and every part of it loads."""
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     assert cf.incomplete(path) is None, cf.incomplete(path)
     meta = cf.load_meta(path)

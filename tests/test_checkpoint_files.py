@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 
-from recsys import checkpoint_files as cf
+from recsys.checkpoint import read as cf
 
 
 def _fake_run(tmp_path):
@@ -48,7 +48,7 @@ def test_resolve_errors_name_the_path_and_the_forms(tmp_path):
 def _save(root, step, rows=3):
     import pyarrow as pa
 
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     table = pa.table({"key": pa.array(range(rows), pa.int64())})
     return ckpt.save(root, step, sparse={"t": table}, dense={}, meta={"config": ""}, keep_last=5)
@@ -114,7 +114,7 @@ def _save_marked(root, step, value, keep_last=5):
     """Save a checkpoint whose one row carries ``value`` (to tell two saves of a step apart)."""
     import pyarrow as pa
 
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     table = pa.table({"key": pa.array([7], pa.int64()), "value": pa.array([value], pa.float64())})
     return ckpt.save(root, step, sparse={"t": table}, dense={}, meta={"config": ""}, keep_last=keep_last)
@@ -142,7 +142,7 @@ def test_a_renamed_checkpoint_no_pointer_names_is_replaced_by_the_next_save_of_i
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints_and_best(tmp_path):
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     root = tmp_path / "checkpoints"
     for step in range(1, 4):
@@ -177,7 +177,7 @@ def test_leftovers_of_a_crash_are_never_picked_and_the_next_save_removes_them(tm
 
 
 def test_the_fault_hook_rejects_a_spec_it_does_not_know(tmp_path, monkeypatch):
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     monkeypatch.setenv(ckpt.FAULT_ENV, "after-lunch")
     with pytest.raises(ValueError, match="RECSYS_FAULT_CHECKPOINT='after-lunch': unknown point 'after-lunch'"):
@@ -205,7 +205,7 @@ def test_load_sparse_reads_a_table_when_it_is_asked_for(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     from pathlib import Path
 

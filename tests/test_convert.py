@@ -12,11 +12,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recsys import hashing, synth
+from recsys.features import hashing
+from recsys.io import synth
 from recsys.cli import main
 from recsys.config import load_job
 from recsys.io.convert import CRITEO_COLUMNS, ConvertError, ConvertOptions, convert
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 

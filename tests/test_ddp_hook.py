@@ -13,7 +13,7 @@ def _grads_body(rank, world):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from recsys.local_exchange import LocalExchange
+    from recsys.runtime.local_exchange import LocalExchange
     from recsys.train.distributed import exchange_mean, local_mean
 
     local = LocalExchange.open(dist.group.WORLD, 60)

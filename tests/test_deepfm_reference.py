@@ -129,7 +129,7 @@ def test_a_deepfm_checkpoint_of_the_former_form_still_loads(tiny_data, tmp_path)
     import re
 
     import test_train as tt
-    from recsys.checkpoint_files import MARKER
+    from recsys.checkpoint.read import MARKER
     from recsys.eval.scoring import evaluate_checkpoint
 
     result = tt.run(tiny_data, tmp_path / "run", "train.max_steps=2", "model.arch='deepfm'",
@@ -143,7 +143,7 @@ def test_a_deepfm_checkpoint_of_the_former_form_still_loads(tiny_data, tmp_path)
     marker["files"]["meta.json"] = (ckpt / "meta.json").stat().st_size
     (ckpt / MARKER).write_text(json.dumps(marker))
     assert evaluate_checkpoint(ckpt)["auc"] == pytest.approx(result["auc"], abs=1e-12)
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
     from recsys.config import load_job
     from recsys.model.arch import model_for
 

@@ -1,4 +1,4 @@
-"""Dense statistics and transforms (recsys.dense): numpy references, hand computations,
+"""Dense statistics and transforms (recsys.features.dense): numpy references, hand computations,
 merges, bad settings; the model's dense embeddings and DeepFM's FM term."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 import tomli_w
 
-from recsys.dense import (ColumnSketch, ColumnStats, DenseStats, DenseTransform, merge_all, position,
+from recsys.features.dense import (ColumnSketch, ColumnStats, DenseStats, DenseTransform, merge_all, position,
                           signed_log1p_, truncate)
-from recsys.schema import Schema
+from recsys.features.schema import Schema
 
 QS = [0.0, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.9, 0.99, 1.0]
 
@@ -118,7 +118,7 @@ def _write_split(root, rows_per_group=(300, 500, 200, 400), seed=0):
 
 
 def _schema(**kw) -> Schema:
-    from recsys.schema import FeatureSpec, TableSpec
+    from recsys.features.schema import FeatureSpec, TableSpec
 
     return Schema(dense=["a", "b"], sparse=[FeatureSpec(name="k")], tables={"k": TableSpec(dim=4)}, **kw)
 

@@ -23,7 +23,7 @@ TRANSFORMS = ("schema.dense_transform={i1='quantile_buckets', i3='numeric_embedd
 
 
 def _stats_of(path: Path) -> dict:
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     return ckpt.load_meta(ckpt.resolve(path))["dense_stats"]
 
@@ -50,7 +50,7 @@ def _dense_body(table, columns) -> dict:
 def test_training_eval_and_serving_transform_identically(tiny_data, transform_run):
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
-    from recsys.dense import DenseStats
+    from recsys.features.dense import DenseStats
     from recsys.eval.scoring import dense_stats_of, evaluate_checkpoint, load_trained
 
     run_dir, result = transform_run
@@ -145,7 +145,7 @@ def test_checkpoint_with_stats_restores_and_evaluates_identically_at_another_wor
 
 
 def test_checkpoint_without_the_stats_its_transforms_need_is_refused(tiny_data, tmp_path):
-    from recsys.checkpoint_files import MARKER
+    from recsys.checkpoint.read import MARKER
     from recsys.errors import UserError
     from recsys.eval.scoring import evaluate_checkpoint
 

@@ -196,7 +196,7 @@ def test_metrics_read_a_device_loss_once_a_window_with_the_same_figures(tmp_path
 
 
 def test_transfers_on_the_cpu_copy_nothing_and_wait_for_nothing():
-    from recsys.transfer import Transfers, arrive
+    from recsys.runtime.transfer import Transfers, arrive
 
     t = torch.arange(4.0)
     moved, event = Transfers("cpu").to_device([t])

@@ -32,7 +32,7 @@ from conftest import wait_until
 from recsys.bench.faults import (Nodes, attempts, checkpoints_before, job_overrides, leave_and_join, resumed_events,
                                  staged_reference, stepped_after_resume, stop_and_resume, trajectory)
 from recsys.harness import JOB, ROOT, losses, records
-from recsys.spawn import free_port
+from recsys.runtime.spawn import free_port
 from test_faults import assert_exactly_once, assert_same_end
 
 DEADLINE = 300  # seconds one phase may take before the test calls the job hung

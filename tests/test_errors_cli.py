@@ -167,7 +167,7 @@ def test_malformed_oracle_file_is_one_line(checkpoint, tmp_path):
 def test_eval_of_another_checkpoint_format_is_one_line(checkpoint, tmp_path):
     import shutil
 
-    from recsys.checkpoint_files import latest
+    from recsys.checkpoint.read import latest
 
     ckpt = tmp_path / "other-format"
     shutil.copytree(latest(checkpoint / "checkpoints"), ckpt)
@@ -181,7 +181,7 @@ def test_eval_of_another_checkpoint_format_is_one_line(checkpoint, tmp_path):
 def test_checkpoint_format_mismatch_is_one_line(tiny, checkpoint, tmp_path, entry):
     import shutil
 
-    from recsys.checkpoint_files import latest
+    from recsys.checkpoint.read import latest
 
     ckpt = tmp_path / "other-format"
     shutil.copytree(latest(checkpoint / "checkpoints"), ckpt)

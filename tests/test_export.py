@@ -11,9 +11,9 @@ import pytest
 import redis
 
 from embedding_server import publish
-from recsys import checkpoint_files
-from recsys import redis_layout as layout
-from recsys.redis_util import connect
+from recsys.checkpoint import read as checkpoint_files
+from recsys.redisio import published as layout
+from recsys.redisio.client import connect
 from serving_data import start_cluster
 
 pytestmark = pytest.mark.redis

@@ -330,7 +330,7 @@ def _save(root: Path, step: int, marker: float):
     import pyarrow as pa
     import torch
 
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     rows = pa.table({"key": pa.array([1, 2], pa.int64()), "embedding": pa.array([[marker], [marker]])})
     return ckpt.save(root, step, sparse={"t": rows}, dense={"w": torch.full((2,), marker)}, meta={}, keep_last=3)
@@ -339,7 +339,7 @@ def _save(root: Path, step: int, marker: float):
 def test_resaving_a_step_never_leaves_latest_naming_nothing(tmp_path, monkeypatch):
     """A crash in the middle of re-saving the step ``latest`` names (SIGTERM right after a
     periodic save) must leave ``latest`` naming a complete checkpoint that loads."""
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     root = tmp_path / "checkpoints"
     _save(root, 10, 1.0)

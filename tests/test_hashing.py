@@ -7,7 +7,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from recsys import hashing
+from recsys.features import hashing
 
 INTS = [0, 1, -1, 42, 2**31, 2**63 - 1, -(2**63), 1234567890123]
 STRS = ["", "a", "abcdefgh", "abcdefghi", "ünïcødé 🙂", "x" * 100]
@@ -95,8 +95,8 @@ def test_owner_spreads_keys_evenly():
 
 
 def test_hashing_stays_torch_free():
-    # The lookup service imports recsys.hashing; it must not drag torch in.
-    code = "import sys, recsys.hashing, recsys.schema, recsys.config; print('torch' in sys.modules)"
+    # The lookup service imports recsys.features.hashing; it must not drag torch in.
+    code = "import sys, recsys.features.hashing, recsys.features.schema, recsys.config; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recsys import redis_layout as layout
+from recsys.redisio import published as layout
 
 
 def test_row_keys_are_the_documented_format():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dist_utils import run_distributed
-from recsys.local_exchange import SHM_DIR, LocalExchange
+from recsys.runtime.local_exchange import SHM_DIR, LocalExchange
 
 pytestmark = pytest.mark.skipif(not os.access(SHM_DIR, os.W_OK), reason=f"no writable {SHM_DIR}")
 

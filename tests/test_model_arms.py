@@ -86,7 +86,7 @@ def test_default_model_is_unchanged_by_the_new_arms():
 
 
 def _wide_store(optimizer="sgd", lr=0.5):
-    from recsys.schema import FeatureSpec, Schema, TableSpec
+    from recsys.features.schema import FeatureSpec, Schema, TableSpec
     from recsys.store.config import StoreConfig
     from recsys.store.sharded.store import ShardedEmbeddingStore
     from recsys.store.tables.wide import wide_schema, wide_store_config
@@ -224,7 +224,7 @@ def test_wide_term_of_an_id_score_list_is_the_scores_times_the_weights():
     and its weights' gradient is scaled by the scores: one SGD step, then a lookup."""
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from recsys.schema import FeatureSpec, Schema, TableSpec
+    from recsys.features.schema import FeatureSpec, Schema, TableSpec
     from recsys.store.config import StoreConfig
     from recsys.store.sharded.store import ShardedEmbeddingStore
     from recsys.store.tables.wide import wide_schema, wide_store_config

@@ -1,4 +1,4 @@
-"""Background threads under SCHED_IDLE only while nobody waits for them (recsys.priority)."""
+"""Background threads under SCHED_IDLE only while nobody waits for them (recsys.runtime.priority)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from recsys import priority
+from recsys.runtime import priority
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread policies are Linux's")
 

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from recsys import live_protocol as live
+from recsys.redisio import live
 from recsys.harness import final_rows, records
 from recsys.train.live_writer import LiveWriter
 from test_train import build, overrides
@@ -83,7 +83,7 @@ def _record_writes(monkeypatch) -> list[tuple[int, list]]:
 
 def _assert_push_is_the_checkpoint(run_dir: Path, step: int, parts: list) -> None:
     """Every pushed row of ``parts`` equals its key's row in the checkpoint of ``step``."""
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     path = ckpt.resolve(run_dir / "checkpoints" / f"step-{step:08d}")
     for table, state in ckpt.load_sparse(path, [t for t, _, _ in parts]).items():
@@ -125,7 +125,7 @@ def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_d
     from embedding_server import publish
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
-    from recsys import hashing
+    from recsys.features import hashing
     from serving_data import LiveServer
 
     written = _record_writes(monkeypatch)
@@ -481,7 +481,7 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
     live_steps = [int(v.rsplit("@", 1)[1]) for v, _ in during if "+live@" in v]
     assert len(set(live_steps)) >= 3 and live_steps == sorted(live_steps), during[:5]
     assert len({vec for v, vec in during if "+live@" in v}) >= 3  # the vector itself changed
-    from recsys import hashing
+    from recsys.features import hashing
 
     key = int(hashing.hash_int64(np.array([raw]), "c1")[0])
     final = np.frombuffer(final_rows(run_dir)["c1"][key], dtype=np.float32)

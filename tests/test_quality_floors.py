@@ -68,7 +68,7 @@ def _prescaled(src: Path, dst: Path) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys.dense import signed_log1p_
+    from recsys.features.dense import signed_log1p_
 
     for split in ("train", "eval"):
         (dst / split).mkdir(parents=True)

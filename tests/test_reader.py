@@ -16,11 +16,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from recsys import hashing
+from recsys.features import hashing
 from recsys.io.config import ReaderConfig
 from recsys.io.decode import UnitConverter
 from recsys.io.reader import ParquetReader, ReadError, describe
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from reader_data import (
     batch_rows,
     expected_dense,

@@ -318,7 +318,7 @@ def test_probability_labels_take_0_to_1_and_nothing_else(good, dirty):
 @pytest.mark.parametrize("fill", ["nan", "inf", "-inf", "1e39"])
 def test_non_finite_dense_fill_is_refused_in_the_job_file(tmp_path, fill):
     from recsys.config import ConfigError, load_job
-    from recsys.schema import Schema
+    from recsys.features.schema import Schema
 
     with pytest.raises(ValueError, match=r"dense_fill_null must be a finite number within float32 range"):
         Schema(dense_fill_null=float(fill))
@@ -395,7 +395,7 @@ def bad_utf8_strings(values: list[bytes | None], large: bool = False) -> pa.Arra
 
 def test_empty_string_is_an_id_and_null_is_none(good, dirty):
     """'' is an id like any other (its own key, a bag of one); null is no id (an empty bag)."""
-    from recsys import hashing
+    from recsys.features import hashing
 
     table = good_table(good, n=4)
     table = with_column(table, "cat", pa.array(["", None, "x", ""]))
@@ -431,7 +431,7 @@ def test_non_utf8_text_in_a_string_column_is_refused_by_row(good, dirty, caplog)
 
 
 def test_binary_ids_are_hashed_as_bytes(good, dirty):
-    from recsys import hashing
+    from recsys.features import hashing
 
     table = good_table(good, n=3)
     table = with_column(table, "cat", pa.array([b"caf\xe9", b"", b"x"], pa.binary()))
@@ -444,7 +444,7 @@ def test_binary_ids_are_hashed_as_bytes(good, dirty):
 
 def test_converter_ignores_bad_bytes_under_nulls():
     """What Arrow holds under a null (a null string, or a null list's covered values) is no id."""
-    from recsys import hashing
+    from recsys.features import hashing
     from recsys.io.decode import UnitConverter
 
     conv = UnitConverter(make_schema(dense=[]), [])
@@ -481,7 +481,7 @@ def test_a_row_group_whose_string_ids_are_all_null(good, dirty):
 
 def test_extreme_and_negative_int_ids_are_ids(good, dirty):
     """Every int64 is an id (its own key: the hash is a bijection); uint64 ids beyond int64 are refused."""
-    from recsys import hashing
+    from recsys.features import hashing
 
     extremes = [-(2**63), 2**63 - 1, -1, 0, 1, -(2**62)]
     table = good_table(good, n=6)

@@ -21,10 +21,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from recsys import hashing
+from recsys.features import hashing
 from recsys.io.config import ReaderConfig
 from recsys.io.reader import ParquetReader, ReadError
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from reader_data import kjt_rows
 
 INT64_MAX = 2**63 - 1

@@ -17,7 +17,7 @@ from recsys.io.errors import ReadError
 from recsys.io.convert import ConvertOptions, convert
 from recsys.io.partitions import parse_filter, partition_values
 from recsys.io.reader import ParquetReader
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 
 SCHEMA = Schema(label="label", dense=["x"], dense_transform="signed_log1p",
                 sparse=[FeatureSpec(name="item")], tables={"item": TableSpec(dim=4)})

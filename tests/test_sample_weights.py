@@ -15,7 +15,7 @@ from recsys.eval.metrics import evaluate_predictions, log_loss, roc_auc
 from recsys.io.config import ReaderConfig
 from recsys.io.errors import ReadError
 from recsys.io.reader import ParquetReader
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from recsys.train.loop import _loss
 
 SCHEMA = Schema(label="label", dense=["x"], dense_transform="signed_log1p",

@@ -23,7 +23,7 @@ import pytest
 from redis.connection import parse_url
 
 from recsys.harness import start_redis
-from recsys.redis_util import (PASSWORD_ENV, check_url, client_options, has_password, password_for, redact,
+from recsys.redisio.client import (PASSWORD_ENV, check_url, client_options, has_password, password_for, redact,
                                redact_text, strip_password)
 from serving_data import JOB, LiveServer
 
@@ -150,7 +150,7 @@ def _client(server):
 
 @pytest.mark.redis
 def test_an_unreadable_live_manifest_is_named_without_the_password(locked_redis, caplog):
-    from recsys.live_protocol import manifest_key
+    from recsys.redisio.live import manifest_key
     from recsys.train.config import PublishConfig
     from recsys.train.live_writer import LiveWriter
     from recsys.errors import UserError
@@ -188,7 +188,7 @@ def test_a_resumed_run_takes_the_password_from_the_environment(locked_redis, tin
     """Run 1 has the password in its URLs; its run directory and checkpoints do not. Run 2
     resumes from the saved config.toml: without the password it stops with one line naming
     Redis; with ``REDIS_PASSWORD`` it connects (spill tier and live pushes) and finishes."""
-    from recsys.live_protocol import head_key
+    from recsys.redisio.live import head_key
 
     where = f"{locked_redis.host}:{locked_redis.port}/0"
     run_dir = tmp_path / "run"

@@ -19,7 +19,8 @@ from embedding_server import publish, wire
 from embedding_server.app import create_app
 from embedding_server.backends import EmbeddedBackend
 from embedding_server.settings import ServeSettings
-from recsys import checkpoint_files, hashing
+from recsys.checkpoint import read as checkpoint_files
+from recsys.features import hashing
 from serving_data import UNSEEN_INT, UNSEEN_STR, LiveServer, eval_pooled, probe_file
 
 pytestmark = pytest.mark.redis
@@ -156,7 +157,7 @@ def serve_workers(pid: int) -> list[psutil.Process]:
 
 @pytest.mark.multiproc
 def test_workers_share_one_port_and_sum_their_metrics(tiny_run):
-    from recsys.spawn import free_port
+    from recsys.runtime.spawn import free_port
 
     from conftest import wait_until
 
@@ -214,7 +215,7 @@ def test_workers_share_one_port_and_sum_their_metrics(tiny_run):
 def test_workers_that_cannot_start_stop_the_service_with_their_error(tmp_path):
     """A worker that dies before it serves (here: no checkpoint where one was named) stops
     the service with its error and a non-zero exit, instead of being restarted forever."""
-    from recsys.spawn import free_port
+    from recsys.runtime.spawn import free_port
 
     out = subprocess.run([sys.executable, "-m", "recsys.cli", "serve", "--checkpoint", str(tmp_path),
                           "--workers", "2", "--port", str(free_port())], capture_output=True, text=True,

@@ -1,4 +1,4 @@
-"""recsys serve --follow: live rows a training job pushes (recsys.live_protocol) overlaid on the
+"""recsys serve --follow: live rows a training job pushes (recsys.redisio.live) overlaid on the
 published version, the version string naming the newest live step served, the TTL bound of
 the live row cache, the step guard under interleaved writers, incompatible live manifests,
 a Redis Cluster, and the flags' errors."""
@@ -28,9 +28,10 @@ from embedding_server.backends import RedisBackend
 from embedding_server.cache import LiveTableCache
 from embedding_server.catalog import Catalog, FeatureInfo, TableInfo
 from embedding_server.settings import ServeSettings
-from recsys import checkpoint_files, hashing
-from recsys import live_protocol as live
-from recsys import redis_layout as layout
+from recsys.checkpoint import read as checkpoint_files
+from recsys.features import hashing
+from recsys.redisio import live
+from recsys.redisio import published as layout
 from recsys.harness import start_redis
 from recsys.train.live_writer import LiveWriter
 from serving_data import UNSEEN_INT, UNSEEN_STR, LiveServer, start_cluster

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import wait_until
 from embedding_server.backends import RedisBackend
-from recsys.spawn import free_port
+from recsys.runtime.spawn import free_port
 from test_serve_live import KEYS, FakeClock, guard_redis, new_namespace, row_of  # noqa: F401 - guard_redis: a fixture
 
 pytestmark = pytest.mark.redis

@@ -22,7 +22,7 @@ from embedding_server import publish, wire
 from embedding_server.app import create_app
 from embedding_server.backends import BackendUnavailable, RedisBackend
 from embedding_server.settings import ServeSettings
-from recsys import checkpoint_files
+from recsys.checkpoint import read as checkpoint_files
 from recsys.harness import start_redis
 from serving_data import LiveServer
 

@@ -20,8 +20,9 @@ import redis
 from embedding_server import publish
 from embedding_server.app import create_app
 from embedding_server.settings import ServeSettings
-from recsys import checkpoint_files, hashing
-from recsys import redis_layout as layout
+from recsys.checkpoint import read as checkpoint_files
+from recsys.features import hashing
+from recsys.redisio import published as layout
 from serving_data import JOB, UNSEEN_INT, UNSEEN_STR, LiveServer, eval_wide, probe_file, train_tiny
 from test_serve import lookup
 

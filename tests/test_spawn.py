@@ -1,4 +1,4 @@
-"""``recsys.spawn.run_gloo``: each rank's result or error comes back, and a rank's
+"""``recsys.runtime.spawn.run_gloo``: each rank's result or error comes back, and a rank's
 interpreter teardown cannot fail a run whose results are written."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from recsys.spawn import run_gloo
+from recsys.runtime.spawn import run_gloo
 
 
 def _sum_then_abort_at_exit(rank: int, world_size: int, base: int) -> int:

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from recsys.store.tables.dedup import index_batch, unique_blocks, unique_inverse
 from recsys.store.sharded.exchange import route
-from recsys.hashing import owner_of
+from recsys.features.hashing import owner_of
 
 
 def _reference(values, feat_off, lengths_FB, tables, single):

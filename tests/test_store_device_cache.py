@@ -12,7 +12,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from recsys.schema import TableSpec
+from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
 from recsys.store.device.cache import DeviceCache, apply_update_torch

@@ -38,7 +38,7 @@ def test_a_freed_block_is_reused_without_page_faults():
 
 
 def test_a_store_sets_it_unless_told_not_to(monkeypatch):
-    from recsys.schema import FeatureSpec, Schema, TableSpec
+    from recsys.features.schema import FeatureSpec, Schema, TableSpec
     from recsys.store.sharded import store as sharded
     from recsys.store.config import StoreConfig
 

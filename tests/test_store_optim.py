@@ -28,7 +28,7 @@ import pyarrow as pa
 import pytest
 import torch
 
-from recsys.schema import TableSpec
+from recsys.features.schema import TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.tables.table import EmbeddingTable, init_vectors
 

@@ -6,8 +6,8 @@ import gc
 import numpy as np
 import pytest
 
-from recsys import hashing
-from recsys.schema import TableSpec
+from recsys.features import hashing
+from recsys.features.schema import TableSpec
 from recsys.store.host import pages
 from recsys.store.config import StoreConfig
 from recsys.store.tables.keymap import KeyMap

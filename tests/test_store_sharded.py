@@ -9,7 +9,7 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dist_utils import run_distributed
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore
 

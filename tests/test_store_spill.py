@@ -18,15 +18,15 @@ import redis
 import torch
 
 from conftest import wait_until
-from recsys import hashing
+from recsys.features import hashing
 from recsys.harness import RedisServer
-from recsys.schema import TableSpec
+from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
 from recsys.store.tables.rowblock import RowBlock
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.spill.tier import SpillError, SpillTier
-from recsys.store.spill_protocol import FORMAT_VERSION, spill_key, value_dtype
+from recsys.redisio.spill_layout import FORMAT_VERSION, spill_key, value_dtype
 from recsys.store.tables.table import EmbeddingTable, init_vectors
 from store_data import random_kjts, three_feature_schema, train_pooled
 

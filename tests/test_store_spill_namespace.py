@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import redis
 
-from recsys.schema import Schema, TableSpec, FeatureSpec
+from recsys.features.schema import Schema, TableSpec, FeatureSpec
 from recsys.store.config import StoreConfig, run_namespace
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.spill.tier import SpillError
-from recsys.store.spill_protocol import owner_key, spill_key
+from recsys.redisio.spill_layout import owner_key, spill_key
 from recsys.store.tables.table import EmbeddingTable, init_vectors
 
 pytestmark = pytest.mark.redis

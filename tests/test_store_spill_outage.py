@@ -16,7 +16,7 @@ import pytest
 
 from conftest import wait_until
 from recsys.harness import RedisServer, start_redis
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.spill.tier import SpillError
@@ -325,7 +325,7 @@ def test_training_job_fails_in_one_line_and_resumes_exactly_from_the_intact_chec
     for o in tt.overrides(tiny_data, *job_args(server.url, "train.checkpoint_every_steps=2")):
         cmd += ["--set", o]
     proc = subprocess.Popen(cmd, cwd=tt.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
 
     try:
         wait_until(lambda: checkpoint_files.latest(run_dir / "checkpoints") is not None or proc.poll() is not None,

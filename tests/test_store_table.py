@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from recsys import hashing
-from recsys.schema import TableSpec
+from recsys.features import hashing
+from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
 from recsys.store.tables.float16 import to_float16, to_float32
@@ -622,7 +622,7 @@ def test_store_config_checks_and_loads_from_plain_data():
 
 _PREFAULT_PROBE = r"""
 import sys
-from recsys.schema import TableSpec
+from recsys.features.schema import TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.tables.table import EmbeddingTable
 

@@ -9,9 +9,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 
-from recsys import synth
+from recsys.io import synth
 from recsys.config import load_job
-from recsys.synth import PRESETS, generate, log_loss, roc_auc, signed_log1p
+from recsys.io.synth import PRESETS, generate, log_loss, roc_auc, signed_log1p
 
 DENSE = [f"i{i}" for i in range(1, 14)]
 CATS = [f"c{i}" for i in range(1, 27)]

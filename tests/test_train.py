@@ -51,7 +51,7 @@ def run(data: Path, run_dir: Path, *extra: str, resume=None, source=None) -> dic
 
 
 def final_rows(run_dir: Path) -> dict[str, dict[int, np.ndarray]]:
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     out = {}
     for name, table in ckpt.load_sparse(ckpt.latest(run_dir / "checkpoints")).items():
@@ -159,7 +159,7 @@ def test_staleness_changes_the_trajectory(tiny_data, tmp_path):
 
 
 def _two_rank_body(rank, world, data, run_dir, batches, *extra):
-    from recsys.local_exchange import LocalExchange
+    from recsys.runtime.local_exchange import LocalExchange
 
     opened = []
     real_open = LocalExchange.open
@@ -210,7 +210,7 @@ def _save_two_body(rank, world, data, run_dir):
 
 
 def test_save_at_two_ranks_resume_at_one(tiny_data, tmp_path):
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     run_distributed(_save_two_body, 2, tiny_data, str(tmp_path / "two"))
     saved = ckpt.latest(tmp_path / "two" / "checkpoints")
@@ -247,7 +247,7 @@ def test_sigterm_writes_a_checkpoint(tiny_data, tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     latest = ckpt.latest(run_dir / "checkpoints")
     assert latest is not None and ckpt.load_meta(latest)["step"] >= 3

@@ -81,7 +81,7 @@ def documented_lr(step: int, total: int, warmup: int, decay: str, floor: float) 
 
 
 def test_keep_last_keeps_the_newest_complete_checkpoints_and_best(linear_run):
-    from recsys import checkpoint_files as cf
+    from recsys.checkpoint import read as cf
 
     run_dir, _ = linear_run
     root = run_dir / "checkpoints"
@@ -301,10 +301,10 @@ def _columns(table: pa.Table) -> dict[str, list]:
 @pytest.mark.multiproc
 def test_a_two_rank_checkpoint_loads_exactly_at_one_rank_and_no_row_is_lost_or_repeated(tiny_data, torchrun_run,
                                                                                        tmp_path):
-    from recsys import checkpoint_files as cf
+    from recsys.checkpoint import read as cf
     from recsys.config import load_job
     from recsys.io.reader import ParquetReader
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     run_dir, _ = torchrun_run
     saved = cf.latest(run_dir / "checkpoints")
@@ -371,7 +371,7 @@ def test_two_ranks_then_one_continues_like_one_rank_throughout(tiny_data, tmp_pa
     from test_train import final_rows
 
     assert_rows_close(final_rows(tmp_path / "one"), final_rows(tmp_path / "resumed"))
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     a = ckpt.load_dense(ckpt.latest(tmp_path / "one" / "checkpoints"))["model"]
     b = ckpt.load_dense(ckpt.latest(tmp_path / "resumed" / "checkpoints"))["model"]

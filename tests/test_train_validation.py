@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from recsys import checkpoint_files
+from recsys.checkpoint import read as checkpoint_files
 from test_train import JOB, overrides
 
 

@@ -34,7 +34,7 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def saved(run_dir: Path) -> tuple[dict, dict]:
     """Return ({name: dense tensor}, {table: {key: row}}) of the run's latest checkpoint."""
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     path = ckpt.latest(run_dir / "checkpoints")
     rows = {}
@@ -80,7 +80,7 @@ def test_weights_all_one_train_exactly_like_no_weights(splits, tmp_path):
 
 def _initial(run_dir: Path, rows: dict) -> dict:
     """The initial vector of every saved key, as the store draws it (a function of the key)."""
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
     from recsys.eval.evaluate import _job_of
     from recsys.store.tables.initial import init_vectors
 

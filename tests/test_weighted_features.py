@@ -10,11 +10,11 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys import hashing
+from recsys.features import hashing
 from recsys.io.config import ReaderConfig
 from recsys.io.errors import ReadError
 from recsys.io.reader import ParquetReader
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore
 

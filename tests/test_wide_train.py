@@ -52,7 +52,7 @@ def test_wide_resume_equals_uninterrupted_run_and_eval_scores_the_same(tiny_data
 
 def _wide_rows(run_dir: Path) -> dict[str, dict[int, tuple[float, float]]]:
     """{wide table: {key: (weight, row-wise Adagrad state)}} of the run's latest checkpoint."""
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     out = {}
     for name, t in ckpt.load_sparse(ckpt.latest(run_dir / "checkpoints")).items():

@@ -38,7 +38,7 @@ ROW_GROUP = 131_072
 
 def ensure_file(quick: bool, data: Path | None) -> Path:
     """Return a Criteo-layout TSV file (uncompressed), generating it when missing."""
-    from recsys import synth
+    from recsys.io import synth
 
     if data is not None:
         data = Path(data)

@@ -62,7 +62,7 @@ import numpy as np
 
 from recsys.harness import (DEADLINE_S, ROOT, TrainJob, environ_of, final_rows, kill_tagged, last_step, losses,
                             records, start_redis, tagged, wait_for, workers)
-from recsys.spawn import free_port
+from recsys.runtime.spawn import free_port
 
 EVERY = 10
 """Checkpoint interval (steps) of the scenario jobs."""
@@ -508,8 +508,8 @@ class Scenarios:
         """A worker SIGKILLs itself at ``point`` of the save of ``at_step`` (the checkpoint
         module's test hook, first attempt only); torchrun restarts the job, which must resume
         from a complete checkpoint and end exactly like the uninterrupted run."""
-        from recsys import checkpoint_files
-        from recsys.train.checkpoint import FAULT_ENV
+        from recsys.checkpoint import read as checkpoint_files
+        from recsys.checkpoint.write import FAULT_ENV
 
         rank = 0 if point in ("after-marker", "before-latest", "after-latest", "prune") else 1  # rank 0's steps
         self.reference(0)
@@ -571,7 +571,7 @@ class Scenarios:
         intact checkpoint; Redis comes back (empty: no persistence) and the same command
         resumes to exactly the end of the uninterrupted run, the one whose tables are large
         enough never to spill (a spilled row comes back bit-exact with its optimizer state)."""
-        from recsys import checkpoint_files
+        from recsys.checkpoint import read as checkpoint_files
 
         workdir = self.out / "spill-redis"
         workdir.mkdir(parents=True, exist_ok=True)
@@ -672,7 +672,7 @@ class Scenarios:
 
 def measure(quick: bool, data: Path | None) -> dict:
     """Run the scenarios (quick: one seed each); see the module doc."""
-    from recsys import synth
+    from recsys.io import synth
 
     out = ROOT / "bench-out" / ("faults-quick" if quick else "faults")
     if out.exists():

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pyarrow as pa
 
-from recsys import hashing
+from recsys.features import hashing
 from recsys.bench import comparison
 
 

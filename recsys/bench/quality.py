@@ -246,7 +246,7 @@ def _read_split(paths: list[str], columns: list[str]) -> dict[str, np.ndarray]:
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    from recsys import hashing
+    from recsys.features import hashing
     from recsys.io.units import expand_paths
 
     t = pa.concat_tables([pq.read_table(sf.path, columns=columns) for sf in expand_paths(paths)])
@@ -432,7 +432,7 @@ def _summary(runs: list[dict]) -> dict:
 
 def _synthetic(quick: bool, data: Path | None) -> tuple[Path, Path, list[str], dict]:
     """Return (job file, data directory, overrides, oracle) of the synthetic set."""
-    from recsys import synth
+    from recsys.io import synth
 
     if quick:
         root = data or ROOT / "bench-out" / "data" / "quality-tiny"
@@ -471,7 +471,7 @@ def specified_logistic(root: Path | None = None, Cs: tuple[float, ...] = (0.003,
     import scipy.sparse as sp
     from sklearn.linear_model import LogisticRegression
 
-    from recsys import synth
+    from recsys.io import synth
     from recsys.eval.metrics import evaluate_predictions
 
     root = root or ROOT / "data" / "synthetic_small"

@@ -33,7 +33,7 @@ JOB = ROOT / "jobs" / "synthetic_small.toml"
 
 
 def _quick_preset():
-    from recsys.synth import Preset
+    from recsys.io.synth import Preset
 
     return Preset(name="bench-quick", train_rows=300_000, eval_rows=1_000,
                   rows_per_file=100_000, row_group_size=65_536)
@@ -41,7 +41,7 @@ def _quick_preset():
 
 def ensure_data(quick: bool, data: Path | None) -> Path:
     """Return a synthetic data directory for the benchmark, generating it when missing."""
-    from recsys import synth
+    from recsys.io import synth
 
     if data is not None:
         if not (Path(data) / "train").is_dir():

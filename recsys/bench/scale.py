@@ -6,7 +6,7 @@ dense columns, row-wise Adagrad at its lr, Adam, dim 16), with its sparse side r
 cardinalities' proportions scaled to a total of ``N`` distinct ids (a table keeps at least
 ``min(its Criteo cardinality, 100)`` ids, so the exact total, ``distinct_ids``, is a little
 above ``N``). Ids are drawn per table from a bounded Zipf(1.05) law over its universe
-(``recsys.synth._zipf_ranks``, seeded by (seed, table)) and hashed as the reader hashes
+(``recsys.io.synth._zipf_ranks``, seeded by (seed, table)) and hashed as the reader hashes
 them. Batch 4096, 2 torch threads, one process: the ``Trainer`` itself, nothing skipped
 but the reader.
 
@@ -122,7 +122,7 @@ class SyntheticIds:
     def make(cls, s: Settings, unis: list[int], n_dense: int, steps: int) -> "SyntheticIds":
         import torch
 
-        from recsys import hashing
+        from recsys.features import hashing
         from recsys.io.batch import Batch
 
         B, T = s.batch, len(unis)
@@ -248,7 +248,7 @@ def _trimmed_rss() -> int:
 
 
 def _redis_used(url: str) -> int:
-    from recsys.redis_util import connect
+    from recsys.redisio.client import connect
 
     return int(connect(url).info("memory")["used_memory"])
 
@@ -266,7 +266,7 @@ def _prefill(store, s: Settings, unis: list[int], capacities: list[int]) -> tupl
     import torch
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from recsys import hashing
+    from recsys.features import hashing
 
     parts = prefill_parts(s, unis, capacities)
     T = len(unis)
@@ -370,7 +370,7 @@ def run_size(s: Settings, n: int, spill_fraction: float | None, redis_url: str, 
         t0 = time.perf_counter()
         trainer.train()
         train_s = time.perf_counter() - t0
-        from recsys.train import checkpoint as ckpt
+        from recsys.checkpoint import write as ckpt
 
         path = ckpt.latest(run_dir / "checkpoints")
         ckpt_bytes = _dir_bytes(path)
@@ -472,7 +472,7 @@ def _start_redis_for(work: Path):
 
 def _clear_redis(url: str, own: bool, namespace: str) -> None:
     """Delete what a size left in Redis: everything in our own server, else its namespace."""
-    from recsys.redis_util import connect, glob_escape
+    from recsys.redisio.client import connect, glob_escape
 
     client = connect(url, timeout_s=120.0)
     if own:  # freed in the server's background: a synchronous FLUSHALL of 27 M keys outlasts a socket timeout
@@ -537,7 +537,7 @@ def _warm_kernels(s: Settings, url: str) -> None:
     parent, so no child pays their loading, nor counts their code as its store's memory.
     Numpy only: a torch parallel region before ``fork`` would leave the children's OpenMP
     pool broken."""
-    from recsys.schema import TableSpec
+    from recsys.features.schema import TableSpec
     from recsys.store.config import StoreConfig
     from recsys.store.tables.table import EmbeddingTable
 

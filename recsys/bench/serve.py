@@ -4,7 +4,7 @@ One run, side by side, on this machine:
 
 1. a real ``redis-server`` on a free loopback port (no persistence);
 2. a checkpoint of one table, ``rows`` x 64 float32 (1 M rows; quick: 100 k), written by the
-   store's own ``state_dict`` and ``recsys.train.checkpoint.save``;
+   store's own ``state_dict`` and ``recsys.checkpoint.write.save``;
 3. ``recsys export`` of it (rows/s, Redis bytes per row);
 4. the load generator (``recsys.bench.serve_load``, its own process) sends the same
    request sequence — Zipf ids, 256 per request, ``concurrency`` connections — to
@@ -49,11 +49,11 @@ WORKERS = 2  # one per core: the service and the embedded mode as deployed here 
 def _write_checkpoint(root: Path, rows: int) -> Path:
     """Return a checkpoint of one ``rows`` x DIM table of trained-looking rows (the store's format)."""
     from recsys import config as config_mod
-    from recsys import hashing
-    from recsys.schema import TableSpec
+    from recsys.features import hashing
+    from recsys.features.schema import TableSpec
     from recsys.store.config import StoreConfig
     from recsys.store.tables.table import EmbeddingTable
-    from recsys.train import checkpoint as ckpt
+    from recsys.checkpoint import write as ckpt
 
     job = config_mod.from_dict(config_mod.JobConfig, {
         "name": "bench_serve",
@@ -93,7 +93,7 @@ def _summary(values: list[float]) -> dict:
 def measure(quick: bool = False, data: Path | None = None) -> dict:
     """Run the serving benchmark; return comparisons and figures (see the module doc)."""
     from embedding_server import publish
-    from recsys.redis_util import connect
+    from recsys.redisio.client import connect
 
     rows = 100_000 if quick else 1_000_000
     requests = 400 if quick else 2000

@@ -100,8 +100,8 @@ async def _run(spec: dict) -> dict:
     else:
         import redis.asyncio as aredis
 
-        from recsys import redis_layout as layout
-        from recsys import hashing
+        from recsys.redisio import published as layout
+        from recsys.features import hashing
 
         keys = hashing.hash_int64(ids.reshape(-1), spec["table"]).reshape(n, per)
         names = [layout.row_keys(spec["namespace"], spec["version"], spec["table"], row, spec["buckets"])

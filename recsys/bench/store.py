@@ -125,7 +125,7 @@ def _table_name(t: int) -> str:
 
 def make_trace(s: Settings, n_batches: int) -> np.ndarray:
     """Return the 64-bit keys [n_batches, T, B] of the training stream (deterministic)."""
-    from recsys import hashing
+    from recsys.features import hashing
 
     out = np.empty((n_batches, s.tables, s.batch), dtype=np.int64)
     for t, universe in enumerate(s.universes):
@@ -136,7 +136,7 @@ def make_trace(s: Settings, n_batches: int) -> np.ndarray:
 
 
 def _schema(s: Settings, capacities: list[int]):
-    from recsys.schema import FeatureSpec, Schema, TableSpec
+    from recsys.features.schema import FeatureSpec, Schema, TableSpec
 
     return Schema(
         tables={_table_name(t): TableSpec(dim=s.dim, capacity=int(c)) for t, c in enumerate(capacities)},
@@ -378,8 +378,8 @@ def _in_fresh_process(fn, *args):
 
 
 def _measure_memory(s: Settings) -> dict:
-    from recsys import hashing
-    from recsys.schema import TableSpec
+    from recsys.features import hashing
+    from recsys.features.schema import TableSpec
     from recsys.store.config import StoreConfig
     from recsys.store.tables.table import EmbeddingTable
 
@@ -501,7 +501,7 @@ def belady_misses(seq: np.ndarray, capacity: int) -> int:
 
 def lru_misses(batches: list[np.ndarray], capacity: int, dim: int = 4) -> tuple[int, dict]:
     """Return the misses of our ``EmbeddingTable`` (LRU) fed ``batches`` of distinct keys."""
-    from recsys.schema import TableSpec
+    from recsys.features.schema import TableSpec
     from recsys.store.config import StoreConfig
     from recsys.store.tables.table import EmbeddingTable
 
@@ -513,7 +513,7 @@ def lru_misses(batches: list[np.ndarray], capacity: int, dim: int = 4) -> tuple[
 
 
 def _measure_lru(s: Settings) -> dict:
-    from recsys import hashing
+    from recsys.features import hashing
 
     rng = np.random.default_rng([s.seed, 1_000_003])
     ranks = _zipf_ranks(rng, s.lru_universe, s.zipf_a, s.lru_ids)
@@ -646,7 +646,7 @@ def _transfer_only(comm: dict, group, steps: int, repeats: int = 15) -> dict:
 
 
 def _measure_dist(s: Settings) -> dict:
-    from recsys.spawn import run_gloo
+    from recsys.runtime.spawn import run_gloo
 
     world = 2
     results = run_gloo(_dist_rank, world, s, timeout=s.dist_timeout_s)

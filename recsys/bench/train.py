@@ -70,7 +70,7 @@ import numpy as np
 from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, versions
 from recsys.bench.reader import ensure_data as ensure_small_data
 from recsys.errors import UserError
-from recsys.spawn import free_port
+from recsys.runtime.spawn import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "synthetic_small.toml"
@@ -125,7 +125,7 @@ QUICK = Settings(chunk=5, timed_chunks=4, lr_warmup_steps=0, scaling_rounds=1)
 
 
 def _quick_preset():
-    from recsys.synth import Preset
+    from recsys.io.synth import Preset
 
     return Preset(name="bench-train-quick", train_rows=160_000, eval_rows=20_000,
                   rows_per_file=65_536, row_group_size=16_384)
@@ -136,7 +136,7 @@ def ensure_data(quick: bool, data: Path | None, quick_dir: Path | None = None, q
     (``--quick``: ``quick_dir`` from ``quick_preset``, by default this bench's)."""
     if data is not None or not quick:
         return ensure_small_data(False, data)
-    from recsys import synth
+    from recsys.io import synth
 
     quick_dir = quick_dir or QUICK_DATA
     if not (quick_dir / "oracle.json").exists():

@@ -110,7 +110,7 @@ QUICK = Settings(chunk=4, warmup_chunks=1, timed_chunks=4, lr_warmup_steps=0)
 
 
 def _quick_preset():
-    from recsys.synth import Preset
+    from recsys.io.synth import Preset
 
     return Preset(name="bench-train-gpu-quick", train_rows=400_000, eval_rows=50_000,
                   rows_per_file=131_072, row_group_size=32_768)
@@ -213,7 +213,7 @@ def _metrics_hit_rate(path: Path, first_step: int) -> float | None:
 
 def _ours_child(conn, root: str, s: Settings, overrides: list[str], run_dir: str) -> None:
     """One of (a), (a2), (a3), in its own process: build, report ready, train in segments
-    when told, report the result. Leaves with ``os._exit`` (see ``recsys.spawn._entry``)."""
+    when told, report the result. Leaves with ``os._exit`` (see ``recsys.runtime.spawn._entry``)."""
     trainer = None
     try:
         with quiet_fbgemm():

@@ -324,7 +324,7 @@ def _predictions_writer(out: Path | None):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from recsys.durable import fsync_dir, fsync_file
+    from recsys.runtime.durable import fsync_dir, fsync_file
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -430,7 +430,7 @@ def _rank_scores(rank: int, world_size: int, checkpoint: str, paths: list[str], 
 
 def score_processes(checkpoint, paths, id_cols, passthrough, opts: EvalOptions) -> Scored:
     """Score ``paths`` with ``opts.nproc`` gloo processes, each reading its exactly-once share."""
-    from recsys.spawn import run_gloo
+    from recsys.runtime.spawn import run_gloo
 
     results = run_gloo(_rank_scores, opts.nproc, str(checkpoint), list(paths), list(passthrough), opts.device,
                        error=UserError, timeout=RANKS_TIMEOUT_S)
@@ -496,7 +496,7 @@ def run_eval(checkpoint, opts: EvalOptions) -> dict:
     """Return the result of ``recsys eval`` (and write its files); see the module doc."""
     if opts.max_exact_rows is None:
         opts = dataclasses.replace(opts, max_exact_rows=M.MAX_EXACT_ROWS)
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
     from recsys.config import ConfigError
 
     path = checkpoint_files.resolve(checkpoint)
@@ -564,7 +564,7 @@ def compare(a: Scored, opts: EvalOptions, paths, types) -> tuple[dict, Scored]:
     bootstrap (``metrics.bootstrap_auc_diff``), since DeLong's variance does not hold for
     weighted AUCs.
     """
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
 
     path_b = checkpoint_files.resolve(opts.compare)
     job_b = _job_of(path_b)
@@ -594,7 +594,7 @@ def compare(a: Scored, opts: EvalOptions, paths, types) -> tuple[dict, Scored]:
 
 
 def _job_of(path: Path):
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
     from recsys import config as config_mod
 
     meta = checkpoint_files.load_meta(path)

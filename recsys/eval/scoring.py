@@ -27,7 +27,7 @@ class PeerStopped(UserError):
 def dense_stats_of(job, meta: dict, path) -> "DenseStats | None":
     """Return the checkpoint's dense statistics (None when its schema's transforms read
     none); a UserError when its transforms need them and it has none."""
-    from recsys.dense import DenseStats
+    from recsys.features.dense import DenseStats
 
     if not job.schema.needs_dense_stats:
         return None
@@ -49,7 +49,7 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
     from recsys.store.tables import wide
     from recsys.store.tables.wide import table_names
     from recsys.store.sharded.store import ShardedEmbeddingStore
-    from recsys import checkpoint_files as ckpt
+    from recsys.checkpoint import read as ckpt
 
     path = ckpt.resolve(checkpoint)
     meta = ckpt.load_meta(path)

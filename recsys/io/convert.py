@@ -58,7 +58,7 @@ from recsys.io.convert_options import (CRITEO_COLUMNS, Column, ConvertError, Con
                                        job_columns)
 from recsys.io.convert_output import fault, finish_interrupted, hold, move_in, refuse_parts, remove_abandoned
 from recsys.io.parquet_out import SplitWriter
-from recsys.schema import Schema
+from recsys.features.schema import Schema
 
 BAD_ROWS_KEPT = 100
 """Bad rows listed (file, line, column, what) in ``_convert.json``; all are counted."""

@@ -12,7 +12,7 @@ from typing import Literal
 import pyarrow as pa
 
 from recsys.errors import UserError
-from recsys.schema import Schema
+from recsys.features.schema import Schema
 
 FORMATS = ("csv", "tsv", "jsonl")
 CRITEO_DENSE = [f"i{j}" for j in range(1, 14)]

@@ -19,7 +19,7 @@ import signal
 from pathlib import Path
 from typing import Callable
 
-from recsys.durable import fsync_dir, fsync_file
+from recsys.runtime.durable import fsync_dir, fsync_file
 from recsys.io.convert_options import ConvertError
 from recsys.io.units import CONVERT_PENDING
 

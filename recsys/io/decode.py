@@ -37,11 +37,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from numba import njit
 
-from recsys import hashing
-from recsys.dense import DenseStats, DenseTransform, signed_log1p_
+from recsys.features import hashing
+from recsys.features.dense import DenseStats, DenseTransform, signed_log1p_
 from recsys.io.errors import ReadError
 from recsys.io.units import expected_sparse, is_list_type, is_numeric_type
-from recsys.schema import Schema
+from recsys.features.schema import Schema
 
 _EMPTY_U8 = np.zeros(0, dtype=np.uint8)
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
@@ -277,7 +277,7 @@ class UnitConverter:
             done = self._floats(table, c, where, dense[j], allow_null=True, log1p=log1p,
                                 expected="a finite number or null", fill=dt.fills[j])
             if log1p and not done:
-                signed_log1p_(dense[j])  # one implementation with the served path (recsys.dense)
+                signed_log1p_(dense[j])  # one implementation with the served path (recsys.features.dense)
             elif not log1p:
                 dt.apply(j, dense[j])
         if perm is not None:  # row by row: 1-D takes run ~3x faster than one take(axis=1)

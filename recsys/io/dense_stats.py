@@ -3,7 +3,7 @@
 Row groups are the unit: a sample takes whole row groups spread evenly over the split
 (``schema.dense_stats_rows``), each rank sketches every ``world_size``-th of them, and the
 per-row-group sketches are merged in row-group order, so the result is the same for any
-number of ranks (``recsys.dense.merge_all``). Values are read as the reader reads them
+number of ranks (``recsys.features.dense.merge_all``). Values are read as the reader reads them
 (float32; nulls counted, not valued); a non-finite value is a ``ReadError`` as in the reader.
 """
 
@@ -15,11 +15,11 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from recsys.dense import ColumnSketch, DenseStats, merge_all
+from recsys.features.dense import ColumnSketch, DenseStats, merge_all
 from recsys.io.config import ReaderConfig
 from recsys.io.errors import ReadError
 from recsys.io.units import build_units, expand_paths, hold_out, open_parquet
-from recsys.schema import Schema
+from recsys.features.schema import Schema
 
 _F32_MAX = float(np.finfo(np.float32).max)
 

@@ -6,7 +6,7 @@ import pyarrow as pa
 
 from recsys.io.errors import ReadError
 from recsys.io.units import check_column, column_checks, expand_paths, file_keys, open_parquet
-from recsys.schema import Schema
+from recsys.features.schema import Schema
 
 
 def describe(paths, schema: Schema | None = None, filesystem=None, passthrough: list[str] = ()) -> str:

@@ -34,7 +34,7 @@ from typing import Iterator
 import numpy as np
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys import priority
+from recsys.runtime import priority
 from recsys.io.batch import Batch
 from recsys.io.config import ReaderConfig
 from recsys.io.decode import UnitConverter
@@ -45,7 +45,7 @@ from recsys.io.partitions import parse_filter, select
 from recsys.io.reader_workers import WorkerPool, batch_views, to_torch
 from recsys.io.state import STATE_VERSION, Progress, check_shape, merge_states, unit_index
 from recsys.io.units import build_units, expand_paths, hold_out
-from recsys.schema import Schema
+from recsys.features.schema import Schema
 
 __all__ = ["ParquetReader", "ReadError", "describe", "STATE_VERSION"]
 
@@ -65,7 +65,7 @@ class ParquetReader:
         filesystem=None,
         dense_stats=None,
     ) -> None:
-        """``dense_stats``: the training data's ``recsys.dense.DenseStats``, needed by the
+        """``dense_stats``: the training data's ``recsys.features.dense.DenseStats``, needed by the
         transforms of ``schema.dense_transform`` that read them."""
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, found rank={rank}, world_size={world_size}")

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
 from recsys.io.errors import ReadError
-from recsys.schema import FeatureSpec, Schema
+from recsys.features.schema import FeatureSpec, Schema
 
 log = logging.getLogger("recsys.io.reader")
 

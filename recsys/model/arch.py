@@ -1,7 +1,7 @@
 """DLRM, DCN-v2 and DeepFM dense models built from torchrec's arches, fed pooled embeddings.
 
 Legend: ``B`` batch, ``N`` dense columns (``P`` of them plain numbers, ``E`` embedded:
-quantile buckets, numeric or periodic embeddings, ``recsys.dense``), ``F`` sparse features,
+quantile buckets, numeric or periodic embeddings, ``recsys.features.dense``), ``F`` sparse features,
 ``D`` embedding dim, ``K = F + E``.
 
     plain dense [B, P] ──► bottom MLP ──► [B, D] ─┐
@@ -239,7 +239,7 @@ class RankingModel(nn.Module):
             )
         if num_dense <= 0:
             raise ValueError("the model needs at least one dense column")
-        from recsys.dense import EMBEDDED
+        from recsys.features.dense import EMBEDDED
 
         kinds = list(dense_kinds) if dense_kinds is not None else ["signed_log1p"] * num_dense
         if len(kinds) != num_dense:

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from recsys.redis_util import check_url
+from recsys.redisio.client import check_url
 
 OPTIMIZERS = ("rowwise_adagrad", "adagrad", "adam", "sgd")
 DTYPES = ("float32", "float16")

@@ -52,7 +52,7 @@ class TrainConfig:
     policy while the dense forward and backward run, so they take only the cores the
     step's torch threads leave idle; they get the normal policy back whenever the step
     waits for them, and keep it while other processes use more than half a core of the
-    host (``recsys.priority``). Off: they run at their nice values throughout."""
+    host (``recsys.runtime.priority``). Off: they run at their nice values throughout."""
     pin_cores: bool = True
     """On CPU with several processes on this host (``--nproc > 1``), keep each process (every
     thread of it) on a share of its own of the host's allowed cores: local rank ``r`` of ``n``
@@ -94,7 +94,7 @@ class TrainConfig:
     local_exchange: bool = True
     """Several processes on one host: the store's all-to-alls, the per-step control values
     and (CPU, up to 4 ranks) the dense gradients' mean go through shared memory in
-    ``/dev/shm`` (``recsys.local_exchange``) instead of gloo's loopback TCP. Ranks on several
+    ``/dev/shm`` (``recsys.runtime.local_exchange``) instead of gloo's loopback TCP. Ranks on several
     hosts, or without a writable ``/dev/shm``, use gloo regardless."""
     record_rows: bool = False
     """Audit exactly-once delivery: every rank appends the ``row_id`` of each step's rows to
@@ -172,10 +172,10 @@ class PublishConfig:
     step guard would otherwise refuse this run's rows until its steps passed the old ones)."""
 
     def __post_init__(self) -> None:
-        from recsys import redis_layout as layout  # numpy and numba: not at the job config's import
+        from recsys.redisio import published as layout  # numpy and numba: not at the job config's import
 
         if self.redis:
-            from recsys.redis_util import check_url
+            from recsys.redisio.client import check_url
 
             check_url(self.redis, "publish.redis")
         layout.check_name(self.namespace, "publish.namespace")

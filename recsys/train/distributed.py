@@ -89,7 +89,7 @@ def exchange_mean(group: dist.ProcessGroup, bucket):  # no annotations: DDP chec
 
 
 def local_mean(local, bucket):  # no annotations: DDP checks them, and they are strings here
-    """DDP communication hook over a ``recsys.local_exchange.LocalExchange`` (ranks of one
+    """DDP communication hook over a ``recsys.runtime.local_exchange.LocalExchange`` (ranks of one
     host): every rank's bucket through shared memory, summed in rank order on each (the same
     sum everywhere) and divided by W: ``exchange_mean`` without gloo's TCP and threads."""
     buf = bucket.buffer()

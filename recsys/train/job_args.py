@@ -69,7 +69,7 @@ def load_job_args(args: argparse.Namespace):
 def check_resume(resume: Path | None, run_dir: Path | None) -> None:
     """Check that the checkpoint a run would start from (``--resume`` or the run's latest)
     is complete and of this format (raises ``UserError`` / ``FileNotFoundError``)."""
-    from recsys import checkpoint_files
+    from recsys.checkpoint import read as checkpoint_files
     from recsys.errors import UserError
 
     source = resume

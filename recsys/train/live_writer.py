@@ -1,7 +1,7 @@
 """``LiveWriter``: the trainer's writer of live rows (``recsys.train.publish`` runs one per
 rank and store on its push thread).
 
-What it writes and why no row ever goes back to an older step: ``recsys.live_protocol`` (the
+What it writes and why no row ever goes back to an older step: ``recsys.redisio.live`` (the
 fence, the plain MSET transaction, the guard). Its commands are packed here with numpy.
 """
 
@@ -13,10 +13,10 @@ import time
 
 import numpy as np
 
-from recsys import redis_layout as layout
-from recsys.live_protocol import (GUARDED_SET, MAX_KEYS_PER_CALL, VERSION, decode, fence_allows, fence_key, head_key,
+from recsys.redisio import published as layout
+from recsys.redisio.live import (GUARDED_SET, MAX_KEYS_PER_CALL, VERSION, decode, fence_allows, fence_key, head_key,
                                   head_steps, manifest_key, parse_manifest, row_keys, value_bytes, writers_key)
-from recsys.redis_util import redact
+from recsys.redisio.client import redact
 
 ROWS_PER_TRANSACTION = 4096
 """Rows of one fenced MSET transaction: Redis runs an EXEC without serving anyone else, ~2.5 ms
@@ -87,7 +87,7 @@ class LiveWriter:
     write disjoint keys (the ranks of one training attempt); the default group is a new
     random token, a group of its own. Errors are redis-py's (``redis.RedisError`` /
     ``OSError``): the caller retries. A ``url`` without a password takes it from
-    ``password_file``, else ``$REDIS_PASSWORD`` (``recsys.redis_util.password_for``).
+    ``password_file``, else ``$REDIS_PASSWORD`` (``recsys.redisio.client.password_for``).
     """
 
     def __init__(self, url: str, ns: str, buckets: int = 64, timeout_s: float = 5.0,
@@ -95,7 +95,7 @@ class LiveWriter:
                  password_file: str = "") -> None:
         import secrets
 
-        from recsys.redis_util import check_url
+        from recsys.redisio.client import check_url
 
         check_url(url, "publish.redis")
         self.url, self.ns, self.buckets = url, layout.check_name(ns, "publish.namespace"), int(buckets)
@@ -116,7 +116,7 @@ class LiveWriter:
     @property
     def client(self):
         if self._client is None:
-            from recsys.redis_util import connect
+            from recsys.redisio.client import connect
 
             self._client = connect(self.url, self.timeout_s, self.password_file, "publish.redis")
         return self._client

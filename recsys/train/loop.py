@@ -39,18 +39,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from recsys import config as config_mod
-from recsys import priority
+from recsys.runtime import priority
 from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
-from recsys.local_exchange import LocalExchange
+from recsys.runtime.local_exchange import LocalExchange
 from recsys.model.arch import model_for, model_inputs
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.tables.wide import table_names
-from recsys.train import checkpoint as ckpt
+from recsys.checkpoint import write as ckpt
 from recsys.train.distributed import EXCHANGE_MAX_RANKS, exchange_mean, init_distributed, local_mean, new_group
 from recsys.train.metrics import MetricsLog, Progress, evaluate_predictions
 from recsys.train.rows import ROWS_DIR, RowRecorder, attempt_name
-from recsys.transfer import Transfers, arrive
+from recsys.runtime.transfer import Transfers, arrive
 
 
 @dataclasses.dataclass
@@ -220,7 +220,7 @@ class Trainer:
         schema = job.schema
         torch.manual_seed(tc.seed)
         self.model = model_for(job).to(env.device)
-        self._transfers = Transfers(env.device)  # a batch's dense side, host → device (recsys.transfer)
+        self._transfers = Transfers(env.device)  # a batch's dense side, host → device (recsys.runtime.transfer)
         self.ddp = (
             DistributedDataParallel(self.model, device_ids=[env.device.index] if env.device.type == "cuda" else None,
                                     **_NO_FORWARD_BUFFER_SYNC)
@@ -335,7 +335,7 @@ class Trainer:
             return None
         import json
 
-        from recsys.dense import DenseStats
+        from recsys.features.dense import DenseStats
         from recsys.io import dense_stats
 
         source = resume or ckpt.latest(self.run_dir / "checkpoints")
@@ -631,7 +631,7 @@ class Trainer:
         cfg = self.validation_cfg if split == "validation" else self.job.data.eval
         if not cfg.paths:
             return {}
-        # an evaluation waits for the store and its reader throughout (recsys.priority)
+        # an evaluation waits for the store and its reader throughout (recsys.runtime.priority)
         priority.raise_all()
         reader = ParquetReader(cfg, schema, rank=env.rank, world_size=env.world_size, dense_stats=self.dense_stats)
         self.model.eval()

@@ -292,7 +292,8 @@ def live_manifest(cfg: PublishConfig, run: str, schema, wide: bool = False) -> d
     """Return the live namespace's manifest for a job of ``schema`` in the run ``run``; with
     ``wide`` (``model.wide``) the wide arm's dim-1 tables too, whose keys are hashed with
     their embedding table's salt (the trainer looks both up with the same keys)."""
-    from recsys import hashing, live_protocol
+    from recsys.features import hashing
+    from recsys.redisio import live as live_protocol
     from recsys.store.tables.wide import wide_table
 
     dims = {n: t.dim for n, t in schema.tables.items()}
@@ -313,7 +314,7 @@ def claim(cfg: PublishConfig, manifest: dict, writer=None) -> bool:
     import redis
 
     from recsys.errors import UserError
-    from recsys.redis_util import redact
+    from recsys.redisio.client import redact
     from recsys.train.live_writer import LiveWriter
 
     writer = writer or LiveWriter(cfg.redis, cfg.namespace, cfg.buckets, cfg.timeout_s,

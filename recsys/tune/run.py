@@ -144,7 +144,7 @@ def open_storage(url: str, out: Path):
     import optuna
     from optuna.storages.journal import JournalFileBackend, JournalRedisBackend, JournalStorage
 
-    from recsys.redis_util import URL_SCHEMES, check_url, client_options, redact
+    from recsys.redisio.client import URL_SCHEMES, check_url, client_options, redact
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -176,7 +176,7 @@ def open_storage(url: str, out: Path):
 
 
 def _where(opts: TuneOptions) -> str:
-    from recsys.redis_util import redact
+    from recsys.redisio.client import redact
 
     return redact(opts.storage) if opts.storage else str(Path(opts.out) / "study.journal")
 
@@ -371,7 +371,7 @@ def _interrupt(signum, frame) -> None:
 
 def _write_record(opts: TuneOptions, ctx: Context) -> None:
     """``DIR/tune.json``: what was tuned, against which study (the storage without its password)."""
-    from recsys.redis_util import redact_text
+    from recsys.redisio.client import redact_text
 
     record = {"config": str(Path(opts.config).resolve()), "space": str(Path(opts.space).resolve()),
               "set": list(opts.sets), "study": ctx.study.study_name, "storage": _where(opts), "metric": ctx.metric,

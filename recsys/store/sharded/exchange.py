@@ -2,7 +2,7 @@
 back, gradients to the owners, each one message for all tables (``recsys.store.sharded.store``
 draws the step). ``RankExchange`` is a part of ``ShardedEmbeddingStore``: it uses the
 store's ``world_size``, ``rank``, ``group``, ``_local`` (the group's shared-memory channel
-when every rank is on this host, ``recsys.local_exchange``; else None and gloo carries the
+when every rank is on this host, ``recsys.runtime.local_exchange``; else None and gloo carries the
 messages), ``dim``, ``_comm`` (the exchange counters), ``_lanes`` and its owner-side
 ``_serve`` / ``_apply``.
 
@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from numba import njit
 
-from recsys.hashing import owner_rank
+from recsys.features.hashing import owner_rank
 from recsys.store.tables.dedup import block_starts, unique_blocks
 from recsys.store.sharded.lookup import Lookup, _TablePart
 from recsys.store.tables.pooling import scatter_add
@@ -71,7 +71,7 @@ def take_rows(src_RD: np.ndarray, idx_N: np.ndarray) -> np.ndarray:
 
 def route(keys: np.ndarray, table_base: np.ndarray, world_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Return (send_keys, dest, send_counts [W, T]): every table's keys ordered by owner
-    rank (``recsys.hashing.owner_of``), rank-major and table-minor, each block in the
+    rank (``recsys.features.hashing.owner_of``), rank-major and table-minor, each block in the
     keys' own order; ``dest[j]`` is ``send_keys[j]``'s index in ``keys``. Table t's keys
     are ``keys[table_base[t] : table_base[t+1]]``."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from recsys.store.tables.pooling import local_copy, pool_backward, pool_forward, pool_torch
-from recsys.transfer import arrive
+from recsys.runtime.transfer import arrive
 
 __all__ = ["Lookup"]
 

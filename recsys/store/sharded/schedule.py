@@ -18,7 +18,7 @@ from concurrent.futures import Future
 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys import priority
+from recsys.runtime import priority
 from recsys.store.sharded.lanes import HelpedFuture
 from recsys.store.sharded.lookup import Lookup, _Failed, _Prepared
 

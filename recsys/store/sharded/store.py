@@ -59,9 +59,10 @@ import torch
 import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys import hashing, priority
-from recsys.local_exchange import LocalExchange
-from recsys.schema import Schema, TableSpec
+from recsys.features import hashing
+from recsys.runtime import priority
+from recsys.runtime.local_exchange import LocalExchange
+from recsys.features.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.tables.dedup import index_batch
 from recsys.store.sharded.exchange import RankExchange, route
@@ -70,7 +71,7 @@ from recsys.store.sharded.schedule import StoreSchedule
 from recsys.store.host.malloc import keep_freed_memory
 from recsys.store.sharded.lanes import Board, Lanes, raise_first
 from recsys.store.sharded.lookup import Lookup, _Failed, _Prepared, _TablePart
-from recsys.transfer import Transfers
+from recsys.runtime.transfer import Transfers
 
 log = logging.getLogger(__name__)
 ADMISSION_FORMAT = 1
@@ -128,7 +129,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         self.group = group
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
-        # ranks of one host exchange through shared memory (recsys.local_exchange), others by gloo
+        # ranks of one host exchange through shared memory (recsys.runtime.local_exchange), others by gloo
         self._local = (LocalExchange.open(group, collective_timeout_s)
                        if local_exchange and self.world_size > 1 else None)
         self.table_names = list(schema.tables)
@@ -270,7 +271,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         if (spill_mod is None or not isinstance(exc, spill_mod.SpillError) or self.run_dir is None
                 or getattr(exc, "explained", False)):
             return exc
-        from recsys import checkpoint_files
+        from recsys.checkpoint import read as checkpoint_files
 
         try:
             latest = checkpoint_files.latest(self.run_dir / "checkpoints")
@@ -741,7 +742,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         # every row is written: by its table, or (W > 1) by the exchange; the last is the zero row
         if self.device.type == "cpu":
             rows_np = np.empty((n + 1, self.dim), dtype=np.float32)
-        else:  # pinned: the copy to the device runs on a side stream (recsys.transfer)
+        else:  # pinned: the copy to the device runs on a side stream (recsys.runtime.transfer)
             rows_host = torch.empty((n + 1, self.dim), dtype=torch.float32, pin_memory=self.device.type == "cuda")
             rows_np = rows_host.numpy()
         rows_np[n] = 0.0

@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from recsys.hashing import fmix
+from recsys.features.hashing import fmix
 from recsys.store.tables.keymap import as_keys
 
 _INDEX_TAG = np.uint64(0x2545F4914F6CDD1D)

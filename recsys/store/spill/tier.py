@@ -21,8 +21,8 @@ rows at start (``clear_tables``): the checkpoint it resumes from holds every spi
 
 Values: raw little-endian bytes, one fixed-size record per row, decoded with
 ``np.frombuffer`` (no pickle, no JSON). The layout of the values, the keys and the owner
-record is in ``recsys.store.spill_protocol``. Fixed-size names and values let a batch's
-MSET / MGET / UNLINK commands be packed as one byte array (``recsys.store.spill_wire``),
+record is in ``recsys.redisio.spill_layout``. Fixed-size names and values let a batch's
+MSET / MGET / UNLINK commands be packed as one byte array (``recsys.redisio.resp``),
 not argument by argument.
 
 The index (``recsys.store.spill.index``): the exact set of keys this tier has in Redis
@@ -109,18 +109,18 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from recsys.errors import UserError
-from recsys.hashing import hex_into
-from recsys.redis_util import client_options as _client_options
-from recsys.redis_util import glob_escape as _glob_escape
-from recsys.redis_util import redact as _redact
-from recsys.store import spill_wire
+from recsys.features.hashing import hex_into
+from recsys.redisio.client import client_options as _client_options
+from recsys.redisio.client import glob_escape as _glob_escape
+from recsys.redisio.client import redact as _redact
+from recsys.redisio import resp as spill_wire
 from recsys.store.tables import optim
 from recsys.store.config import StoreConfig
 from recsys.store.tables.float16 import to_float16
 from recsys.store.tables.keymap import as_keys
 from recsys.store.tables.rowblock import RowBlock, int64_column, matrix_column, vector_column
 from recsys.store.spill.index import KeyIndex
-from recsys.store.spill_protocol import (DTYPE_CODES, FORMAT_VERSION, HEADER, OPTIMIZER_CODES, describe_owner,
+from recsys.redisio.spill_layout import (DTYPE_CODES, FORMAT_VERSION, HEADER, OPTIMIZER_CODES, describe_owner,
                                          owner_key, parse_owner, spill_key, spill_prefix, value_dtype)
 
 __all__ = ["SpillTier", "SpillError", "clear_tables", "find_leftovers"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from recsys.hashing import fmix
+from recsys.features.hashing import fmix
 
 
 @njit(inline="always")

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from recsys import hashing
-from recsys.hashing import fmix
+from recsys.features import hashing
+from recsys.features.hashing import fmix
 
 __all__ = ["init_salt", "init_vectors", "init_kernel"]
 

@@ -4,7 +4,7 @@ Legend: ``N`` keys in one call (may repeat), ``M`` new keys of a call, ``K`` key
 a call, ``C`` capacity (slots), ``NB`` hash buckets (2.5·C + 1), ``P`` the
 eviction candidate pool.
 
-Keys are int64 arrays holding uint64 bit patterns (``recsys.hashing``): every value,
+Keys are int64 arrays holding uint64 bit patterns (``recsys.features.hashing``): every value,
 0 and negative ones included, is a valid key, so occupancy is marked separately, never by
 a sentinel key. Layout::
 
@@ -77,7 +77,7 @@ import numpy as np
 from numba import njit
 
 # The numba-callable murmur3 finalizer of THE hashing module (one definition of the mixer).
-from recsys.hashing import fmix
+from recsys.features.hashing import fmix
 from recsys.store.host import pages
 from recsys.store.host.prefetch import KEYS_AHEAD, prefetch
 

@@ -68,7 +68,7 @@ import numpy as np
 import pyarrow as pa
 from numba import njit
 
-from recsys.schema import TableSpec
+from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
 from recsys.store.host import pages
 from recsys.store.config import StoreConfig
@@ -161,7 +161,7 @@ class EmbeddingTable:
         self.spec = spec
         self.cfg = cfg
         self.dim = spec.dim
-        # a fixed-size table's keys are already folded into [0, num_rows) (recsys.hashing.fold)
+        # a fixed-size table's keys are already folded into [0, num_rows) (recsys.features.hashing.fold)
         self.capacity = spec.capacity if spec.num_rows is None else min(spec.capacity, spec.num_rows)
         self.on_evict = on_evict
         if self.capacity > MAX_CAPACITY:

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Callable
 
-from recsys.schema import FeatureSpec, Schema, TableSpec
+from recsys.features.schema import FeatureSpec, Schema, TableSpec
 
 SUFFIX = ".wide"
 

@@ -1,6 +1,6 @@
 """Reading checkpoints without torch: find one from any path a user gives, its meta, its rows.
 
-The layout is written by ``recsys.train.checkpoint`` (see its module picture). This half
+The layout is written by ``recsys.checkpoint.write`` (see its module picture). This half
 needs only pyarrow (``load_dense`` alone imports torch, when called), so the lookup service
 and ``recsys export`` read checkpoints without torch. Every command that takes a checkpoint resolves it with ``resolve``, which accepts:
 

@@ -1,7 +1,7 @@
 """How published versions lie in Redis: key names, row values, manifests and the alias.
 
 The protocol between what writes rows to Redis (``recsys export``) and what reads them (the
-lookup service); live rows (``recsys.live_protocol``) use its row keys too. No torch here.
+lookup service); live rows (``recsys.redisio.live``) use its row keys too. No torch here.
 
 Legend: ``N`` rows of a call, ``D`` dim, ``B`` buckets per table.
 
@@ -18,7 +18,7 @@ Keys (``ns`` the namespace, default ``recsys``; ``v`` the version; names are res
                                     key's uint64 bits in 16 hex digits
 
 One string key per row, hash-tagged by (version, table, bucket) with ``bucket =
-owner_of(key, B)`` (``recsys.hashing``: a re-mix of the key, independent of the low bits):
+owner_of(key, B)`` (``recsys.features.hashing``: a re-mix of the key, independent of the low bits):
 a Redis Cluster spreads a table over ``B`` slots, and the keys of one bucket share a slot,
 so a request's ids become one MGET per bucket, pipelined per node. On a single Redis
 the tags mean nothing and a request is one MGET. Chosen by measurement over one hash per
@@ -39,8 +39,8 @@ import re
 import numpy as np
 from numba import njit
 
-from recsys import hashing
-from recsys.redis_util import glob_escape
+from recsys.features import hashing
+from recsys.redisio.client import glob_escape
 
 NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}

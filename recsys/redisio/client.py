@@ -9,7 +9,7 @@ No torch here.
   ``?password=`` (and any other query key naming a password, e.g. ``ssl_password``), and
   whatever a stray ``#`` or ``?`` inside an unquoted password split off. The user name
   stays. ``redact_text`` applies it to every Redis URL inside a text (the one-line user
-  errors go through it: ``recsys.errors.user_message``). Both live in ``recsys.redaction``
+  errors go through it: ``recsys.errors.user_message``). Both live in ``recsys.redisio.redaction``
   (which ``recsys.errors``, below this module, imports).
 - ``strip_password(url)`` is the URL as it may be saved (a run's ``config.toml``, every
   checkpoint's ``meta.json``): the same URL without its password.
@@ -28,7 +28,7 @@ import os
 import re
 
 from recsys.errors import UserError
-from recsys.redaction import has_password, redact, redact_text, strip_password
+from recsys.redisio.redaction import has_password, redact, redact_text, strip_password
 
 __all__ = ["redact", "redact_text", "strip_password", "has_password", "password_for", "client_options",
            "glob_escape", "check_url", "connect", "is_cluster_info", "PASSWORD_ENV"]

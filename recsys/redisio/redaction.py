@@ -1,6 +1,6 @@
 """Redis URLs in messages and saved files: the one redaction of a password (no imports of the project).
 
-``recsys.redis_util`` (its "Secrets") says what each function promises and offers them with
+``recsys.redisio.client`` (its "Secrets") says what each function promises and offers them with
 the Redis helpers; they live here so that ``recsys.errors``, the lowest module, redacts the
 one-line user errors without importing the Redis helpers (which raise its ``UserError``).
 """

@@ -116,7 +116,7 @@ class Schema:
     dense: list[str] = field(default_factory=list)
     """Dense float columns, in model input order."""
     dense_transform: str | dict[str, str] = DEFAULT_DENSE_TRANSFORM
-    """How dense values become model inputs (``recsys.dense``), for every column, or per
+    """How dense values become model inputs (``recsys.features.dense``), for every column, or per
     column as a table ``{column = transform}`` (key ``"*"``: the others; unlisted columns
     get the default, ``DEFAULT_DENSE_TRANSFORM``): ``none``; ``signed_log1p`` (``sign(x)·log1p(|x|)``;
     the default before 2026-11-27);
@@ -179,7 +179,7 @@ class Schema:
             )
 
     def _check_dense_transform(self) -> None:
-        from recsys.dense import TRANSFORMS
+        from recsys.features.dense import TRANSFORMS
 
         spec = self.dense_transform
         items = spec.items() if isinstance(spec, dict) else [("*", spec)]
@@ -205,7 +205,7 @@ class Schema:
     @property
     def needs_dense_stats(self) -> bool:
         """True when a column's transform reads the training data's dense statistics."""
-        from recsys.dense import NEEDS_STATS
+        from recsys.features.dense import NEEDS_STATS
 
         return any(self.transform_of(c) in NEEDS_STATS for c in self.dense)
 

@@ -15,7 +15,7 @@ serves. Keys (``ns`` the live namespace)::
                                      rank's newest completed push
     ns:live:writers                  set: every writer (``group/member``) that wrote rows
     ns:live:fence:<group>/<member>   string: the newest step that writer wrote (16 hex digits)
-    ns:{live:table:bbbb}:kkkk...     string: one row (``recsys.redis_layout.row_keys`` with
+    ns:{live:table:bbbb}:kkkk...     string: one row (``recsys.redisio.published.row_keys`` with
                                      the version ``live``)
 
 A row value is the training step it reflects as 16 hex digits, then the row's numbers
@@ -57,7 +57,7 @@ import time
 
 import numpy as np
 
-from recsys import redis_layout as layout
+from recsys.redisio import published as layout
 
 FORMAT = 2
 """2: the fence (format 1 namespaces had none: a run resumed onto one is refused, not trusted)."""

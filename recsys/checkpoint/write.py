@@ -17,7 +17,7 @@ Layout::
 
 Every rank writes its own sparse shard into the temp dir; after a barrier rank 0 writes the
 marker, fsyncs, renames the directory into place, then replaces ``latest`` (write temp,
-fsync, rename) and prunes. Loading checks the marker (``recsys.checkpoint_files.incomplete``):
+fsync, rename) and prunes. Loading checks the marker (``recsys.checkpoint.read.incomplete``):
 a checkpoint with a file missing or of another size is never loaded, and ``latest()`` falls
 back to the newest complete one. Loading reads every shard of every table and keeps the rows
 this rank owns, so N ranks → M ranks works.
@@ -63,11 +63,11 @@ import torch
 import torch.distributed as dist
 
 # the read side (no torch but for load_dense; the lookup service, `recsys export` and `recsys eval` use it)
-from recsys.checkpoint_files import (FORMAT_VERSION, MARKER, incomplete, latest, load_dense,  # noqa: F401
+from recsys.checkpoint.read import (FORMAT_VERSION, MARKER, incomplete, latest, load_dense,  # noqa: F401
                                     load_meta, load_sparse, resolve)
-from recsys.durable import fsync_dir as _fsync_dir
-from recsys.durable import fsync_file
-from recsys.durable import fsync_tree as _fsync_tree
+from recsys.runtime.durable import fsync_dir as _fsync_dir
+from recsys.runtime.durable import fsync_file
+from recsys.runtime.durable import fsync_tree as _fsync_tree
 
 
 FAULT_ENV = "RECSYS_FAULT_CHECKPOINT"

@@ -56,7 +56,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from recsys.eval.metrics import log_loss, roc_auc
-from recsys.hashing import hash_int64, table_salt
+from recsys.features.hashing import hash_int64, table_salt
 from recsys.io.parquet_out import SplitWriter as _SplitWriter
 
 __all__ = [
@@ -267,7 +267,7 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def _salt(seed: int, *parts: object) -> int:
     """Return a 64-bit salt naming one random function of the hidden model (seed, feature, role)."""
-    return table_salt("recsys.synth/" + "/".join(str(x) for x in (seed, *parts)))
+    return table_salt("recsys.io.synth/" + "/".join(str(x) for x in (seed, *parts)))
 
 
 def _normals(ranks: np.ndarray, salt: int) -> np.ndarray:
@@ -581,7 +581,7 @@ def generate(
     if progress is not None:
         progress(f"preset {p.name}: {p.train_rows:,} train + {p.eval_rows:,} eval rows, seed {seed}, bias {plan.bias}")
     oracle = {
-        "generator": "recsys.synth",
+        "generator": "recsys.io.synth",
         "version": GENERATOR_VERSION,
         "preset": p.name,
         "seed": seed,
