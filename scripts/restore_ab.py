@@ -30,7 +30,7 @@ CHILD = r"""
 import inspect, json, sys, tempfile, time
 from pathlib import Path
 import numpy as np
-from recsys.harness import start_redis
+from recsys.testing.harness import start_redis
 from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore

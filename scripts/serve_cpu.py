@@ -30,7 +30,7 @@ import psutil
 from embedding_server import publish
 from recsys.bench import serve as bench
 from recsys.bench import cpu_info
-from recsys.harness import start_redis, start_service, stop_process
+from recsys.testing.harness import start_redis, start_service, stop_process
 
 
 def _cpu_s(pid: int) -> float:

@@ -1,17 +1,17 @@
 """Shared fixtures: a real redis-server on a free port, the tiny data set and a run of it.
 
-Starting processes and servers, waiting and reading a run's records: ``recsys/harness.py``,
+Starting processes and servers, waiting and reading a run's records: ``recsys/testing/harness.py``,
 which the benchmarks use too."""
 
 from __future__ import annotations
 
 import pytest
 
-from recsys.harness import start_redis, wait_for
+from recsys.testing.harness import start_redis, wait_for
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
-    """``recsys.harness.wait_for``, polling every 20 ms unless told."""
+    """``recsys.testing.harness.wait_for``, polling every 20 ms unless told."""
     return wait_for(predicate, timeout, what, interval)
 
 

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import wait_until
-from recsys.harness import RedisServer, start_redis
+from recsys.testing.harness import RedisServer, start_redis
 from recsys.runtime.spawn import free_port
 
 ROOT = Path(__file__).resolve().parent.parent

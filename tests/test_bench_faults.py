@@ -18,7 +18,7 @@ import pytest
 import test_train as tt
 from recsys.checkpoint import read as checkpoint_files
 from recsys.bench import faults
-from recsys.harness import records
+from recsys.testing.harness import records
 
 
 class FakeJob:

@@ -1,6 +1,6 @@
 """recsys' DeepFM (``model.arch = "deepfm"``, ``deepfm_dense = "raw"``, ``wide = true``)
 computes the paper's DeepFM: the reference written from the paper
-(``recsys.bench.deepfm_ref.ReferenceDeepFM``) and ours, given the same weights and inputs,
+(``recsys.testing.deepfm_ref.ReferenceDeepFM``) and ours, given the same weights and inputs,
 give the same logits and the same gradients."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from recsys.bench.deepfm_ref import ReferenceDeepFM
+from recsys.testing.deepfm_ref import ReferenceDeepFM
 from recsys.model.arch import RankingModel
 from recsys.model.config import ModelConfig
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 
 from conftest import wait_until
-from recsys.bench.faults import (Nodes, attempts, checkpoints_before, job_overrides, leave_and_join, resumed_events,
+from recsys.testing.faults import (Nodes, attempts, checkpoints_before, job_overrides, leave_and_join, resumed_events,
                                  staged_reference, stepped_after_resume, stop_and_resume, trajectory)
-from recsys.harness import JOB, ROOT, losses, records
+from recsys.testing.harness import JOB, ROOT, losses, records
 from recsys.runtime.spawn import free_port
 from test_faults import assert_exactly_once, assert_same_end
 
@@ -113,7 +113,7 @@ def test_multinode_flags_map_onto_torchrun_c10d_rendezvous():
     assert fixed[:2] == ["--nnodes", "2"] and fixed[5] == "[::1]:29400"
 
 
-# --------------------------------------------------------------------------- the jobs (recsys/bench/faults.py)
+# --------------------------------------------------------------------------- the jobs (recsys/testing/faults.py)
 
 
 def _sets(data: Path, *extra: str) -> list[str]:

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import wait_until
-from recsys.harness import kill_tagged, records, tagged
+from recsys.testing.harness import kill_tagged, records, tagged
 from test_faults import assert_same_end
 from test_train import JOB, ROOT, overrides
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from recsys.bench.faults import (EPOCHS, EVERY, STEPS_PER_EPOCH, compare_runs, job_overrides, spilling_overrides,
+from recsys.testing.faults import (EPOCHS, EVERY, STEPS_PER_EPOCH, compare_runs, job_overrides, spilling_overrides,
                                  train_row_ids)
-from recsys.harness import TrainJob, environ_of, kill_tagged, last_step, records, tagged, workers
+from recsys.testing.harness import TrainJob, environ_of, kill_tagged, last_step, records, tagged, workers
 from dist_utils import run_distributed
 from test_train import JOB, ROOT, final_rows, losses, overrides
 
@@ -28,7 +28,7 @@ DEADLINE = 240  # seconds any one launched job may take before the test calls it
 
 
 # --------------------------------------------------------------------------- processes
-# the bench's machinery (recsys/bench/faults.py) finds, kills and watches a job's processes
+# the bench's machinery (recsys/testing/faults.py) finds, kills and watches a job's processes
 
 _environ, _tagged, _kill_tagged, _workers, _records = environ_of, tagged, kill_tagged, workers, records
 

@@ -165,10 +165,32 @@ def test_recsys_imports_the_service_only_from_its_commands():
     assert not bad, "\n".join(bad)
 
 
-def test_only_the_benchmarks_import_the_harness():
-    """recsys.harness (processes, servers, waits for tests and benchmarks) is no part of the product."""
-    bad = _violations(import_graph(), PACKAGES, ("recsys.harness",), allowed=("recsys.harness", "recsys.bench"))
+def test_no_product_module_imports_the_test_machinery_or_the_benchmarks():
+    """``recsys.testing`` (harness, fault jobs, reference models) and ``recsys.bench`` are no
+    part of the product: only the benchmarks import the first, and only the command that runs a
+    benchmark (``recsys bench``, in ``recsys.cli``) and the test machinery the second."""
+    graph = import_graph()
+    bad = _violations(graph, PACKAGES, ("recsys.testing",), allowed=("recsys.testing", "recsys.bench"))
+    bad += _violations(graph, PACKAGES, ("recsys.bench",), allowed=("recsys.bench", "recsys.cli", "recsys.testing"))
     assert not bad, "\n".join(bad)
+
+
+def _test_imports() -> dict[str, dict[str, int]]:
+    """tests/<file> -> {project module: line}, for every test module and test helper."""
+    modules = _modules()
+    return {p.name: _edges(ast.parse(p.read_text(), str(p)), p.stem, False, modules)
+            for p in sorted((ROOT / "tests").rglob("*.py"))}
+
+
+def test_tests_import_the_benchmarks_only_in_test_bench_files():
+    """A test of a product promise never leans on a benchmark's code: ``recsys.bench`` is
+    imported only by ``tests/test_bench_*.py`` (what tests and benches share is in
+    ``recsys.testing``)."""
+    bad = [f"tests/{name} (line {line}) imports {module}"
+           for name, edges in _test_imports().items() if not name.startswith("test_bench_")
+           for module, line in sorted(edges.items()) if module == "recsys.bench" or module.startswith("recsys.bench.")]
+    assert not bad, "\n".join(bad)
+
 
 
 def test_train_and_eval_point_one_way():

@@ -27,7 +27,7 @@ import pytest
 
 from conftest import wait_until
 from recsys.redisio import live
-from recsys.harness import final_rows, records
+from recsys.testing.harness import final_rows, records
 from recsys.train.live_writer import LiveWriter
 from test_train import build, overrides
 
@@ -436,7 +436,7 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
     import pyarrow.parquet as pq
 
     from embedding_server import publish
-    from recsys.harness import start_service, stop_process
+    from recsys.testing.harness import start_service, stop_process
 
     _train(tiny_data, tmp_path / "published", "train.max_steps=1")
     version = publish.export(tmp_path / "published", redis_server.url, progress=False)["version"]

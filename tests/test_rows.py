@@ -77,7 +77,7 @@ def test_a_skipped_file_is_counted_and_the_other_rows_train_once(tiny_data, tmp_
     import json
     import shutil
 
-    from recsys.bench.faults import train_row_ids_of
+    from recsys.testing.faults import train_row_ids_of
     from recsys.train.rows import check_exactly_once
     from test_train import run
 

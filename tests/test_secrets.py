@@ -22,7 +22,7 @@ import httpx
 import pytest
 from redis.connection import parse_url
 
-from recsys.harness import start_redis
+from recsys.testing.harness import start_redis
 from recsys.redisio.client import (PASSWORD_ENV, check_url, client_options, has_password, password_for, redact,
                                redact_text, strip_password)
 from serving_data import JOB, LiveServer

@@ -32,7 +32,7 @@ from recsys.checkpoint import read as checkpoint_files
 from recsys.features import hashing
 from recsys.redisio import live
 from recsys.redisio import published as layout
-from recsys.harness import start_redis
+from recsys.testing.harness import start_redis
 from recsys.train.live_writer import LiveWriter
 from serving_data import UNSEEN_INT, UNSEEN_STR, LiveServer, start_cluster
 

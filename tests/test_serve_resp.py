@@ -14,7 +14,7 @@ import redis
 
 from embedding_server import resp
 from embedding_server.resp import RespPipeline
-from recsys.harness import start_redis
+from recsys.testing.harness import start_redis
 
 pytestmark = pytest.mark.redis
 

@@ -15,7 +15,7 @@ import pytest
 from embedding_server import publish
 from embedding_server.app import create_app, uvicorn_tls
 from embedding_server.settings import ServeSettings
-from recsys.harness import start_redis
+from recsys.testing.harness import start_redis
 from serving_data import LiveServer
 
 pytestmark = pytest.mark.redis

@@ -23,7 +23,7 @@ from embedding_server.app import create_app
 from embedding_server.backends import BackendUnavailable, RedisBackend
 from embedding_server.settings import ServeSettings
 from recsys.checkpoint import read as checkpoint_files
-from recsys.harness import start_redis
+from recsys.testing.harness import start_redis
 from serving_data import LiveServer
 
 pytestmark = pytest.mark.redis

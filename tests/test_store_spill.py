@@ -19,7 +19,7 @@ import torch
 
 from conftest import wait_until
 from recsys.features import hashing
-from recsys.harness import RedisServer
+from recsys.testing.harness import RedisServer
 from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
 from recsys.store.config import StoreConfig

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import wait_until
-from recsys.harness import RedisServer, start_redis
+from recsys.testing.harness import RedisServer, start_redis
 from recsys.features.schema import FeatureSpec, Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore

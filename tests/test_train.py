@@ -15,7 +15,7 @@ import torch
 
 from conftest import wait_until
 from dist_utils import run_distributed
-from recsys.harness import JOB, ROOT, losses
+from recsys.testing.harness import JOB, ROOT, losses
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "tiny_losses.json"
 

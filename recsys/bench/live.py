@@ -125,7 +125,7 @@ def _freshness(root: Path, work: Path, url: str, every_s: float, duration_s: flo
                probes: int) -> dict:
     from embedding_server import publish
     from recsys.features import hashing
-    from recsys.harness import start_service, stop_process
+    from recsys.testing.harness import start_service, stop_process
     from recsys.config import load_job
     from recsys.train.loop import Trainer, setup_env
 
@@ -222,7 +222,7 @@ def _cpu_s(pid: int) -> float:
 
 def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, window: int,
           redis_pid: int, every_s: float = 1.0, redis_nice: int = 0, omp_passive: bool = False) -> dict:
-    from recsys.harness import records
+    from recsys.testing.harness import records
 
     runs: dict[str, list[float]] = {"on": [], "off": []}
     redis_cpu: dict[str, list[float]] = {"on": [], "off": []}  # Redis CPU s per wall s of each run
@@ -258,7 +258,7 @@ def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, 
 
 def measure(quick: bool, data: Path | None) -> dict:
     from recsys.bench.train import ensure_data
-    from recsys.harness import start_redis
+    from recsys.testing.harness import start_redis
 
     root = ensure_data(quick, data)
     work = Path(tempfile.mkdtemp(prefix="recsys-bench-live-"))

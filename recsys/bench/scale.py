@@ -464,7 +464,7 @@ def _start_redis_for(work: Path):
     url = os.environ.get(REDIS_ENV, "")
     if url:
         return None, url
-    from recsys.harness import start_redis
+    from recsys.testing.harness import start_redis
 
     server = start_redis(work / "redis")
     return server.proc, server.url

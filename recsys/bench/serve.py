@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from recsys.bench import comparison, paired
-from recsys.harness import start_redis, start_service, stop_process
+from recsys.testing.harness import start_redis, start_service, stop_process
 
 DIM = 64
 TABLE = "item"

@@ -35,7 +35,7 @@ import numpy as np
 
 from recsys.runtime.spawn import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "synthetic_tiny.toml"
 TAG_ENV = "RECSYS_TEST_TAG"
 """Environment variable marking every process of one launched job (found through /proc)."""
