@@ -11,7 +11,7 @@ Routes (OpenAPI at /docs and /openapi.json):
     GET  /metrics          Prometheus text format
 
 ``Accept: application/octet-stream`` on the lookups returns float32 rows in the binary
-layout of ``embedding_server.wire``. Ids are raw ids, hashed exactly as training hashed
+layout of ``embedding_server.binary_body``. Ids are raw ids, hashed exactly as training hashed
 them (``Catalog.keys``); an id never trained gets the vector ``recsys eval`` uses for an
 unseen key, with ``found: false``. ``"arm": "wide"`` asks for the wide arm's weights of a
 ``model.wide`` job instead of the embeddings: one dim-1 row per id (0 for an unseen id),
@@ -42,7 +42,8 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from embedding_server import fastpath, overlay, wire
+from embedding_server import fastpath, overlay
+from embedding_server import binary_body as wire
 from embedding_server.backends import BackendUnavailable, Snapshot, backend_from_settings
 from embedding_server.catalog import IdError
 from embedding_server.fastpath import FrontedApp
@@ -139,7 +140,7 @@ class ErrorResponse(BaseModel):
 
 _ERRORS = {code: {"model": ErrorResponse} for code in (401, 413, 422, 503)}
 _BINARY = {"content": {wire.MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}},
-           "description": "JSON, or with Accept: application/octet-stream the binary layout of embedding_server.wire"}
+           "description": "JSON, or with Accept: application/octet-stream the binary layout of embedding_server.binary_body"}
 
 
 def _json_body(model: type[BaseModel]) -> dict:

@@ -36,7 +36,7 @@ import pyarrow.parquet as pq
 from embedding_server import overlay
 from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
-from embedding_server.resp import MGET_KEYS, RespPipeline
+from embedding_server.redis_mget import MGET_KEYS, RespPipeline
 from recsys.checkpoint import read as checkpoint_files
 from recsys.redisio import live
 from recsys.redisio import published as layout

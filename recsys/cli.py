@@ -165,7 +165,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import redis
 
-    from embedding_server import publish
+    from embedding_server import export as publish
     from recsys.redisio.client import redact
 
     if args.list or args.gc:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from embedding_server import publish
+from embedding_server import export as publish
 from recsys.bench import serve as bench
 from recsys.bench import cpu_info
 from recsys.testing.harness import start_redis, start_service, stop_process

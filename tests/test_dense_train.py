@@ -92,7 +92,7 @@ def test_training_eval_and_serving_transform_identically(tiny_data, transform_ru
 
 @pytest.mark.redis
 def test_a_published_version_transforms_as_the_checkpoint(tiny_data, transform_run, redis_server):
-    from embedding_server import publish
+    from embedding_server import export as publish
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
     from recsys.eval.scoring import dense_stats_of, load_trained

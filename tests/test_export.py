@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import redis
 
-from embedding_server import publish
+from embedding_server import export as publish
 from recsys.checkpoint import read as checkpoint_files
 from recsys.redisio import published as layout
 from recsys.redisio.client import connect

@@ -1,4 +1,4 @@
-"""Live pushes from training (``[publish]``, recsys/train/publish.py) against a real redis-server.
+"""Live pushes from training (``[publish]``, recsys/train/live_push.py) against a real redis-server.
 
 - Every live row equals the trainer's row after the optimizer step it names: the pushes of a
   real training run are compared with a checkpoint written at every step.
@@ -122,7 +122,7 @@ def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_d
     import httpx
     import pyarrow.parquet as pq
 
-    from embedding_server import publish
+    from embedding_server import export as publish
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
     from recsys.features import hashing
@@ -344,7 +344,7 @@ class Rows:
 
 def _publisher(writer, every_s=1.0, **kw):
     from recsys.train.config import PublishConfig
-    from recsys.train.publish import LivePublisher
+    from recsys.train.live_push import LivePublisher
 
     clock = [0.0]
     rows = Rows()
@@ -435,7 +435,7 @@ def test_the_service_sees_a_row_change_while_the_job_trains(tiny_data, tmp_path,
 
     import pyarrow.parquet as pq
 
-    from embedding_server import publish
+    from embedding_server import export as publish
     from recsys.testing.harness import start_service, stop_process
 
     _train(tiny_data, tmp_path / "published", "train.max_steps=1")

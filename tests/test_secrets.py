@@ -154,7 +154,7 @@ def test_an_unreadable_live_manifest_is_named_without_the_password(locked_redis,
     from recsys.train.config import PublishConfig
     from recsys.train.live_writer import LiveWriter
     from recsys.errors import UserError
-    from recsys.train.publish import claim
+    from recsys.train.live_push import claim
 
     url = f"redis://:{PASSWORD}@{locked_redis.host}:{locked_redis.port}/0"
     client = _client(locked_redis)
@@ -166,7 +166,7 @@ def test_an_unreadable_live_manifest_is_named_without_the_password(locked_redis,
     with pytest.raises(UserError) as err:
         claim(PublishConfig(redis=url), manifest)
     assert "unreadable manifest" in str(err.value) and PASSWORD not in str(err.value)
-    with caplog.at_level(logging.WARNING, logger="recsys.train.publish"):
+    with caplog.at_level(logging.WARNING, logger="recsys.train.live_push"):
         assert claim(PublishConfig(redis=url, takeover=True), manifest)
     assert "took over" in caplog.text and "unreadable manifest" in caplog.text and PASSWORD not in caplog.text
     assert json.loads(client.get(manifest_key("live")))["run"] == "this-run"
@@ -222,7 +222,7 @@ def test_a_resumed_run_takes_the_password_from_the_environment(locked_redis, tin
 @pytest.mark.redis
 def test_export_and_serve_take_the_password_from_a_file_or_the_environment(locked_redis, tiny_run, tmp_path,
                                                                            monkeypatch):
-    from embedding_server import publish
+    from embedding_server import export as publish
     from embedding_server.app import create_app
     from embedding_server.settings import ServeSettings
 

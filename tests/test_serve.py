@@ -15,7 +15,8 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from embedding_server import publish, wire
+from embedding_server import export as publish
+from embedding_server import binary_body as wire
 from embedding_server.app import create_app
 from embedding_server.backends import EmbeddedBackend
 from embedding_server.settings import ServeSettings

@@ -22,7 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import wait_until
-from embedding_server import publish, wire
+from embedding_server import export as publish
+from embedding_server import binary_body as wire
 from embedding_server.app import create_app
 from embedding_server.backends import RedisBackend
 from embedding_server.cache import LiveTableCache

@@ -65,7 +65,7 @@ def test_a_served_row_is_at_most_every_s_plus_the_ttl_behind_the_trainer(guard_r
     thread's writes are waited for at each step: the bound leaves out Redis's own latency, as
     the README's does. Every served row was the trainer's less than ``every_s + ttl_s`` ago,
     and the worst seen comes within a step of the bound."""
-    from recsys.train.publish import LivePublisher, PublishConfig
+    from recsys.train.live_push import LivePublisher, PublishConfig
 
     ns, (writer,) = new_namespace(guard_redis.url, 1)  # table "t" of the published version, 8 buckets
     clock = FakeClock()

@@ -12,8 +12,8 @@ import hiredis
 import pytest
 import redis
 
-from embedding_server import resp
-from embedding_server.resp import RespPipeline
+from embedding_server import redis_mget as resp
+from embedding_server.redis_mget import RespPipeline
 from recsys.testing.harness import start_redis
 
 pytestmark = pytest.mark.redis

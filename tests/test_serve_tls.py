@@ -12,7 +12,7 @@ import sys
 import httpx
 import pytest
 
-from embedding_server import publish
+from embedding_server import export as publish
 from embedding_server.app import create_app, uvicorn_tls
 from embedding_server.settings import ServeSettings
 from recsys.testing.harness import start_redis

@@ -18,7 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from conftest import wait_until
-from embedding_server import publish, wire
+from embedding_server import export as publish
+from embedding_server import binary_body as wire
 from embedding_server.app import create_app
 from embedding_server.backends import BackendUnavailable, RedisBackend
 from embedding_server.settings import ServeSettings

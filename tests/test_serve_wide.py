@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import redis
 
-from embedding_server import publish
+from embedding_server import export as publish
 from embedding_server.app import create_app
 from embedding_server.settings import ServeSettings
 from recsys.checkpoint import read as checkpoint_files

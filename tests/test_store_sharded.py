@@ -550,7 +550,7 @@ def test_a_step_outside_32_bits_is_refused_by_the_table_group_too():
     """The key map stores a step in 32 bits: the table group's fused reservation leaves a
     step outside them to the tables' own path, which refuses it with a clear error and
     changes nothing; the largest step inside them goes through the group."""
-    from recsys.store.group import TableGroup
+    from recsys.store.tables.fused import TableGroup
     from recsys.store.tables.keymap import STEP_MAX
     from recsys.store.tables.table import EmbeddingTable
 

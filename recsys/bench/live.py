@@ -123,7 +123,7 @@ class Prober(threading.Thread):
 
 def _freshness(root: Path, work: Path, url: str, every_s: float, duration_s: float, batch: int,
                probes: int) -> dict:
-    from embedding_server import publish
+    from embedding_server import export as publish
     from recsys.features import hashing
     from recsys.testing.harness import start_service, stop_process
     from recsys.config import load_job

@@ -92,7 +92,7 @@ def _summary(values: list[float]) -> dict:
 
 def measure(quick: bool = False, data: Path | None = None) -> dict:
     """Run the serving benchmark; return comparisons and figures (see the module doc)."""
-    from embedding_server import publish
+    from embedding_server import export as publish
     from recsys.redisio.client import connect
 
     rows = 100_000 if quick else 1_000_000
@@ -187,6 +187,6 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
 
 def export_buckets() -> int:
     """Return the buckets ``recsys export`` uses by default."""
-    from embedding_server.publish import ExportSettings
+    from embedding_server.export import ExportSettings
 
     return ExportSettings().buckets

@@ -1,4 +1,4 @@
-"""``LiveWriter``: the trainer's writer of live rows (``recsys.train.publish`` runs one per
+"""``LiveWriter``: the trainer's writer of live rows (``recsys.train.live_push`` runs one per
 rank and store on its push thread).
 
 What it writes and why no row ever goes back to an older step: ``recsys.redisio.live`` (the

@@ -288,11 +288,11 @@ class Trainer:
                 raise
 
     def _start_publishing(self) -> None:
-        """Live pushes (``[publish]``; ``recsys.train.publish``): rank 0 claims the live
+        """Live pushes (``[publish]``; ``recsys.train.live_push``): rank 0 claims the live
         namespace, then every rank publishes the rows its shard owns (with ``model.wide``, of
         both stores: the embeddings and the wide arm's weights)."""
         from recsys.store.config import run_namespace
-        from recsys.train.publish import LivePublisher, PublisherGroup, claim, live_manifest
+        from recsys.train.live_push import LivePublisher, PublisherGroup, claim, live_manifest
 
         from recsys.train.distributed import attempt_token
 

@@ -66,7 +66,7 @@ from recsys.features.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.tables.dedup import index_batch
 from recsys.store.sharded.exchange import RankExchange, route
-from recsys.store.group import TableGroup
+from recsys.store.tables.fused import TableGroup
 from recsys.store.sharded.schedule import StoreSchedule
 from recsys.store.host.malloc import keep_freed_memory
 from recsys.store.sharded.lanes import Board, Lanes, raise_first
@@ -202,7 +202,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         self._ops: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._failure: BaseException | None = None
-        self.publisher = None  # recsys.train.publish.LivePublisher: told of every applied push
+        self.publisher = None  # recsys.train.live_push.LivePublisher: told of every applied push
         self._comm: dict[str, dict] = {}  # all-to-all accounting (``comm_stats``)
         if threaded:
             self._ops = queue.Queue()
@@ -409,7 +409,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             log.warning("closing the store after an earlier failure: %s", exc)
 
     def attach_publisher(self, make: Callable) -> None:
-        """Attach ``make(read_rows)``'s live publisher (``recsys.train.publish``): told of
+        """Attach ``make(read_rows)``'s live publisher (``recsys.train.live_push``): told of
         every applied push on the store's op sequence; ``read_rows(table, keys) -> (found,
         rows)`` reads this shard's current rows there and changes nothing."""
         def read_rows(table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
