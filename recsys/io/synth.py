@@ -267,7 +267,8 @@ def _sigmoid(x: np.ndarray) -> np.ndarray:
 
 def _salt(seed: int, *parts: object) -> int:
     """Return a 64-bit salt naming one random function of the hidden model (seed, feature, role)."""
-    return table_salt("recsys.io.synth/" + "/".join(str(x) for x in (seed, *parts)))
+    # the prefix is part of every data set's definition (the generator's first name), not a module path
+    return table_salt("recsys.synth/" + "/".join(str(x) for x in (seed, *parts)))
 
 
 def _normals(ranks: np.ndarray, salt: int) -> np.ndarray:
@@ -581,7 +582,7 @@ def generate(
     if progress is not None:
         progress(f"preset {p.name}: {p.train_rows:,} train + {p.eval_rows:,} eval rows, seed {seed}, bias {plan.bias}")
     oracle = {
-        "generator": "recsys.io.synth",
+        "generator": "recsys.synth",  # the data format's generator name, as every written oracle.json has it
         "version": GENERATOR_VERSION,
         "preset": p.name,
         "seed": seed,
