@@ -247,7 +247,7 @@ def _pipelined_rows(store, batches, staleness: int):
     """Train like the trainer (next lookup submitted before this step's push; a store
     without a thread at staleness 0 cannot take that, so it looks up after each push);
     return the losses and every row after a flush."""
-    if staleness == 0 and not store._threaded:
+    if staleness == 0 and not store.schedule.threaded:
         losses = []
         for step, kjt in enumerate(batches):
             lookup = store.lookup(kjt, step)

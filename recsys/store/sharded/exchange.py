@@ -1,16 +1,17 @@
 """The sharded store's all-to-alls between ranks (``W > 1``): keys to their owners, rows
 back, gradients to the owners, each one message for all tables (``recsys.store.sharded.store``
-draws the step). ``RankExchange`` is a part of ``ShardedEmbeddingStore``: it uses the
-store's ``world_size``, ``rank``, ``group``, ``_local`` (the group's shared-memory channel
-when every rank is on this host, ``recsys.runtime.local_exchange``; else None and gloo carries the
-messages), ``dim``, ``_comm`` (the exchange counters), ``_lanes`` and its owner-side
-``_serve`` / ``_apply``.
+draws the step). ``RankExchange`` is an object the store owns: it holds the process group,
+the group's shared-memory channel when every rank is on this host
+(``recsys.runtime.local_exchange``; else None and gloo carries the messages) and the
+exchange's counters (``stats``). It moves messages and knows their layout; what an owner
+does with the keys it receives and the gradients summed for it is the store's, handed in as
+a function per call (``fetch_rows``' ``serve_owned``, ``send_grads``' ``apply_owned``).
 
 Every message is laid out in [W, T] blocks, rank-major and table-minor: the keys a rank
 sends, the keys an owner receives, the rows it sends back and the gradients it receives.
 Each step's plan is computed for all tables at once (``route``, ``unique_blocks``), so
 the owner's rows and gradients cross each message with one gather and one scatter; only
-the tables' own work (``_serve``, ``_apply``) is done a table at a time.
+the tables' own work (the store's ``serve_owned`` / ``apply_owned``) is done a table at a time.
 
 Legend: ``W`` world size, ``T`` tables, ``D`` dim, ``U`` keys of one table a rank needs,
 ``S`` keys this rank serves (all tables, deduplicated).
@@ -19,6 +20,7 @@ Legend: ``W`` world size, ``T`` tables, ``D`` dim, ``U`` keys of one table a ran
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -26,8 +28,9 @@ import torch.distributed as dist
 from numba import njit
 
 from recsys.features.hashing import owner_rank
+from recsys.runtime.local_exchange import LocalExchange
 from recsys.store.tables.dedup import block_starts, unique_blocks
-from recsys.store.sharded.lookup import Lookup, _TablePart
+from recsys.store.sharded.lookup import Lookup
 from recsys.store.tables.pooling import scatter_add
 from recsys.store.tables.table import _gather_kernel
 
@@ -89,9 +92,15 @@ _NUMPY_DTYPE = {torch.int64: np.int64, torch.float32: np.float32}
 
 
 class RankExchange:
-    """The store's exchange between ranks (see module doc)."""
+    """The all-to-alls of one store's ranks (see module doc)."""
 
-    def _exchange_keys(self, prep) -> dict:
+    def __init__(self, group: dist.ProcessGroup | None, world_size: int, rank: int,
+                 local: LocalExchange | None) -> None:
+        self.group, self.world_size, self.rank = group, world_size, rank
+        self._local = local
+        self._comm: dict[str, dict] = {}  # per kind: calls, seconds, bytes (``stats``)
+
+    def send_keys(self, prep) -> dict:
         """Send every table's keys to their owners (``prep.route``); set each part's
         ``served_U`` (the keys this rank owns that some rank asked for) and return the
         exchange plan."""
@@ -106,30 +115,22 @@ class RankExchange:
         return {"send_counts": send_counts, "recv_counts": recv_counts, "dest": dest,
                 "served_base": served_base, "served_inverse": served_inverse}
 
-    def _gather_remote(self, prep, rows_np: np.ndarray, step, train: bool) -> None:
-        """Fill ``rows_np`` with rows fetched from their owners (keys sent by ``_exchange_keys``)."""
-        D, comm = self.dim, prep.comm
+    def fetch_rows(self, prep, rows_np: np.ndarray, serve_owned: Callable[[np.ndarray], None]) -> None:
+        """Fill ``rows_np`` with rows fetched from their owners (keys sent by ``send_keys``);
+        ``serve_owned(served)`` fills this rank's owned rows ``served`` [S, D], table-major."""
+        D, comm = rows_np.shape[1], prep.comm
         send_counts, recv_counts, base = comm["send_counts"], comm["recv_counts"], comm["served_base"]
         served = np.empty((int(base[-1]), D), dtype=np.float32)  # [S, D], table-major
-
-        def serve(i: int) -> None:
-            p = prep.parts[i]
-            self._serve(p, p.served_U, step, train, served[base[i] : base[i + 1]])
-
-        if prep.fused is not None:
-            self._read_grouped(prep, served, serve)
-        else:
-            todo = [i for i, p in enumerate(prep.parts) if len(p.served_U)]
-            self._lanes.each(todo, [len(prep.parts[i].served_U) for i in todo], serve)
+        serve_owned(served)
         send_rows = take_rows(served, comm["served_inverse"])  # the order the keys came in
         recv_rows = self._exchange(send_rows.reshape(-1), recv_counts.sum(1) * D, send_counts.sum(1) * D, torch.float32,
                                    "rows")
         _put_rows_kernel(recv_rows.reshape(-1, D), comm["dest"], rows_np)
 
-    def _push_remote(self, lookup: Lookup, grads: np.ndarray) -> None:
-        """Send the row gradients of ``lookup`` to their owners; apply what this rank owns
-        (summed over the requesters, / W)."""
-        W, D, parts, base = self.world_size, self.dim, lookup.parts, lookup.served_base
+    def send_grads(self, lookup: Lookup, grads: np.ndarray, apply_owned: Callable[[np.ndarray], None]) -> None:
+        """Send the row gradients of ``lookup`` to their owners; ``apply_owned(summed)``
+        applies what this rank owns (summed over the requesters, / W; [S, D] table-major)."""
+        W, D, base = self.world_size, grads.shape[1], lookup.served_base
         send = take_rows(grads, lookup.dest).reshape(-1)
         recv = self._exchange(send, lookup.send_counts.sum(1) * D, lookup.recv_counts.sum(1) * D, torch.float32,
                               "grads")
@@ -137,18 +138,7 @@ class RankExchange:
         # (a key's gradients add in rank order, as the blocks came)
         summed = scatter_add(lookup.served_inverse, recv.reshape(-1, D),
                              np.zeros((int(base[-1]), D), dtype=np.float32), 1.0 / W)
-
-
-        def apply_served(i: int) -> None:
-            p = parts[i]
-            self._apply(p, p.served_U, summed[base[i] : base[i + 1]], lookup.step)
-
-        if lookup.fused is not None:
-            self._apply_grouped(lookup, summed, apply_served)
-        else:
-            todo = [i for i, p in enumerate(parts) if len(p.served_U)]
-            self._lanes.each(todo, [len(parts[i].served_U) for i in todo], apply_served)
-
+        apply_owned(summed)
     def _exchange_counts(self, send_counts: np.ndarray) -> np.ndarray:
         if self.world_size == 1:
             return send_counts.copy()
@@ -199,8 +189,13 @@ class RankExchange:
         c["bytes_sent"] += sent
         c["bytes_received"] += received
 
-    def comm_stats(self) -> dict[str, dict]:
+    def stats(self) -> dict[str, dict]:
         """Return this rank's all-to-alls so far, per kind (``counts``, ``keys``, ``rows``,
         ``grads``): calls, seconds inside the call (the transfer and any wait for the other
         ranks to arrive) and bytes sent to / received from other ranks."""
         return {k: dict(v) for k, v in self._comm.items()}
+
+    def close(self) -> None:
+        """Release the shared-memory channel (if any)."""
+        if self._local is not None:
+            self._local.close()

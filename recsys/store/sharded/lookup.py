@@ -27,7 +27,7 @@ class _TablePart:
     keys_U: np.ndarray  # unique keys this rank needs (int64), first-appearance order
     base: int  # first row of this table in Lookup.rows_all
     # owner side (W > 1): keys received for this table, deduplicated (a view of the
-    # exchange's served keys of all tables: ``RankExchange._exchange_keys``)
+    # exchange's served keys of all tables: ``RankExchange.send_keys``)
     served_U: np.ndarray | None = None
     # this rank's slots of the keys it serves (keys_U, or served_U when W > 1), when its
     # table reserved them early (``EmbeddingTable.reserve``) or a device tier gave them

@@ -33,9 +33,12 @@ lookup must see. Pooling runs in ``Lookup.pooled``, its backward on the worker i
 Costs: one all_to_all for keys, one for rows and one for gradients per step (all tables
 in one message each), plus one for the per-table counts.
 
-Elsewhere: a lookup's types and its pooling (``recsys.store.sharded.lookup``); the order of
-lookups and pushes on the worker thread (``recsys.store.sharded.schedule``); the all-to-alls
-between ranks (``recsys.store.sharded.exchange``); the per-table work spread over threads
+The store owns two parts with their own state: its schedule (``self.schedule``, the order of
+lookups and pushes on the worker thread: ``recsys.store.sharded.schedule``), to which it
+hands its work as functions, and, with W > 1, its exchange (``self.exchange``, the
+all-to-alls between ranks and their counters: ``recsys.store.sharded.exchange``), to which
+it hands what an owner does with the keys and gradients it receives. Elsewhere: a lookup's
+types and its pooling (``recsys.store.sharded.lookup``); the per-table work spread over threads
 (``recsys.store.sharded.lanes``); the device tiers and their budget (``recsys.store.device.cache``,
 ``recsys.store.device.table``); the contracts (``recsys.store.protocols``).
 """
@@ -46,9 +49,7 @@ import dataclasses
 import logging
 import math
 import os
-import queue
 import sys
-import threading
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Callable
@@ -60,14 +61,13 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.features import hashing
-from recsys.runtime import priority
 from recsys.runtime.local_exchange import LocalExchange
 from recsys.features.schema import Schema, TableSpec
 from recsys.store.config import StoreConfig
 from recsys.store.tables.dedup import index_batch
 from recsys.store.sharded.exchange import RankExchange, route
 from recsys.store.tables.fused import TableGroup
-from recsys.store.sharded.schedule import StoreSchedule
+from recsys.store.sharded.schedule import StoreSchedule, StoreWork
 from recsys.store.host.malloc import keep_freed_memory
 from recsys.store.sharded.lanes import Board, Lanes, raise_first
 from recsys.store.sharded.lookup import Lookup, _Failed, _Prepared, _TablePart
@@ -79,7 +79,7 @@ ADMISSION_FORMAT = 1
 
 
 
-class ShardedEmbeddingStore(StoreSchedule, RankExchange):
+class ShardedEmbeddingStore:
     """Return-by-lookup store of every table's rows, sharded over a process group by owner.
 
     ``group=None`` with no initialized process group means one process owning every row.
@@ -130,8 +130,9 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         self.world_size = dist.get_world_size(group) if group is not None else 1
         self.rank = dist.get_rank(group) if group is not None else 0
         # ranks of one host exchange through shared memory (recsys.runtime.local_exchange), others by gloo
-        self._local = (LocalExchange.open(group, collective_timeout_s)
-                       if local_exchange and self.world_size > 1 else None)
+        local = (LocalExchange.open(group, collective_timeout_s)
+                 if local_exchange and self.world_size > 1 else None)
+        self.exchange = RankExchange(group, self.world_size, self.rank, local) if self.world_size > 1 else None
         self.table_names = list(schema.tables)
         from recsys.store.device.cache import device_budget_rows
 
@@ -193,21 +194,21 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         self._to_host = Transfers(self.device)  # the caller's copies of a push's row gradients
         self._single_cols_t = torch.tensor(self._single_features, dtype=torch.int64, device=self.device)
         self._multi_cols_t = torch.tensor(self._multi_features, dtype=torch.int64, device=self.device)
-        # the schedule
-        self.staleness = cfg.staleness
-        self._pending_pushes: dict[int, tuple] = {}  # step -> _do_push's arguments
-        self._unpushed: set[int] = set()  # training lookups whose push the caller still owes
-        self.visibility: list[tuple[int, int]] = []  # (push step, first lookup step that saw it)
-        self._threaded = threaded
-        self._ops: queue.Queue | None = None
-        self._worker: threading.Thread | None = None
-        self._failure: BaseException | None = None
         self.publisher = None  # recsys.train.live_push.LivePublisher: told of every applied push
-        self._comm: dict[str, dict] = {}  # all-to-all accounting (``comm_stats``)
-        if threaded:
-            self._ops = queue.Queue()
-            self._worker = threading.Thread(target=self._work, name="store-worker", daemon=True)
-            self._worker.start()
+        self.schedule = StoreSchedule(
+            StoreWork(prepare=self._prepare, reserve=self._reserve, lookup=self._do_lookup, push=self._do_push,
+                      explain=self._explain),
+            cfg.staleness, threaded, self._board)
+
+    @property
+    def staleness(self) -> int:
+        """Pushes of the last ``staleness`` steps a training lookup does not see (the contract above)."""
+        return self.schedule.staleness
+
+    @property
+    def visibility(self) -> list[tuple[int, int]]:
+        """(push step, the first lookup step that saw it), for every push applied so far."""
+        return self.schedule.visibility
 
     def _make_table(self, table_factory, name: str, spec: TableSpec, cfg: StoreConfig):
         """Return one table's tiers: ``table_factory``'s table (default: an ``EmbeddingTable``
@@ -310,7 +311,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         no queued push and inserts nothing.
         """
         if train:
-            self._check_pushes_before(step)
+            self.schedule.check_pushes_before(step)
         return self.submit_lookup(kjt, step, train).result()
 
     def submit_lookup(self, kjt: KeyedJaggedTensor, step: int | None, train: bool = True) -> Future:
@@ -322,38 +323,31 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         if device.type != "cpu":
             raise ValueError(f"store lookup: the batch's sparse ids are on {device}; the store reads ids on the "
                              "host (keep the KeyedJaggedTensor on the CPU: Batch.to moves only the dense side)")
-        if train:
-            if step is None:
-                raise ValueError("a training lookup needs a step")
-            if not self._threaded:
-                self._check_pushes_before(step)
-            if step in self._unpushed:
-                raise ValueError(f"step {step} was already looked up for training")
-            self._unpushed.add(step)
-        return self._submit(("lookup", kjt, step, train))
+        return self.schedule.submit_lookup(kjt, step, train)
 
     def push(self, lookup: Lookup) -> None:
         """Queue the row gradients of ``lookup`` (after backward) for their owners."""
-        self._fulfil(lookup)
-        g = lookup.rows_all.grad
-        ready = None
-        if g is None or g.device.type == "cpu":
-            g_rows = None if g is None else g.detach().to(torch.float32)
-        elif self._device_rows:  # the optimizer runs where the rows are
-            g_rows = g.detach()
-        else:  # to the host rows: copied on a side stream; the worker waits for it, not this thread
-            (g_rows,), ready = self._to_host.to_host([g.detach().to(torch.float32)])
-        leaf = lookup.pooled_leaf
-        g_pooled = None if leaf is None or leaf.grad is None else leaf.grad.detach()
-        self._submit(("push", lookup.step, (lookup, g_rows, g_pooled, ready)))
+        def gradients() -> tuple:
+            g = lookup.rows_all.grad
+            ready = None
+            if g is None or g.device.type == "cpu":
+                g_rows = None if g is None else g.detach().to(torch.float32)
+            elif self._device_rows:  # the optimizer runs where the rows are
+                g_rows = g.detach()
+            else:  # to the host rows: copied on a side stream; the worker waits for it, not this thread
+                (g_rows,), ready = self._to_host.to_host([g.detach().to(torch.float32)])
+            leaf = lookup.pooled_leaf
+            g_pooled = None if leaf is None or leaf.grad is None else leaf.grad.detach()
+            return lookup, g_rows, g_pooled, ready
+
+        self.schedule.push(lookup.step, gradients)
 
     def cancel(self, lookup: Lookup) -> None:
         """Withdraw the push a training lookup promised (e.g. a look-ahead never trained on).
 
         With admission (``min_count > 1``), a lookup of the same step made later counts the
         sightings this one counted once in all (``EmbeddingTable.arm_admission_replay``)."""
-        self._fulfil(lookup)
-        self._submit(("push", lookup.step, None))
+        self.schedule.cancel(lookup.step)
         if self.cfg.min_count > 1 and lookup.step is not None:
             step = lookup.step
 
@@ -364,38 +358,32 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                     if arm_replay is not None:
                         arm_replay(step)
 
-            self._submit(("call", arm))
+            self.schedule.submit_call(arm)
 
     def flush(self, through_step: int | None = None) -> None:
         """Apply every queued push of steps ``<= through_step`` (all when None) now."""
-        limit = float("inf") if through_step is None else through_step
-        missing = sorted(s for s in self._unpushed if s <= limit)
-        if missing:
-            raise RuntimeError(f"flush through step {through_step}: steps {missing} were looked up but not pushed")
-        self._submit(("flush", limit)).result()
+        self.schedule.flush(through_step)
 
     def close(self) -> None:
         """Stop the worker thread; queued pushes are applied first. Then close every table:
         device caches write back, spill tiers flush (the first failure is raised after all
         tables were closed)."""
-        if self._worker is not None and self._worker.is_alive():
-            priority.STORE.raise_()
-            self._ops.put(None)
-            self._worker.join()
-        if self._failure is not None:
+        self.schedule.stop()
+        failure = self.schedule.failure
+        if failure is not None:
             # the failure was raised to the caller already; the checkpoint holds the truth,
             # so buffered spill writes are dropped instead of waited for
             for spill in self._spill_tiers():
                 spill.abandon()
         errors: list[BaseException] = []
         try:
-            if self._failure is None:
-                self._apply_pushes_through(float("inf"))
+            if failure is None:
+                self.schedule.apply_remaining()
         except BaseException as exc:  # noqa: BLE001 - raised below, after the tables closed
             errors.append(exc)
         self._lanes.close()
-        if self._local is not None:
-            self._local.close()
+        if self.exchange is not None:
+            self.exchange.close()
         for table in self.tables.values():
             close = getattr(table, "close", None)
             if close is not None:
@@ -403,7 +391,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                     close()
                 except BaseException as exc:  # noqa: BLE001
                     errors.append(exc)
-        if errors and self._failure is None:
+        if errors and failure is None:
             raise self._explain(errors[0])
         for exc in errors:
             log.warning("closing the store after an earlier failure: %s", exc)
@@ -423,11 +411,17 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         """Write the publisher's last snapshot (on the op sequence, after every queued push)."""
         if self.publisher is None:
             return True
-        return self._call(lambda: self.publisher.finish(step))
+        return self.schedule.call(lambda: self.publisher.finish(step))
 
     def peek_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return this shard's float32 rows of ``keys`` in ``table`` (zeros where absent)."""
-        return self._call(lambda: self.tables[table].peek(np.asarray(keys, dtype=np.int64)))
+        return self.schedule.call(lambda: self.tables[table].peek(np.asarray(keys, dtype=np.int64)))
+
+    def comm_stats(self) -> dict[str, dict]:
+        """Return this rank's all-to-alls so far, per kind (``counts``, ``keys``, ``rows``,
+        ``grads``): calls, seconds inside the call (the transfer and any wait for the other
+        ranks to arrive) and bytes sent to / received from other ranks; ``{}`` with W = 1."""
+        return {} if self.exchange is None else self.exchange.stats()
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Return this shard's counters per table."""
@@ -449,7 +443,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                 each(name, rows)
                 del rows
 
-        self._call(write)
+        self.schedule.call(write)
 
     def load_state_dict(self, state: dict[str, pa.Table], admission: dict | None = None) -> None:
         """Load rows saved at any world size: this rank keeps the rows it owns.
@@ -484,7 +478,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             if admission is not None and self.cfg.min_count > 1:
                 self._load_admission(admission)
 
-        self._call(load)
+        self.schedule.call(load)
 
     def admission_state_dict(self) -> dict:
         """Return ``{"admission": ...}``, every shard's admission state (``min_count > 1``),
@@ -515,7 +509,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
             dist.gather_object(mine, shards, group=self.group, group_dst=0)
             return shards
 
-        shards = self._call(gather)
+        shards = self.schedule.call(gather)
         if self.rank != 0:
             return {}
         tables = {}
@@ -626,7 +620,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         that the Redis round trips overlap the step's dense work instead of the lookup wait.
         """
         if self.world_size > 1:
-            prep.comm = self._exchange_keys(prep)
+            prep.comm = self.exchange.send_keys(prep)
         if train:
             def served(p: _TablePart) -> np.ndarray:
                 return p.keys_U if self.world_size == 1 else p.served_U
@@ -756,7 +750,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                 todo = [p for p in parts if len(p.keys_U)]
                 self._lanes.each(todo, [len(p.keys_U) for p in todo], serve)
         else:
-            self._gather_remote(prep, rows_np, step, train)
+            self.exchange.fetch_rows(prep, rows_np, lambda served: self._serve_owned(prep, step, train, served))
         ready = None
         if self.device.type == "cpu":
             rows_all = torch.from_numpy(rows_np)
@@ -791,6 +785,36 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
         index = moved + [None] * (index[3] is None)
         return Lookup(step, prep.batch_size, prep.parts, rows_all.requires_grad_(train), index[0], self._single_cols_t,
                       index[1], index[2], index[3], self._multi_cols_t, ready=ready)
+
+    def _serve_owned(self, prep: _Prepared, step: int | None, train: bool, served: np.ndarray) -> None:
+        """Fill ``served`` [S, D] (table-major) with this rank's rows of the keys other ranks
+        asked for (``RankExchange.fetch_rows``' owner side)."""
+        base = prep.comm["served_base"]
+
+        def serve(i: int) -> None:
+            p = prep.parts[i]
+            self._serve(p, p.served_U, step, train, served[base[i] : base[i + 1]])
+
+        if prep.fused is not None:
+            self._read_grouped(prep, served, serve)
+        else:
+            todo = [i for i, p in enumerate(prep.parts) if len(p.served_U)]
+            self._lanes.each(todo, [len(prep.parts[i].served_U) for i in todo], serve)
+
+    def _apply_owned(self, lookup: Lookup, summed: np.ndarray) -> None:
+        """Apply ``summed`` [S, D] (table-major), the gradients of this rank's owned keys summed
+        over the requesters (``RankExchange.send_grads``' owner side)."""
+        parts, base = lookup.parts, lookup.served_base
+
+        def apply_served(i: int) -> None:
+            p = parts[i]
+            self._apply(p, p.served_U, summed[base[i] : base[i + 1]], lookup.step)
+
+        if lookup.fused is not None:
+            self._apply_grouped(lookup, summed, apply_served)
+        else:
+            todo = [i for i, p in enumerate(parts) if len(p.served_U)]
+            self._lanes.each(todo, [len(parts[i].served_U) for i in todo], apply_served)
 
     def _serve_tensor(self, part: _TablePart, step: int | None, train: bool) -> torch.Tensor:
         """Return the float32 [U, D] rows of ``part``'s keys on the device (a ``DeviceCache``)."""
@@ -856,7 +880,7 @@ class ShardedEmbeddingStore(StoreSchedule, RankExchange):
                 self.publisher.after_push(lookup.step + 1, [(p.name, p.keys_U) for p in lookup.parts])
             return
         self._lanes.each(parts, costs, lambda p: None, before=pool_backward)
-        self._push_remote(lookup, grads)
+        self.exchange.send_grads(lookup, grads, lambda summed: self._apply_owned(lookup, summed))
         if self.publisher is not None:  # this rank's owned keys the push updated; as above
             self.publisher.after_push(lookup.step + 1, [(p.name, p.served_U) for p in lookup.parts
                                                         if p.served_U is not None])
