@@ -201,15 +201,43 @@ class Trainer:
     """Builds the components of a job and runs its training loop."""
 
     def __init__(self, job, run_dir: Path, env: Env, resume: str | None = None, source=None) -> None:
-        """``source`` replaces the training reader (anything with the reader's interface)."""
+        """``source`` replaces the training reader (anything with the reader's interface).
+
+        The phases, in order (each a method): the job's checks, the process's cores and
+        threads, the model (with DDP and the dense optimizer), the stores, the reader, the
+        loop's state, the restore of a checkpoint, and live publishing."""
         self.job, self.run_dir, self.env = job, Path(run_dir), env
-        tc = job.train
-        if tc.record_rows and "row_id" not in job.data.train.passthrough:
+        self._check_job()  # config errors before any thread starts
+        self._place_process()
+        self._build_model()
+        self.ckpt_root = self.run_dir / "checkpoints"
+        restore_from = resume or ckpt.latest(self.ckpt_root)  # restored below, before any other store call
+        self.store = self._build_stores(restoring=restore_from is not None)
+        self._build_reader(resume, source)
+        self._init_loop_state()
+        if restore_from is not None:
+            self.restore(ckpt.resolve(restore_from))
+        self.rows = self._row_recorder() if job.train.record_rows else None
+        if job.publish.enabled:
+            try:
+                self._start_publishing()
+            except BaseException:
+                self.close()  # a refused namespace: nothing left open
+                raise
+
+    def _check_job(self) -> None:
+        """Refuse what the job cannot train; resolve the training and validation splits."""
+        job = self.job
+        if job.train.record_rows and "row_id" not in job.data.train.passthrough:
             from recsys.config import ConfigError
 
             raise ConfigError("train.record_rows needs the column row_id in data.train.passthrough, "
                               f"found passthrough = {list(job.data.train.passthrough)}")
-        self.train_cfg, self.validation_cfg = read_splits(job)  # config errors before any thread starts
+        self.train_cfg, self.validation_cfg = read_splits(job)
+
+    def _place_process(self) -> None:
+        """This process's cores (``train.pin_cores``) and torch's intra-op threads."""
+        tc, env = self.job.train, self.env
         self.cores = None
         """The cores this process is pinned to (``train.pin_cores``; None: not pinned)."""
         if tc.pin_cores and env.device.type == "cpu":
@@ -217,7 +245,11 @@ class Trainer:
 
             self.cores = pin_process(int(os.environ.get("LOCAL_RANK", "0")), env.local_world_size)
         torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
-        schema = job.schema
+
+    def _build_model(self) -> None:
+        """The dense model on the device, DDP over it (with the host's gradient exchange),
+        the dense optimizer and its learning-rate schedule."""
+        job, tc, env = self.job, self.job.train, self.env
         torch.manual_seed(tc.seed)
         self.model = model_for(job).to(env.device)
         self._transfers = Transfers(env.device)  # a batch's dense side, host → device (recsys.runtime.transfer)
@@ -240,32 +272,44 @@ class Trainer:
         self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, **impl)
         self.total_steps = tc.max_steps or None
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, self.total_steps))
-        self.ckpt_root = self.run_dir / "checkpoints"
-        restore_from = resume or ckpt.latest(self.ckpt_root)  # restored below, before any other store call
-        # the store's collectives run on its own thread: a group of their own, same timeout
-        group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
-        self.store = ShardedEmbeddingStore(schema, job.store, group=group, device=env.device, threaded=True,
-                                           run_dir=self.run_dir, job_name=job.name,
-                                           restoring=restore_from is not None, local_exchange=tc.local_exchange,
-                                           collective_timeout_s=env.collective_timeout_s)
+
+    def _build_stores(self, restoring: bool):
+        """Return the job's embedding store (with ``model.wide``, paired with the wide arm's
+        store); ``restoring``: a checkpoint is loaded before any other store call."""
+        job, tc, env = self.job, self.job.train, self.env
+
+        def sharded(schema, cfg) -> ShardedEmbeddingStore:
+            # the store's collectives run on its own thread: a group of their own, same timeout
+            group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
+            return ShardedEmbeddingStore(schema, cfg, group=group, device=env.device, threaded=True,
+                                         run_dir=self.run_dir, job_name=job.name, restoring=restoring,
+                                         local_exchange=tc.local_exchange,
+                                         collective_timeout_s=env.collective_timeout_s)
+
+        store = sharded(job.schema, job.store)
         if job.model.wide:  # the wide arm's dim-1 tables: a store of their own (recsys.store.tables.wide)
             from recsys.store.tables import wide
 
-            group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
-            self.store = wide.WideStore(self.store, ShardedEmbeddingStore(
-                wide.wide_schema(schema), wide.wide_store_config(job.store, job.model), group=group,
-                device=env.device, threaded=True, run_dir=self.run_dir, job_name=job.name,
-                restoring=restore_from is not None, local_exchange=tc.local_exchange,
-                collective_timeout_s=env.collective_timeout_s))
+            store = wide.WideStore(store, sharded(wide.wide_schema(job.schema), wide.wide_store_config(job.store,
+                                                                                                       job.model)))
+        return store
+
+    def _build_reader(self, resume: str | None, source) -> None:
+        """The dense columns' statistics, the training reader (``source`` if given) and the
+        record of the validation split's row groups."""
+        tc, env = self.job.train, self.env
         self.dense_stats = self._dense_stats(resume)
-        self.reader = source or ParquetReader(self.train_cfg, schema, rank=env.rank, world_size=env.world_size,
-                                              dense_stats=self.dense_stats)
+        self.reader = source or ParquetReader(self.train_cfg, self.job.schema, rank=env.rank,
+                                              world_size=env.world_size, dense_stats=self.dense_stats)
         if tc.validation_fraction and env.is_main:
-            record_validation_split(self.validation_cfg, schema, self.run_dir)
+            record_validation_split(self.validation_cfg, self.job.schema, self.run_dir)
+
+    def _init_loop_state(self) -> None:
+        """The training loop's counters, log, best evaluation and early-stopping state."""
         self.step = 0
         self.epoch = 0
         """The epoch every rank is training (a rank whose data ran out feeds empty batches)."""
-        self.log = MetricsLog(self.run_dir, enabled=env.is_main)
+        self.log = MetricsLog(self.run_dir, enabled=self.env.is_main)
         self._stop = False
         self.best: dict | None = None
         """The best periodic evaluation so far: {"metric", "value", "step"} (keep_best / early stopping)."""
@@ -275,17 +319,8 @@ class Trainer:
         tune`` reports it to its pruner); a true return (the same on every rank) stops the run as
         early stopping does, with ``"stopped": "pruned"``."""
         self.pruned = False
-        self._empty = empty_batch(schema, list(job.data.train.passthrough))
+        self._empty = empty_batch(self.job.schema, list(self.job.data.train.passthrough))
         self._state_before_fetch: dict | None = None
-        if restore_from is not None:
-            self.restore(ckpt.resolve(restore_from))
-        self.rows = self._row_recorder() if tc.record_rows else None
-        if job.publish.enabled:
-            try:
-                self._start_publishing()
-            except BaseException:
-                self.close()  # a refused namespace: nothing left open
-                raise
 
     def _start_publishing(self) -> None:
         """Live pushes (``[publish]``; ``recsys.train.live_push``): rank 0 claims the live
