@@ -23,11 +23,10 @@ event loop).
 
 Charged size per cached row: ``D·4`` bytes of row plus ``ENTRY_OVERHEAD``: the key map's
 26 bytes a slot, its free stack's 4 (allocated, written only as deep as evictions go) and
-the found flag's 1, rounded up to 32 (100 until 2026-11-29, when the map took 65–97 bytes a
-slot, then 35). ``CacheBudget`` splits the configured bytes
-over a version's tables in proportion to their published bytes (no table gets more rows
-than it has; a table of at most ``MIN_ROWS`` rows is cached whole, with room for as many
-absent ids). Arrays are allocated zeroed, so untouched capacity costs no resident memory.
+the found flag's 1, rounded up to 32. ``CacheBudget`` splits the configured bytes over a
+version's tables in proportion to their published bytes (no table gets more rows than it
+has; a table of at most ``MIN_ROWS`` rows is cached whole, with room for as many absent
+ids). Arrays are allocated zeroed, so untouched capacity costs no resident memory.
 
 Live rows (``recsys serve --follow``) change while they are served, so their cache,
 ``LiveTableCache``, is the same map with two more columns: each entry's training step and

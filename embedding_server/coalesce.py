@@ -10,9 +10,8 @@ Order is kept, and nothing is held past the turn that wrote it, so a streamed re
 still goes out as it is produced, one turn's chunks at a time. Everything else (reading,
 flow control, TLS, the socket's address) is the real transport's.
 
-Measured with the row cache's prefetching (``recsys bench serve``, 2026-11-29, AMD EPYC, 2
-cores, alternated with the commit before both): one worker 0.58 and 0.63 of raw Redis's keys/s
-against 0.53 and 0.53, two workers 0.72 and 0.75 against 0.70 and 0.68 (BENCHMARKS.md).
+Together with the row cache's prefetching it raised the service's keys/s, with one worker
+and with two (``recsys bench serve``; the runs: docs/benchmarks-history.md, "Lookup service").
 """
 
 from __future__ import annotations

@@ -14,15 +14,13 @@ the routes stay declared there.
 
 The layer sits in front of the whole app (``FrontedApp``), not among its middleware: the
 framework wraps every user middleware in five layers of its own (its ``__call__``s, the
-server-error and exception-telemetry middleware, its body limit), which cost a lookup
-about 10 % of a worker's CPU (py-spy, 2026-11-29) for nothing the fast path uses. With
+server-error and exception-telemetry middleware, its body limit), which cost every lookup
+CPU time a profile of a worker shows plainly, for nothing the fast path uses. With
 FastAPI's own OpenTelemetry instrumentation on, the layer steps aside (``FrontedApp``).
 
-Measured (``recsys bench serve``, 2 cores, 2 workers, 256 ids a request): 1.14× and 1.26× the
-keys/s of the same service answering through the full app, paired medians of 6 rounds in two
-runs (2026-11-28, Intel Xeon; 1.14× and 1.08× on AMD znver3 the same day, 1.16-1.20× on AMD
-znver4 on 2026-11-29, 1.16-1.24× there once the layer stood in front of the whole app, 1.47× when
-first measured; BENCHMARKS.md).
+``recsys bench serve`` measures what it gains: the keys/s of the service answering through
+this layer against the same service answering through the full app (``--no-fast-path``):
+BENCHMARKS.md, "Lookup service"; earlier runs: docs/benchmarks-history.md.
 """
 
 from __future__ import annotations

@@ -36,9 +36,9 @@ _F32_MAX = 3.4028234663852886e38
 """The largest float32: dense values are float32, so a fill value must fit."""
 DEFAULT_DENSE_TRANSFORM = "numeric_embedding"
 """``schema.dense_transform`` when a job does not set it (and for columns a per-column table
-leaves out). Chosen by ``recsys bench defaults`` (docs/tuning.md, "Defaults"); before
-2026-11-27 it was ``signed_log1p``, which a saved job that does not name its transform
-still gets (``saved_schema_settings``)."""
+leaves out). Chosen by ``recsys bench defaults`` (docs/tuning.md, "Defaults"); the previous
+default, ``signed_log1p``, is what a saved job that does not name its transform still gets
+(``saved_schema_settings``)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -119,7 +119,7 @@ class Schema:
     """How dense values become model inputs (``recsys.features.dense``), for every column, or per
     column as a table ``{column = transform}`` (key ``"*"``: the others; unlisted columns
     get the default, ``DEFAULT_DENSE_TRANSFORM``): ``none``; ``signed_log1p`` (``sign(x)·log1p(|x|)``;
-    the default before 2026-11-27);
+    the previous default);
     ``standardize`` (zero mean, unit std over the training data); ``quantile_buckets`` (the
     value's quantile bucket, an embedding of its own); ``numeric_embedding`` (piecewise-linear
     encoding over the quantile edges, projected to an embedding); ``periodic`` (standardized,

@@ -51,8 +51,8 @@ class _PairDots(torch.autograd.Function):
     in ``flat`` order (row-major upper triangle). Its backward is one ``bmm`` with the
     symmetric matrix of the pairs' gradients, Σ_j S_ij x_j (S_ij = S_ji = g_(i,j), S_ii = 0),
     where autograd's backward of ``bmm(x, xᵀ)`` takes two plus an ``index_select``'s
-    scatter into zeros: the synthetic job's dense step alone (n = 27, D = 16) ran 1.15x as
-    fast at B = 2048 on one CPU thread and 1.08x at 4096 on two (``scripts/interaction_ab.py``)."""
+    scatter into zeros: the synthetic job's dense step alone runs faster with this one (an A/B
+    run against autograd's backward in one process: docs/benchmarks-history.md, "Trainer")."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, flat: torch.Tensor, sym: torch.Tensor) -> torch.Tensor:
@@ -72,8 +72,8 @@ class DotInteraction(InteractionArch):
     and a backward of its own (``_PairDots``).
 
     Same output as ``InteractionArch`` (tested); its advanced-index gather and the
-    ``index_put`` in its backward cost ~13.7 ms per step at B = 4096, F = 28 on CPU,
-    against ~3.9 ms for a flat ``index_select``.
+    ``index_put`` in its backward cost a CPU step several times what a flat ``index_select``
+    costs (docs/benchmarks-history.md has the figures).
     """
 
     def __init__(self, num_sparse_features: int) -> None:

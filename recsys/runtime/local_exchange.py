@@ -1,14 +1,13 @@
 """All-to-alls between the ranks of one host through shared memory, instead of gloo's TCP.
 
 gloo moves every collective over loopback TCP and hands it to threads of its own (per group,
-a TCP event loop and two workers): on the 2-core host, with 2 ranks, those threads took
-4.9 ms of CPU per training step of 4096 rows, about 8 % of the step's CPU, on top of the
-store worker's own share of the calls (2026-11-29, thread CPU times of ``recsys train
---nproc 2``). When every rank of a group runs on this host, ``LocalExchange`` carries the
-same messages through files in ``/dev/shm``: a rank copies what it sends into its own
-outbox, writes a byte to each peer's FIFO, waits for a byte from each peer, and copies
-its blocks out of the peers' outboxes. Nothing else runs in between: no threads, no
-sockets, two ``memcpy`` per byte moved.
+a TCP event loop and two workers): CPU every training step pays on top of the store worker's
+own share of the calls, taken from cores the step itself needs on a small host (BENCHMARKS.md,
+"Trainer": a step's thread CPU through gloo and through shared memory). When every rank of a
+group runs on this host, ``LocalExchange`` carries the same messages through files in
+``/dev/shm``: a rank copies what it sends into its own outbox, writes a byte to each peer's
+FIFO, waits for a byte from each peer, and copies its blocks out of the peers' outboxes.
+Nothing else runs in between: no threads, no sockets, two ``memcpy`` per byte moved.
 
 Layout, per rank ``r`` (``W`` ranks; files under ``/dev/shm/recsys-x<token>-``):
 

@@ -68,10 +68,9 @@ def exchange_mean(group: dist.ProcessGroup, bucket):  # no annotations: DDP chec
     every rank each other rank's whole bucket, summed in rank order on each (the same sum
     everywhere, so the replicas stay equal), instead of gloo's all-reduce. Each rank sends
     and receives (W - 1) buckets where a ring moves 2 (W - 1) / W, so it pays off for few
-    ranks and small dense models: on the 2-core host, 2 ranks pinned to a core each (loops
-    of 200-500 calls, 2026-11-29), a bucket of 120 k floats took 0.43 ms (0.22 ms of CPU)
-    against gloo's all-reduce 0.56 ms (0.46 ms); unpinned, an all-reduce of 60 k floats took
-    0.79-1.69 ms and an all-to-all of twice the bytes 0.33-0.42 ms (two loops)."""
+    ranks and small dense models: with 2 ranks on a 2-core host, the all-to-all of a bucket
+    took less time and less CPU than gloo's all-reduce of it, pinned or not
+    (docs/benchmarks-history.md has the figures)."""
     buf = bucket.buffer()
     world = dist.get_world_size(group)
     send = buf.repeat(world)

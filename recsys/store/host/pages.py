@@ -4,9 +4,9 @@ Every hot kernel of the store reads or writes rows at random positions of arrays
 of megabytes: the key map's buckets and per-slot arrays, a table's rows and its optimizer
 state. With 4 KiB pages nearly every such access also misses the TLB (a 64 MiB table spans
 16 k pages, far more than the TLB holds) and waits for a page walk too. On 2 MiB pages the
-same array is 32 pages. Measured on uniformly random rows of six 1 M x 16 tables: a gather
-10-20 ns a row against 20-37, row-wise Adagrad 13-19 against 24-64 (BENCHMARKS.md has the
-figures inside training, where hot rows make the gain smaller).
+same array is 32 pages, and a random access seldom waits for a page walk: gathers and row-wise
+optimizer updates over such tables run markedly faster (docs/benchmarks-history.md has the
+figures, on random rows and inside training, where hot rows make the gain smaller).
 
 ``zeros`` maps such arrays privately and anonymously, aligned to 2 MiB, and asks the
 kernel for huge pages with ``madvise(MADV_HUGEPAGE)``: that is enough where
@@ -16,10 +16,9 @@ array is the same zeroed array on small pages. The numbers are the same either w
 the speed of random access changes.
 
 Only an array's whole 2 MiB pages are huge: the part past the last one (up to 2 MiB less
-4 KiB) stays on small pages, so memory grows with the array's bytes, not in 2 MiB steps.
-Until 2026-11-29 that last page was huge too and resident whole once touched: up to 2 MiB
-per array, 18 MB of the scale bench's 26-table store at 10 M rows (958 against 940 MB), 11 MB
-at 1 M. Arrays below 2 MiB stay on small pages (nothing to gain).
+4 KiB) stays on small pages, so memory grows with the array's bytes, not in 2 MiB steps: a
+huge last page would be resident whole once touched, up to 2 MiB more per array, tens of MB
+over a store of many tables. Arrays below 2 MiB stay on small pages (nothing to gain).
 """
 
 from __future__ import annotations

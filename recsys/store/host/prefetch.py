@@ -6,12 +6,11 @@ misses the caches, and the address of a visit a few iterations on is known long 
 ``prefetch(arr, i)`` asks for row ``i``'s first cache line that early. It changes no value,
 only timing; on a target without a prefetch instruction LLVM drops it.
 
-Measured inside a training run (``recsys bench train``'s job, 2026-11-26, docs/ARCHITECTURE.md):
-the probe went from 71 to 51 ns a key and the row-wise Adagrad update from 59 to 39 ns a row.
+Inside a training run (``recsys bench train``'s job) the hints shorten both the probe and the
+row-wise Adagrad update (docs/benchmarks-history.md has the figures).
 
 Write the hint inline in the kernel's loop: moved into a helper function (inlined by numba
-or called), the same hint made the Adagrad loop slower than no hint at all (66-95 against
-40 ns a row in a micro-benchmark).
+or called), the same hint made the Adagrad loop slower than no hint at all.
 """
 
 from __future__ import annotations
@@ -23,7 +22,8 @@ from numba.extending import intrinsic
 
 # How many keys / rows ahead the kernels ask. The kernels compile these in, and numba's
 # on-disk cache keys on the kernel's own file only: after changing them here, delete the
-# ``*.nbi`` / ``*.nbc`` files under ``recsys/store/__pycache__`` (or touch keymap.py and optim.py).
+# ``*.nbi`` / ``*.nbc`` files under ``recsys/store/tables/__pycache__`` (or touch the files
+# that import them: keymap.py, optim.py, table.py).
 KEYS_AHEAD = 12
 ROWS_AHEAD = 8
 

@@ -8,25 +8,25 @@ Two properties matter at tens of millions of keys, where the tier works every st
 
 - **Churn never rebuilds it.** A key is deleted by backward shift (the entries after it
   move back towards their homes), so no tombstone is ever left and the table only changes
-  size when the live keys outgrow it. (Until 2026-11-29 deletions left tombstones, and the
-  table was rebuilt whole whenever live keys and tombstones filled half of it, which churn
-  alone reached: under the tier's lock, so a step that needed the tier waited for it.)
+  size when the live keys outgrow it. (Tombstones would fill the table under churn alone and
+  force a rebuild of all of it, under the tier's lock, which a step that needs the tier waits
+  for.)
 - **Growing is spread over the calls around it** (as Redis grows its own dictionary).
   Past ``PREPARE_LOAD`` live keys a slot, a table twice as large is allocated and each
-  ``add`` and ``remove`` faults in a share of it (fresh memory costs its first write: on
-  this host's VM 1.6 ms a MiB, 0.1 for memory the process had before, so the first inserts
-  into a new 300 MB table took 0.47 s). Once all of it is in memory it becomes the table
-  inserts go to, and the old one is *drained*: each call of ``n`` keys also moves the
-  entries of ``max(DRAIN_MIN, DRAIN_PER_KEY · n)`` old slots into it. Until the old table is
-  drained a lookup probes both, and a deletion deletes in both (in the old one by marking
-  the slot deleted, so the drain's cursor never misses an entry). A bulk ``add`` (a key
-  list of at least a sixteenth of the table: the index's first build, a restore), or growth
-  past ``MAX_LOAD`` before the new table was ready, rebuilds at once instead.
+  ``add`` and ``remove`` faults in a share of it (fresh memory costs its first write, many
+  times what memory the process had before costs: faulted in at once, a table of hundreds
+  of MB would stall the call that first inserts into it). Once all of it is in memory it
+  becomes the table inserts go to, and the old one is *drained*: each call of ``n`` keys
+  also moves the entries of ``max(DRAIN_MIN, DRAIN_PER_KEY · n)`` old slots into it. Until
+  the old table is drained a lookup probes both, and a deletion deletes in both (in the old
+  one by marking the slot deleted, so the drain's cursor never misses an entry). A bulk
+  ``add`` (a key list of at least a sixteenth of the table: the index's first build, a
+  restore), or growth past ``MAX_LOAD`` before the new table was ready, rebuilds at once
+  instead.
 
 Memory: 9 bytes a slot at a load between 0.25 and 0.64: 14-36 bytes a key; while a growth
 faults in and drains, the old table and the new one hold three times the slots (up to ~54
-bytes a key). Before, tables were sized for a load of
-1/8 to 1/2: 18-72 bytes a key.
+bytes a key).
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ _INDEX_TAG = np.uint64(0x2545F4914F6CDD1D)
 PREPARE_LOAD = 0.5
 """Live keys per slot past which the next table (twice as many slots) is faulted in, a share
 per call; once it is all in memory it becomes the table in use and the old one drains. Probes
-get longer with the load: at 0.6 a lookup, delete and insert took 1.9x as long as at 0.3."""
+get longer with the load (lookups, deletions and inserts alike), so a table grows well before
+it is full."""
 MAX_LOAD = 0.85
 """Live keys per slot past which an add rebuilds at once (growth outran the calls' shares)."""
 FAULT_BYTES_PER_KEY = 128
