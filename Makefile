@@ -9,10 +9,9 @@ PYTEST_ARGS ?= --durations=25
 
 RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
 # Two processes by default (one on a one-core host): the data-parallel trainer with the
-# sharded store, which on the 2-core host now trains faster than one process of 2 threads
-# since the ranks of one host exchange through shared memory (2026-11-29, AMD EPYC:
-# `recsys bench train` 2 processes vs 1, paired, 1.079 and 1.072; the default job's
-# `recsys train` alone: see README). The job's batch is per process: NPROC=1 trains 2048 rows a step.
+# sharded store, whose ranks on one host exchange through shared memory, trains a 2-core host
+# faster than one process of 2 threads (BENCHMARKS.md, "Trainer": 2 processes vs 1; the default
+# job's `recsys train` alone: README). The job's batch is per process: NPROC=1 trains 2048 rows a step.
 NPROC ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 1)
 
 .PHONY: venv venv-cuda redis-server train serve test test-all data data-tiny bench-quick gpu-wheels gpu-check clean
