@@ -23,11 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install --quiet --upgrade pip
 	# torch first: its CPU wheel is pinned, so nothing later pulls a CUDA build.
 	$(PIP) install --quiet torch==2.13.0 fbgemm-gpu-cpu==1.8.0
-	$(PIP) install --quiet -e '.[test,cpu]'
+	$(PIP) install --quiet -e '.[test,bench,cpu]'
 	# torchrec's metadata asks for the CUDA fbgemm-gpu; its real requirements are in pyproject.
 	$(PIP) install --quiet --no-deps torchrec==1.8.0
 	# ISLP ships Bikeshare.csv, `recsys bench quality`'s bikeshare set; only the file is read
-	# (never imported), so none of its requirements (lightning, pygam, ...) is installed.
+	# (never imported), so none of its requirements (lightning, pygam, ...) is installed and
+	# it is not in the bench extra.
 	$(PIP) install --quiet --no-deps islp==0.6.0
 	@touch $(STAMP)
 
@@ -42,7 +43,7 @@ $(VENV_CUDA)/.installed: pyproject.toml Makefile
 	@test -x $(VENV_CUDA)/bin/python || $(PYTHON) -m venv $(VENV_CUDA) || python3 -m venv $(VENV_CUDA)
 	$(VENV_CUDA)/bin/python -m pip install --quiet --upgrade pip
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= $(VENV_CUDA)/bin/python -m pip install --quiet torch==2.13.0 fbgemm-gpu==1.8.0
-	$(VENV_CUDA)/bin/python -m pip install --quiet -e '.[test,cuda]'
+	$(VENV_CUDA)/bin/python -m pip install --quiet -e '.[test,bench,cuda]'
 	$(VENV_CUDA)/bin/python -m pip install --quiet --no-deps torchrec==1.8.0
 	$(VENV_CUDA)/bin/python scripts/check_cuda_env.py
 	@touch $@

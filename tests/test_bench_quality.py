@@ -5,6 +5,10 @@ its own runs. Figures are not asserted."""
 from __future__ import annotations
 
 import json
+import re
+import sys
+import tomllib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -165,3 +169,43 @@ def test_bikeshare_comes_from_the_installed_islp_without_the_riders_split():
                      "weathersit": "clear"}
     assert set(cols) == {"label", *s.dense, *s.ids}
     assert not {"casual", "registered", "bikers"} & set(cols)  # they sum to the count: a leak
+
+
+@pytest.mark.parametrize("target", ["quality", "defaults"])
+@pytest.mark.parametrize("module, package", [("scipy", "scipy"), ("sklearn", "scikit-learn"),
+                                             ("statsmodels", "statsmodels")])
+def test_a_missing_package_of_the_bench_extra_is_one_line_naming_the_extra(target, module, package, tmp_path,
+                                                                          monkeypatch, capsys):
+    """Without the ``bench`` extra the command says what to install, before anything is trained."""
+    from recsys import cli
+
+    monkeypatch.setitem(sys.modules, module, None)  # find_spec: None, as when it is not installed
+    monkeypatch.setattr(quality, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(quality, "_synthetic", lambda *a, **k: pytest.fail("work began before the check"))
+    assert cli.main(["bench", target, "--quick"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"recsys bench: error: bench {target}: needs {package} (the bench extra): "
+                   "pip install -e '.[bench]'")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_the_bikeshare_set_without_islp_names_its_install(monkeypatch):
+    from recsys.errors import UserError
+
+    monkeypatch.setitem(sys.modules, "ISLP", None)
+    quality.require_extra("quality", ("fair",))  # no bikeshare: ISLP is not needed
+    with pytest.raises(UserError, match=r"^bench quality: the bikeshare set needs ISLP: "
+                                        r"pip install --no-deps islp==0\.6\.0$"):
+        quality.require_extra("quality", ("fair", "bikeshare"))
+    with pytest.raises(UserError, match=r"the bikeshare set needs ISLP: pip install --no-deps islp"):
+        quality.read_set(quality.SETS["bikeshare"])
+
+
+def test_the_bench_extra_declares_every_package_the_bench_needs_and_make_venv_installs_it():
+    root = Path(__file__).resolve().parent.parent
+    extras = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    declared = {re.match(r"[A-Za-z0-9_.-]+", req).group(0).lower() for req in extras["bench"]}
+    assert declared == set(quality.BENCH_EXTRA.values())
+    makefile = (root / "Makefile").read_text()
+    installs = re.findall(r"install --quiet -e '\.\[([a-z,]+)\]'", makefile)
+    assert len(installs) == 2 and all("bench" in extra.split(",") for extra in installs), installs  # venv, venv-cuda

@@ -93,6 +93,7 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
             candidates: dict[str, list[str]] | None = None, splits: int | None = None,
             threads: int | None = None, log=print) -> dict:
     """Train every set's bare job once per candidate and repetition; return the figures."""
+    quality.require_extra("defaults", sets or (QUICK_SETS if quick else SETS_RUN))
     candidates = candidates or {"defaults": [], "previous": overrides_of(PREVIOUS)}
     labels = list(candidates)
     if len(labels) < 2:
