@@ -49,7 +49,7 @@ from embedding_server.catalog import IdError
 from embedding_server.fastpath import FrontedApp
 from embedding_server.metrics import Metrics
 from embedding_server.settings import ServeSettings
-from recsys.store.tables.keymap import distinct_inverse
+from recsys.store.tables.dedup import unique_inverse
 
 log = logging.getLogger(__name__)
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -316,7 +316,7 @@ def create_app(settings: ServeSettings, backend=None) -> FastAPI:
                 keys = cat.keys(feat, lk.ids, table)
             except IdError as exc:
                 raise _field_error(422, [*loc, "ids", exc.index], str(exc), "id_type") from None
-            uniq, inverse = distinct_inverse(keys)
+            uniq, inverse = unique_inverse(keys)
             prepared.append((table, uniq, inverse))
         fetched, live_step = await backend.rows(snap, [(table.name, uniq) for table, uniq, _ in prepared])
         out = []

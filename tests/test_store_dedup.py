@@ -87,6 +87,46 @@ def test_unique_inverse_first_appearance():
     np.testing.assert_array_equal(uniq[inv], keys)
 
 
+def _first_seen(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` reordered to first appearance."""
+    sorted_uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+    order = np.argsort(first)  # sorted position -> first-seen position
+    rank = np.empty_like(order)
+    rank[order] = np.arange(order.shape[0])
+    return sorted_uniq[order], rank[inverse.reshape(-1)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.integers(-4, 4), st.integers(-(2**63), 2**63 - 1)), max_size=300))
+def test_unique_inverse_is_numpys_unique_in_first_seen_order(values):
+    """What a live push and a served request rely on: each key once, in the order first seen,
+    and each key's index among them; ``np.unique(return_inverse=True)`` up to that order."""
+    keys = np.array(values, dtype=np.int64)
+    uniq, inverse = unique_inverse(keys)
+    want_uniq, want_inverse = _first_seen(keys)
+    np.testing.assert_array_equal(uniq, want_uniq)
+    np.testing.assert_array_equal(inverse, want_inverse)
+    assert uniq.dtype == inverse.dtype == np.int64
+
+
+def test_unique_inverse_takes_uint64_bit_patterns_and_refuses_other_input():
+    rng = np.random.default_rng(4)
+    for keys in (np.empty(0, np.int64), np.array([9], np.int64), np.repeat(np.array([3, -1, 7]), 5),
+                 np.array([0, -1, 2**63 - 1, -(2**63), 0, -1], np.int64), rng.integers(0, 3000, 10_000)):
+        uniq, inverse = unique_inverse(keys)
+        want_uniq, want_inverse = _first_seen(keys)
+        np.testing.assert_array_equal(uniq, want_uniq)
+        np.testing.assert_array_equal(inverse, want_inverse)
+    bits = rng.integers(0, 2**64 - 1, 100, dtype=np.uint64)
+    uniq, inverse = unique_inverse(np.concatenate([bits, bits[::-1]]))
+    np.testing.assert_array_equal(uniq, bits.view(np.int64))
+    np.testing.assert_array_equal(uniq[inverse], np.concatenate([bits, bits[::-1]]).view(np.int64))
+    with pytest.raises(ValueError, match="keys must be a 1-D array"):
+        unique_inverse(np.zeros((2, 2), np.int64))
+    with pytest.raises(TypeError, match="keys must be int64"):
+        unique_inverse(np.array([1.5]))
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 4), st.integers(0, 5), st.data())
 def test_unique_blocks_is_each_tables_unique_inverse_over_its_blocks(W, T, data):

@@ -409,21 +409,6 @@ def test_distinct_and_has_repeats_agree_with_numpy():
         assert has_repeats(values) == (np.unique(values).shape[0] != values.shape[0])
 
 
-def test_distinct_inverse_is_each_key_once_in_first_seen_order_with_the_inverse():
-    from recsys.store.tables.keymap import distinct_inverse
-
-    rng = np.random.default_rng(4)
-    for keys in (np.empty(0, np.int64), np.array([9], np.int64), rng.integers(-5, 5, 300),
-                 rng.integers(-(2**63), 2**63 - 1, 256), np.repeat(np.array([3, -1, 7]), 5),
-                 np.array([0, -1, 2**63 - 1, -(2**63), 0, -1], np.int64), rng.integers(0, 3000, 10_000)):
-        keys = np.asarray(keys, dtype=np.int64)
-        uniq, inverse = distinct_inverse(keys)
-        _, first = np.unique(keys, return_index=True)
-        np.testing.assert_array_equal(uniq, keys[np.sort(first)])  # each once, in the order first seen
-        np.testing.assert_array_equal(uniq[inverse], keys)
-        assert uniq.dtype == inverse.dtype == np.int64
-
-
 @pytest.mark.parametrize("capacity", [1, 1000, 1024, 1025, 65_537])
 def test_memory_per_slot_does_not_depend_on_the_capacity(capacity):
     """26 bytes a slot at any capacity (buckets of a 4-byte code, 2.5 a slot; key and meta

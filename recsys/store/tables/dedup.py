@@ -1,24 +1,38 @@
 """Hash-based dedup of 64-bit keys: unique keys in first-appearance order plus the inverse.
 
-``np.unique`` sorts (O(n log n)) and was the largest single cost of a lookup; an open-
-addressing pass is O(n) and ~8x faster on a batch's keys. ``index_batch`` does every
-table of a batch in one call, with a hash table sized to each table's ids (so it stays
-in cache). No validation: hot path.
+The one dedup of keys with their inverse: a batch's keys (``index_batch``), an owner's
+received blocks (``unique_blocks``), a live push's touched keys and a served request's ids
+(``unique_inverse``). Not ``np.unique``: it returns the keys sorted, in several array passes;
+one open-addressing pass is O(n) (the figures that chose it: docs/benchmarks-history.md,
+"Figures from module docstrings"). ``index_batch`` does every table of a batch in one
+call, with a hash table sized to each table's ids (so it stays in cache). The unique keys
+come in the order they first appear whatever the hash, so the salt ``unique_inverse`` hashes
+with never changes a result. No validation beyond ``as_keys`` in ``unique_inverse``; none in
+the batch kernels (hot path).
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 from numba import njit
 
 from recsys.features.hashing import fmix
+from recsys.store.tables.keymap import as_keys
+
+_SALT = np.uint64(int.from_bytes(os.urandom(8), "little"))
+"""Salts ``unique_inverse``'s hash per process: served ids come from clients, and both hashes
+on their way here are public, so ids chosen to share one probe run would otherwise cost
+quadratic time. The batch kernels hash unsalted (salt 0)."""
 
 
 @njit(inline="always")
-def _dedup(h_row, mask, key, uniq, n):
+def _dedup(h_row, mask, key, uniq, n, salt=np.uint64(0)):
     """Return (row of ``key``, rows so far): ``key``'s row in ``uniq`` if ``h_row`` (open
-    addressing, -1 = empty, ``mask`` = its size - 1) has it, else ``n`` after adding it."""
-    h = np.int64(fmix(np.uint64(key)) & mask)
+    addressing, -1 = empty, ``mask`` = its size - 1, home bucket from the hash of
+    ``key ^ salt``) has it, else ``n`` after adding it."""
+    h = np.int64(fmix(np.uint64(key) ^ salt) & mask)
     while True:
         r = h_row[h]
         if r < 0:
@@ -35,22 +49,26 @@ def _table_size(n: int) -> int:
 
 
 @njit(nogil=True, cache=True)
-def _unique_kernel(keys, h_row, uniq, inverse):
+def _unique_kernel(keys, h_row, uniq, inverse, salt):
     mask = np.uint64(h_row.shape[0] - 1)
     n = 0
     for i in range(keys.shape[0]):
-        inverse[i], n = _dedup(h_row, mask, keys[i], uniq, n)
+        inverse[i], n = _dedup(h_row, mask, keys[i], uniq, n, salt)
     return n
 
 
 def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return (unique keys in first-appearance order, inverse) with ``uniq[inverse] == keys``."""
-    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    """Return (the distinct ``keys`` in the order they first appear, each key's index among
+    them), int64 both, with ``uniq[inverse] == keys``: ``np.unique(keys, return_inverse=True)``
+    but in first-appearance order, not sorted. ``keys``: 1-D, int64 or uint64 bit patterns
+    (``as_keys``). One compiled pass with a hash table at most half full, salted per process
+    (``_SALT``)."""
+    keys = as_keys(keys)
     n = keys.shape[0]
     h_row = np.full(_table_size(n), -1, dtype=np.int64)
     uniq = np.empty(n, dtype=np.int64)
     inverse = np.empty(n, dtype=np.int64)
-    n_uniq = _unique_kernel(keys, h_row, uniq, inverse)
+    n_uniq = _unique_kernel(keys, h_row, uniq, inverse, _SALT)
     return uniq[:n_uniq], inverse
 
 

@@ -58,19 +58,17 @@ were newer at scan time, and touches and inserts only happen at steps >= the sca
 ``assign`` may insert rows of any age: one older than the scan step drops the pool. When no
 key older than the current step remains, victims are chosen by an exact, uncached selection.
 
-Costs: 26 bytes per slot (buckets 10, key and meta 16), plus the free stack's used depth;
-35 until 2026-11-29, when step (8 B), call id (4), occupancy (1) and a free stack written in
-full (4) were separate arrays, and 65 while buckets held their key, until 2026-11-28. A lookup
-is one probe per input key (repeats included), plus for its new keys a second probe, and per
-evicted key a backward-shift deletion, which reads the key of each entry it moves past (to
-find that entry's home); a pool scan (a selection and a sort of P entries) reads the slot
-array once per ~C/8 evictions. Keys are not validated beyond dtype
+Costs: 26 bytes per slot (buckets 10, key and meta 16), plus the free stack's used depth
+(what earlier layouts cost: docs/benchmarks-history.md, "Figures from module
+docstrings"). A lookup is one probe per input key (repeats included), plus for its new keys a
+second probe, and per evicted key a backward-shift deletion, which reads the key of each entry
+it moves past (to find that entry's home); a pool scan (a selection and a sort of P entries)
+reads the slot array once per ~C/8 evictions. Keys are not validated beyond dtype
 and shape (hot path).
 """
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import numpy as np
@@ -81,7 +79,7 @@ from recsys.features.hashing import fmix
 from recsys.store.host import pages
 from recsys.store.host.prefetch import KEYS_AHEAD, prefetch
 
-__all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "distinct", "distinct_inverse", "has_repeats",
+__all__ = ["KeyMap", "MapUpdate", "FrequencySketch", "as_keys", "distinct", "has_repeats",
            "merge_sketch_states"]
 
 _CODE_BITS = 30
@@ -109,9 +107,9 @@ STEP_MIN, STEP_MAX = -(2**31), 2**31 - 1
 """The steps a map can store (32 bits of the meta word)."""
 BUCKETS_PER_SLOT = 2.5
 """Hash buckets per slot (> 2: see ``KeyMap.__init__``). A full map's probes then read 1.33
-buckets for a held key and 1.9 for an absent one; at 2.0 a lookup costs ~1.14x as much, at 4.0
-0.83-0.90x, for 8 bytes a slot per 0.5 (2026-11-27, 0.75 M and 3 M slots, when a bucket held
-its key: 16 bytes; now 4, so 2 bytes a slot per 0.5)."""
+buckets for a held key and 1.9 for an absent one (linear probing at 40 % load); fewer buckets
+make a lookup dearer, more make it cheaper, at 2 bytes a slot per 0.5 (the trade-off as
+measured: docs/benchmarks-history.md, "Figures from module docstrings")."""
 MAX_CAPACITY = 2**29 - 1
 """Slots one map holds at most: a bucket's 30-bit code names any of them or of a call's pending
 keys (codes below 2·C, short of the empty word's), and the buckets (``BUCKETS_PER_SLOT`` a
@@ -207,7 +205,7 @@ def _slot_of(buckets, rec, key, nb, nb_u, capacity):
 
 
 # The read-ahead of the probe and of ``find``. Each kernel allocates its ring of hashes
-# itself: a helper that allocated and returned it made both kernels 2x slower.
+# itself: a helper that allocated and returned it made both kernels markedly slower.
 @njit(inline="always")
 def _ask_home(buckets, hashes, keys, j, nb_u):
     """Hash key ``j`` into the ring ``hashes`` (position mod ``_RING``) and ask for its home
@@ -757,8 +755,8 @@ def distinct(values: np.ndarray) -> np.ndarray:
     """Return the distinct values of a 1-D array, sorted: one sort and one pass.
 
     Not ``np.unique(values)``: numpy 2.4 (the one installed) finds distinct values by
-    hashing, which measured 40-60x slower than this on random 64-bit keys (1.2 s against
-    25 ms for 1 M; a 10 M-row restore spent 18 of its 21 s there)."""
+    hashing, many times slower than one sort on random 64-bit keys (the figures:
+    docs/benchmarks-history.md, "Figures from module docstrings")."""
     values = np.sort(np.asarray(values).reshape(-1))
     if values.shape[0] < 2:
         return values
@@ -766,49 +764,6 @@ def distinct(values: np.ndarray) -> np.ndarray:
     keep[0] = True
     np.not_equal(values[1:], values[:-1], out=keep[1:])
     return values[keep]
-
-
-def distinct_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Return the distinct int64 ``keys`` in the order they first appear, and each key's
-    index among them (``uniq[inverse] == keys``). One compiled call with a small hash table:
-    for the few hundred keys of a served request, numpy's ``unique`` (eight array calls and
-    a sort) cost ~5x more than the work, and a sort alone 2.5x more than the table. The
-    table's hash is salted per process: served ids come from clients, and both hashes on
-    their way here are public, so ids chosen to share one probe run would otherwise cost
-    quadratic time."""
-    return _distinct_inverse_kernel(as_keys(keys), _DISTINCT_SALT)
-
-
-_DISTINCT_SALT = np.uint64(int.from_bytes(os.urandom(8), "little"))
-
-
-@njit(nogil=True, cache=True)
-def _distinct_inverse_kernel(keys, salt):
-    n = keys.shape[0]
-    size = 16
-    while size < 2 * n:  # at most half full
-        size <<= 1
-    mask = np.uint64(size - 1)
-    table = np.full(size, -1, dtype=np.int64)  # an index into uniq, or -1
-    uniq = np.empty(n, dtype=np.int64)
-    inverse = np.empty(n, dtype=np.int64)
-    m = 0
-    for i in range(n):
-        k = keys[i]
-        j = _hash(np.uint64(k) ^ salt) & mask
-        while True:
-            t = table[j]
-            if t < 0:
-                table[j] = m
-                uniq[m] = k
-                inverse[i] = m
-                m += 1
-                break
-            if uniq[t] == k:
-                inverse[i] = t
-                break
-            j = (j + np.uint64(1)) & mask
-    return uniq[:m].copy(), inverse
 
 
 def has_repeats(values: np.ndarray) -> bool:
