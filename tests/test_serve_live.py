@@ -491,6 +491,24 @@ def test_a_resumed_attempt_writes_guarded_until_it_passes_the_earlier_attempts_s
                                       (1, [0, 1, 2], 101)])
 
 
+def test_a_redis_that_lost_the_guard_script_gets_it_loaded_again(guard_redis):
+    """Redis restarted meanwhile (its scripts gone: SCRIPT FLUSH): the guarded call's error
+    comes back as a reply, not raised, so the writer loads the script again and its rows land."""
+    ns = f"guard{next(_namespaces)}"
+    ahead = LiveWriter(guard_redis.url, ns, buckets=8, group="attempt0", member="0")
+    push(ahead, [0, 1], 100)
+    behind = LiveWriter(guard_redis.url, ns, buckets=8, group="attempt1", member="0")
+    push(behind, [0, 2], 60)  # guarded (the other group's fence is at 100): the script loaded
+    client = redis.Redis.from_url(guard_redis.url)
+    client.script_flush()
+    client.close()
+    push(behind, [1, 3], 70)
+    assert behind.counters == {"rows_plain": 0, "rows_guarded": 4, "fence_conflicts": 0}
+    for writer in (ahead, behind):
+        writer.close()
+    final_check(guard_redis.url, ns, [(0, [0, 1], 100), (1, [0, 2], 60), (1, [1, 3], 70)])
+
+
 @given(per_writer=st.lists(st.lists(st.tuples(st.lists(st.integers(0, KEYS.shape[0] - 1), min_size=1, max_size=4,
                                                        unique=True), st.integers(0, 30)),
                                     min_size=1, max_size=8), min_size=2, max_size=4))

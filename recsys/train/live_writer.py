@@ -7,45 +7,21 @@ fence, the plain MSET transaction, the guard). Its commands are packed here with
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 
 import numpy as np
 
 from recsys.redisio import published as layout
+from recsys.redisio import resp
 from recsys.redisio.live import (GUARDED_SET, MAX_KEYS_PER_CALL, VERSION, decode, fence_allows, fence_key, head_key,
                                   head_steps, manifest_key, parse_manifest, row_keys, value_bytes, writers_key)
 from recsys.redisio.client import redact
 
 ROWS_PER_TRANSACTION = 4096
-"""Rows of one fenced MSET transaction: Redis runs an EXEC without serving anyone else, ~2.5 ms
-for 4,096 rows; a push of 80 k rows costs 20 transactions of two round trips each."""
-
-
-def _bulk(items_NL: np.ndarray) -> np.ndarray:
-    """uint8 [N, *]: each row of ``items_NL`` (all of one length) as a RESP bulk string."""
-    n, length = items_NL.shape
-    head = np.frombuffer(b"$%d\r\n" % length, dtype=np.uint8)
-    buf = np.empty((n, head.shape[0] + length + 2), dtype=np.uint8)
-    buf[:, : head.shape[0]] = head
-    buf[:, head.shape[0] : head.shape[0] + length] = items_NL
-    buf[:, -2:] = (13, 10)
-    return buf
-
-
-def _bulks(*parts: bytes | str) -> bytes:
-    """RESP bulk strings of a few arguments."""
-    out = []
-    for p in parts:
-        b = p.encode() if isinstance(p, str) else p
-        out.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(out)
-
-
-def command(*parts: bytes | str) -> bytes:
-    """Return one Redis command of a few arguments in the protocol (RESP)."""
-    return b"*%d\r\n" % len(parts) + _bulks(*parts)
+"""Rows of one fenced MSET transaction: Redis runs an EXEC without serving anyone else, so a
+transaction stays short (its cost: docs/benchmarks-history.md, "Figures from module
+docstrings"); a push of R rows costs ceil(R / 4,096) transactions of two round trips each."""
 
 
 def pack_evalsha(sha: str, fence: tuple[str, str] | None, writer: str, step_hex: bytes, names_NK: np.ndarray,
@@ -54,14 +30,9 @@ def pack_evalsha(sha: str, fence: tuple[str, str] | None, writer: str, step_hex:
     writer's fence key and the registry, or None (no fence: ``writer`` is not sent)."""
     n = names_NK.shape[0]
     keys = n + (2 if fence else 0)
-    head = b"*%d\r\n" % (3 + keys + 2 + n) + _bulks("EVALSHA", sha, b"%d" % keys, *(fence or ()))
-    return head + _bulk(names_NK).tobytes() + _bulks(writer if fence else "", step_hex) + _bulk(values_NV).tobytes()
-
-
-def pack_mset(names_NK: np.ndarray, values_NV: np.ndarray) -> bytes:
-    """Return ``MSET name value ...`` for these rows in RESP."""
-    n = names_NK.shape[0]
-    return b"*%d\r\n$4\r\nMSET\r\n" % (1 + 2 * n) + np.hstack([_bulk(names_NK), _bulk(values_NV)]).tobytes()
+    head = b"*%d\r\n" % (3 + keys + 2 + n) + resp.bulks("EVALSHA", sha, b"%d" % keys, *(fence or ()))
+    return (head + resp.bulk(names_NK).tobytes() + resp.bulks(writer if fence else "", step_hex)
+            + resp.bulk(values_NV).tobytes())
 
 
 def _transactions(chunks: list, rows: int) -> list[list]:
@@ -145,13 +116,13 @@ class LiveWriter:
         """Write ``(table, keys_N, float32 rows_ND)`` parts as rows of ``step``; return how
         many rows replaced an older one or were new (the others were as new already).
 
-        The commands are packed with numpy (every key and value of a table has one length)
-        and sent pipelined on one pooled connection; redis-py's own packing in Python cost
-        more than the rest of a push together (measured: 0.43 of 0.76 s for 50 k rows). One
-        Redis: fenced plain MSETs, each chunk that may meet a newer row guarded instead. A
-        Redis Cluster: guarded calls, per node (a call's keys share a hash slot); a slot that
-        moved fails the write with MOVED, and the caller's retry reconnects and reads the
-        slot map again."""
+        The commands are packed with numpy (``recsys.redisio.resp``: every key and value of a
+        table has one length) and sent pipelined on one pooled connection; redis-py's own
+        packing in Python cost more than the rest of a push together (docs/benchmarks-history.md,
+        "Figures from module docstrings"). One Redis: fenced plain MSETs, each chunk that
+        may meet a newer row guarded instead. A Redis Cluster: guarded calls, per node (a call's
+        keys share a hash slot); a slot that moved fails the write with MOVED, and the caller's
+        retry reconnects and reads the slot map again."""
         client = self.client
         cluster = hasattr(client, "get_primaries")
         step_hex = b"%016x" % step
@@ -162,7 +133,7 @@ class LiveWriter:
             names = layout.row_key_bytes(self.ns, VERSION, table, keys, self.buckets)
             values = value_bytes(step, rows, dtype)
             # a cluster: a call's keys must share a hash slot (one bucket per call); one Redis:
-            # any keys in one call (58 k rows: 113 calls instead of ~1,600)
+            # any keys in one call (a few calls of max_keys_per_call rows, not one per bucket)
             groups = layout.by_bucket(layout.buckets_of(keys, self.buckets)) if cluster else [slice(None)]
             for group in groups:
                 group_names, group_values = names[group], values[group]
@@ -187,12 +158,12 @@ class LiveWriter:
         written, or None (nothing written) when a row there may be as new (or another writer
         changed the fence meanwhile)."""
         registry, own_key = writers_key(self.ns), fence_key(self.ns, self.name)
-        with self._connection(client) as conn:  # WATCH belongs to a connection: one for the exchange
+        with resp.connection(client) as conn:  # WATCH belongs to a connection: one for the exchange
             for _ in range(3):  # until the registry holds no writer this one does not watch
                 fences = [fence_key(self.ns, w) for w in self._others]
-                _, members, steps = self._exchange(conn, [command("WATCH", registry, *fences),
-                                                          command("SMEMBERS", registry),
-                                                          command("MGET", own_key, *fences)])
+                _, members, steps = self._exchange(conn, [resp.command("WATCH", registry, *fences),
+                                                          resp.command("SMEMBERS", registry),
+                                                          resp.command("MGET", own_key, *fences)])
                 for r in (members, steps):
                     if isinstance(r, Exception):
                         raise r
@@ -201,14 +172,15 @@ class LiveWriter:
                 if others == self._others:
                     break
                 self._others = others
-                self._exchange(conn, [command("UNWATCH")])
+                self._exchange(conn, [resp.command("UNWATCH")])
             else:
                 return None  # writers keep joining: the guard does not need the registry read
             if not fence_allows(steps[0], steps[1:], step_hex):
-                self._exchange(conn, [command("UNWATCH")])
+                self._exchange(conn, [resp.command("UNWATCH")])
                 return None
-            packed = [command("MULTI")] + [pack_mset(n, v) for n, v in chunks]
-            packed += [command("SET", own_key, step_hex), command("SADD", registry, self.name), command("EXEC")]
+            packed = [resp.command("MULTI")] + [c for n, v in chunks for c in resp.pack(b"MSET", n, v, n.shape[0])]
+            packed += [resp.command("SET", own_key, step_hex), resp.command("SADD", registry, self.name),
+                       resp.command("EXEC")]
             replies = self._exchange(conn, packed)
         for r in replies:
             if isinstance(r, Exception):  # e.g. OOM while queueing: Redis discarded the transaction
@@ -256,38 +228,15 @@ class LiveWriter:
         raise AssertionError("unreachable")
 
     @staticmethod
-    @contextlib.contextmanager
-    def _connection(client):
-        """One pooled connection; dropped on any error (a half-read reply, or a WATCH or
-        MULTI left open, must not reach its next user)."""
-        pool = client.connection_pool
-        conn = pool.get_connection()
-        try:
-            yield conn
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            pool.release(conn)
-
-    @staticmethod
     def _exchange(conn, packed: list[bytes]) -> list:
-        """Send pre-packed commands (one each) pipelined; return their replies (errors as values)."""
-        import redis
-
-        conn.send_packed_command(packed)
-        out = []
-        for _ in packed:
-            try:
-                out.append(conn.read_response())
-            except redis.exceptions.ResponseError as exc:
-                out.append(exc)
-        return out
+        """Send pre-packed commands pipelined, all in one send; return their replies (errors as
+        values: a transaction's every reply is inspected)."""
+        return resp.exchange(conn, packed, window=None, errors_as_values=True)
 
     @classmethod
     def _send(cls, client, packed: list[bytes]) -> list:
         """Send pre-packed commands on one pooled connection; return their replies (errors as values)."""
-        with cls._connection(client) as conn:
+        with resp.connection(client) as conn:
             return cls._exchange(conn, packed)
 
     def read(self, table: str, keys_N: np.ndarray, dim: int, dtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
