@@ -309,3 +309,34 @@ def test_generate_accepts_a_custom_preset(tmp_path):
     oracle = synth.generate(custom, tmp_path)
     assert oracle["preset"] == "custom"
     assert oracle["train"]["rows"] == 900 and oracle["eval"]["rows"] == 300
+
+
+# --------------------------------------------------------------------------- the Zipf law
+
+
+def test_zipf_ranks_keep_their_draws():
+    """The synthetic data's ids (and the benches' traces) are these draws: a change to the
+    sampler changes every generated data set and its oracle."""
+    from recsys.io.zipf import zipf_ranks
+
+    assert zipf_ranks(np.random.default_rng(0), 12, 1000, 1.2).tolist() == [15, 1, 0, 0, 77, 257, 11, 33, 7, 351, 79, 0]
+    assert zipf_ranks(np.random.default_rng(0), 12, 2_000_000, 1.05).tolist() == [
+        1977, 10, 0, 0, 42342, 300958, 1220, 9313, 463, 480404, 44449, 0]
+    assert int(zipf_ranks(np.random.default_rng(0), 20_000, 1000, 1.2).sum()) == 1_375_718
+
+
+@pytest.mark.parametrize("s", [0.8, 1.0, 1.05, 1.3])
+def test_zipf_ranks_follow_the_rounded_power_law(s):
+    """Rank r (1-based) is drawn with probability ∫ x**-s over [r - 0.5, r + 0.5) / Z, Z =
+    ``zipf_norm`` (s = 1 included: the log-uniform limit); every rank in range."""
+    from recsys.io.zipf import zipf_norm, zipf_ranks
+
+    card, n = 50, 400_000
+    ranks = zipf_ranks(np.random.default_rng(7), n, card, s)
+    assert ranks.dtype == np.int64 and ranks.min() >= 0 and ranks.max() < card
+    edges = np.arange(card + 1) + 0.5
+    mass = np.diff(np.log(edges)) if s == 1.0 else np.diff(edges ** (1.0 - s)) / (1.0 - s)
+    assert mass.sum() == pytest.approx(zipf_norm(card, s))
+    want = mass / mass.sum()
+    got = np.bincount(ranks, minlength=card) / n
+    np.testing.assert_allclose(got, want, atol=4 * np.sqrt(want.max() / n))

@@ -6,7 +6,7 @@ dense columns, row-wise Adagrad at its lr, Adam, dim 16), with its sparse side r
 cardinalities' proportions scaled to a total of ``N`` distinct ids (a table keeps at least
 ``min(its Criteo cardinality, 100)`` ids, so the exact total, ``distinct_ids``, is a little
 above ``N``). Ids are drawn per table from a bounded Zipf(1.05) law over its universe
-(``recsys.io.synth._zipf_ranks``, seeded by (seed, table)) and hashed as the reader hashes
+(``recsys.io.zipf.zipf_ranks``, seeded by (seed, table)) and hashed as the reader hashes
 them. Batch 4096, 2 torch threads, one process: the ``Trainer`` itself, nothing skipped
 but the reader.
 

@@ -75,9 +75,9 @@ def capacities(s: Settings, unis: list[int], spill_fraction: float | None) -> li
 
 
 def _ranks(s: Settings, table: int, universe: int, n: int) -> np.ndarray:
-    from recsys.io.synth import _zipf_ranks
+    from recsys.io.zipf import zipf_ranks
 
-    return _zipf_ranks(np.random.default_rng([s.seed, table]), n, universe, s.zipf_a)
+    return zipf_ranks(np.random.default_rng([s.seed, table]), n, universe, s.zipf_a)
 
 
 # --------------------------------------------------------------------------- the plan

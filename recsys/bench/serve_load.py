@@ -6,8 +6,8 @@ SPEC: ``{"target": "http" | "redis", "url", "requests", "ids_per_request", "conc
 "num_ids", "zipf", "seed", "rate" (requests/s; 0 = closed loop, as fast as answered),
 "binary", "feature", "table", "version", "namespace", "buckets"}``.
 
-Ids follow a bounded Zipf law over ``num_ids`` raw ids (rank k drawn with probability
-∝ 1/k^zipf, ranks mapped to ids by a fixed permutation). Every target gets the same
+Ids follow a bounded Zipf law over ``num_ids`` raw ids (``recsys.io.zipf``: rank k drawn
+with probability about ∝ 1/k^zipf, ranks mapped to ids by a fixed permutation). Every target gets the same
 request sequence. ``http`` sends lookups to the service over keep-alive HTTP/1.1
 connections (a minimal client: httpx would cost more CPU than the server it measures);
 ``redis`` sends one MGET of the same rows' Redis keys per request (names built before
@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from recsys.io.zipf import zipf_ranks
+
 
 POPULARITY_SEED = 0
 """Seeds the permutation from Zipf ranks to ids: one popularity order for every run and
@@ -38,14 +40,11 @@ keeps its hot ids from one second to the next."""
 
 
 def zipf_ids(num_ids: int, count: int, s: float, seed: int) -> np.ndarray:
-    """Return ``count`` raw ids in ``[0, num_ids)`` drawn from a bounded Zipf law: ``seed``
-    draws the ranks, and rank k is always the same id (``POPULARITY_SEED``)."""
-    rng = np.random.default_rng(seed)
-    weights = 1.0 / np.arange(1, num_ids + 1, dtype=np.float64) ** s
-    cdf = np.cumsum(weights)
-    cdf /= cdf[-1]
-    ranks = np.searchsorted(cdf, rng.random(count))
-    return np.random.default_rng(POPULARITY_SEED).permutation(num_ids)[np.minimum(ranks, num_ids - 1)]
+    """Return ``count`` raw ids in ``[0, num_ids)`` drawn from a bounded Zipf law
+    (``recsys.io.zipf``): ``seed`` draws the ranks, and rank k is always the same id
+    (``POPULARITY_SEED``)."""
+    ranks = zipf_ranks(np.random.default_rng(seed), count, num_ids, s)
+    return np.random.default_rng(POPULARITY_SEED).permutation(num_ids)[ranks]
 
 
 class HttpConnection:

@@ -15,7 +15,7 @@ Four comparisons, one run (settings and versions go to the JSON):
    weights are our initial vectors of the same keys), so their losses must agree step by
    step: the JSON records the largest difference. Id universes are the Criteo Kaggle
    cardinalities (3 .. 10.1 M ids per table; capped in ``--quick``), ids drawn from a
-   bounded Zipf(1.05) and hashed to 64-bit keys. Samples/s = steps x batch / seconds.
+   bounded Zipf(1.05) (``recsys.io.zipf``, the synthetic data's law) and hashed to 64-bit keys. Samples/s = steps x batch / seconds.
 2. **Memory**: bytes per stored row of one ``EmbeddingTable`` filled to capacity (dim 64,
    row-wise Adagrad), counted as the ``nbytes`` of every array the table and its key map
    allocate (weights, optimizer state, buckets, slot arrays, eviction pool, sketch), vs
@@ -59,6 +59,7 @@ import numpy as np
 from numba import njit
 
 from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, versions
+from recsys.io.zipf import zipf_ranks
 
 # Criteo Kaggle (Display Advertising Challenge) categorical cardinalities, C1..C26.
 CRITEO_CARDINALITIES = (
@@ -109,16 +110,6 @@ QUICK = Settings(
 # --------------------------------------------------------------------------- the trace
 
 
-def _zipf_ranks(rng: np.random.Generator, universe: int, a: float, n: int) -> np.ndarray:
-    """Return ``n`` 0-based ranks of a Zipf(a) law bounded to ``universe`` values (exact CDF)."""
-    cdf = np.arange(1, universe + 1, dtype=np.float64)
-    np.power(cdf, -a, out=cdf)
-    np.cumsum(cdf, out=cdf)
-    cdf /= cdf[-1]
-    ranks = np.searchsorted(cdf, rng.random(n), side="right")
-    return np.minimum(ranks, universe - 1).astype(np.int64)
-
-
 def _table_name(t: int) -> str:
     return f"t{t:02d}"
 
@@ -130,7 +121,7 @@ def make_trace(s: Settings, n_batches: int) -> np.ndarray:
     out = np.empty((n_batches, s.tables, s.batch), dtype=np.int64)
     for t, universe in enumerate(s.universes):
         rng = np.random.default_rng([s.seed, t])
-        ranks = _zipf_ranks(rng, universe, s.zipf_a, n_batches * s.batch)
+        ranks = zipf_ranks(rng, n_batches * s.batch, universe, s.zipf_a)
         out[:, t, :] = hashing.hash_int64(ranks, _table_name(t)).reshape(n_batches, s.batch)
     return out
 
@@ -516,7 +507,7 @@ def _measure_lru(s: Settings) -> dict:
     from recsys.features import hashing
 
     rng = np.random.default_rng([s.seed, 1_000_003])
-    ranks = _zipf_ranks(rng, s.lru_universe, s.zipf_a, s.lru_ids)
+    ranks = zipf_ranks(rng, s.lru_ids, s.lru_universe, s.zipf_a)
     keys = hashing.hash_int64(ranks, "lru")
     batches = [np.unique(keys[i : i + s.lru_batch]) for i in range(0, s.lru_ids, s.lru_batch)]
     requests = np.concatenate(batches)

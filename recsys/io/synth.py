@@ -8,10 +8,10 @@
 
 Columns: ``row_id`` int64 (unique across train and eval), ``label`` int8, ``i1``..``i13``
 float32 heavy-tailed dense values (some nulls, never NaN/inf), ``c1``..``c26`` categorical
-ids drawn from Zipf laws (int64, or 8-hex-digit strings for ``c3 c9 c16 c22``; a null is an
-empty bag), ``m1`` list<int64> and ``m2`` list<string> multi-hot bags (some empty, a few
-null). A Zipf rank maps to its raw id through a per-(seed, feature) bijection, so ids look
-arbitrary rather than ``1..n``.
+ids drawn from Zipf laws (``recsys.io.zipf``; int64, or 8-hex-digit strings for ``c3 c9
+c16 c22``; a null is an empty bag), ``m1`` list<int64> and ``m2`` list<string> multi-hot
+bags (some empty, a few null). A Zipf rank maps to its raw id through a per-(seed, feature)
+bijection, so ids look arbitrary rather than ``1..n``.
 
 The hidden model::
 
@@ -58,6 +58,7 @@ import pyarrow.parquet as pq
 from recsys.eval.metrics import log_loss, roc_auc
 from recsys.features.hashing import hash_int64, table_salt
 from recsys.io.parquet_out import SplitWriter as _SplitWriter
+from recsys.io.zipf import zipf_norm, zipf_ranks
 
 __all__ = [
     "Preset",
@@ -335,13 +336,6 @@ class _Plan:
     bias: float = 0.0
 
 
-def _zipf_norm(card: int, s: float) -> float:
-    """Return the normalizer Z of the rank law: P(rank r) ≈ r ** -s / Z (r 1-based)."""
-    # The sampler below is a continuous power law on [0.5, card + 0.5), rounded.
-    a = 1.0 - s
-    return ((card + 0.5) ** a - 0.5**a) / a
-
-
 def _make_plan(preset: Preset, seed: int) -> _Plan:
     """Return the hidden model and column layout of ``preset`` for ``seed``."""
     columns = {}
@@ -353,7 +347,7 @@ def _make_plan(preset: Preset, seed: int) -> _Plan:
         # A bag element moves the logit by effect/length, so an occurrence in a bag of L
         # carries 1/L² of the information of a single-hot one: L·N elements, each worth 1/L².
         occurrences = REFERENCE_ROWS / (spec.mean_length if isinstance(spec, _Bag) else 1.0)
-        z = _zipf_norm(spec.cardinality, spec.exponent)
+        z = zipf_norm(spec.cardinality, spec.exponent)
         r0 = (occurrences / (z * LEARNABLE_COUNT)) ** (1.0 / spec.exponent)
         columns[spec.name] = _Column(
             spec=spec,
@@ -388,14 +382,6 @@ def _solve_bias(plan: _Plan) -> float:
 
 
 # --------------------------------------------------------------------------- sampling
-
-
-def _zipf_ranks(rng: np.random.Generator, n: int, card: int, s: float) -> np.ndarray:
-    """Return ``n`` 0-based ranks in ``[0, card)`` with P(rank r) ≈ ∝ (r + 1) ** -s."""
-    a = 1.0 - s
-    lo, hi = 0.5**a, (card + 0.5) ** a
-    x = (lo + rng.random(n) * (hi - lo)) ** (1.0 / a)
-    return np.clip(np.floor(x + 0.5).astype(np.int64), 1, card) - 1
 
 
 def _shrink(col: _Column, ranks: np.ndarray) -> np.ndarray:
@@ -433,7 +419,7 @@ def _sample(plan: _Plan, rng: np.random.Generator, n: int) -> dict:
     cats = {}
     for spec in _CATS:
         col = plan.columns[spec.name]
-        ranks = _zipf_ranks(rng, n, col.cardinality, spec.exponent)
+        ranks = zipf_ranks(rng, n, col.cardinality, spec.exponent)
         valid = rng.random(n) >= spec.null_fraction
         parts["cats"] += np.where(valid, _effects(col, ranks), 0.0)
         cats[spec.name] = (ranks, valid)
@@ -459,7 +445,7 @@ def _sample(plan: _Plan, rng: np.random.Generator, n: int) -> dict:
         valid = rng.random(n) >= spec.null_fraction
         lengths[~valid] = 0
         total = int(lengths.sum())
-        ranks = _zipf_ranks(rng, total, col.cardinality, spec.exponent)
+        ranks = zipf_ranks(rng, total, col.cardinality, spec.exponent)
         rows = np.repeat(np.arange(n), lengths)
         sums = np.bincount(rows, weights=_effects(col, ranks), minlength=n)
         parts["bags"] += sums / np.maximum(lengths, 1)
