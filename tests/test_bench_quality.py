@@ -115,10 +115,10 @@ def test_paired_difference_and_its_interval_against_scipy():
     base = [0.68, 0.73, 0.66, 0.70, 0.71]
     d = np.subtract(ours, base)
     low, high = stats.t.interval(0.95, len(d) - 1, loc=d.mean(), scale=stats.sem(d))
-    got = quality.paired(ours, base)
+    got = quality.paired_difference(ours, base)
     assert got["mean"] == pytest.approx(d.mean()) and got["splits"] == 5 and got["wins"] == 3
     assert (got["low"], got["high"]) == (pytest.approx(low), pytest.approx(high))
-    assert np.isnan(quality.paired([0.7], [0.6])["low"])  # one split: no interval
+    assert np.isnan(quality.paired_difference([0.7], [0.6])["low"])  # one split: no interval
 
 
 @pytest.mark.slow  # ~30-80 s: four quick trainings and baselines; make test ran 20:05 of pytest on 2026-11-27

@@ -101,7 +101,7 @@ def comparison(name: str, ours: float, baseline: float, unit: str, **extra) -> d
     }
 
 
-def paired(ours_s: list[float], baseline_s: list[float]) -> dict:
+def paired_ratio(ours_s: list[float], baseline_s: list[float]) -> dict:
     """Return the per-round rate ratios (ours over the baseline; ``paired_ratios``), their
     ``median_paired_ratio`` and ``spread`` [min, max], from the seconds each side took in the
     same rounds: a noisy moment slows both sides of a round alike, so paired ratios spread

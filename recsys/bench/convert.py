@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from recsys.bench import comparison, paired
+from recsys.bench import comparison, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW_GROUP = 131_072
@@ -114,7 +114,7 @@ def measure(quick: bool, data: Path | None = None) -> dict:
             continue
         comps.append(comparison(f"convert vs {name}", n / statistics.median(times["ours"]),
                                 n / statistics.median(times[name]), "rows/s", target_ratio=0.8,
-                                **paired(times["ours"], times[name])))
+                                **paired_ratio(times["ours"], times[name])))
     return {
         "comparisons": comps,
         "settings": {"file": str(path), "rows": n, "bytes": path.stat().st_size, "repeats": repeats,

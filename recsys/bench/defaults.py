@@ -17,7 +17,7 @@ Repetitions, paired: a set whose eval split holds fewer than ``quality.SMALL_EVA
 (fair, randhie, bikeshare) is scored on ``splits`` random splits (split k: shuffled and
 trained with seed k, as ``quality.repeated``); flights on split 0 with seeds 0, 1, 2; the
 synthetic set with seed 0 (``SYNTHETIC_SEEDS``). The figure per set is the paired difference in eval AUC (the
-first candidate − another), its mean and 95 % Student-t interval (``quality.paired``).
+first candidate − another), its mean and 95 % Student-t interval (``quality.paired_difference``).
 
 ``--quick``: the tiny synthetic set and fair, one repetition each, two epochs: the shape of
 the output, not the figures.
@@ -118,7 +118,7 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
             runs.append(row)
             log(f"defaults {name} {unit}: " + "  ".join(f"{m} {row[m]['auc']:.4f}" for m in labels))
         auc = {m: [r[m]["auc"] for r in runs] for m in labels}
-        diffs = {f"{labels[0]} - {m}": quality.paired(auc[labels[0]], auc[m]) for m in labels[1:]}
+        diffs = {f"{labels[0]} - {m}": quality.paired_difference(auc[labels[0]], auc[m]) for m in labels[1:]}
         results[name] = {"job": str(job), "runs": runs, "auc_mean": {m: float(np.mean(v)) for m, v in auc.items()},
                          "differences": diffs}
         for m in labels[1:]:

@@ -697,7 +697,7 @@ def split_overrides(root: Path) -> list[str]:
             f"data.eval.paths=['{root / 'eval'}']"]
 
 
-def paired(ours: list[float], baseline: list[float]) -> dict:
+def paired_difference(ours: list[float], baseline: list[float]) -> dict:
     """Mean paired difference ``ours - baseline`` over splits, with its 95 % Student-t interval."""
     from scipy import stats
 
@@ -742,11 +742,11 @@ def repeated(name: str, jobs: dict[str, Path], splits: int = SPLITS, threads: in
         log(f"{name} split {k}: " + "  ".join(f"{m} {row[m]['auc']:.4f}" for m in (*jobs, "gbdt", "logreg")))
     models = [*jobs, "gbdt", "logreg"]
     auc = {m: [r[m]["auc"] for r in per_split] for m in models}
-    differences = {f"{m} - {peer}": paired(auc[m], auc[peer]) for m in jobs for peer in ("logreg", "gbdt")}
+    differences = {f"{m} - {peer}": paired_difference(auc[m], auc[peer]) for m in jobs for peer in ("logreg", "gbdt")}
     labels = list(jobs)
     for i, a in enumerate(labels):
         for b in labels[i + 1:]:
-            differences[f"{b} - {a}"] = paired(auc[b], auc[a])
+            differences[f"{b} - {a}"] = paired_difference(auc[b], auc[a])
     return {"splits": per_split, "auc_mean": {m: float(np.mean(v)) for m, v in auc.items()},
             "auc_std": {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in auc.items()},
             "differences": differences, "jobs": {k: str(v) for k, v in jobs.items()}, "runs_dir": str(out_root)}

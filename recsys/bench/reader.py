@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
-from recsys.bench import comparison, paired
+from recsys.bench import comparison, paired_ratio
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "jobs" / "synthetic_small.toml"
@@ -132,7 +132,7 @@ def measure(quick: bool, data: Path | None = None) -> dict:
     return {
         "comparisons": [
             comparison(f"{name} vs raw iter_batches", n / best[name], raw_rate, "rows/s",
-                       **({} if name == first else {"target_ratio": 0.7}), **paired(times[name], times["raw"]))
+                       **({} if name == first else {"target_ratio": 0.7}), **paired_ratio(times[name], times["raw"]))
             for name in names
         ],
         "settings": {

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.bench import comparison, paired
+from recsys.bench import comparison, paired_ratio
 from recsys.testing.harness import start_redis, start_service, stop_process
 
 DIM = 64
@@ -157,7 +157,7 @@ def measure(quick: bool = False, data: Path | None = None) -> dict:
             stop_process(proc)
         shutil.rmtree(work, ignore_errors=True)
     def paired_to(name, base="raw_redis"):  # per-round ratios: both sides of a round ran back to back
-        return paired([1 / x["keys_per_s"] for x in closed[name]], [1 / x["keys_per_s"] for x in closed[base]])
+        return paired_ratio([1 / x["keys_per_s"] for x in closed[name]], [1 / x["keys_per_s"] for x in closed[base]])
 
     return {
         "comparisons": [

@@ -15,7 +15,8 @@ Four comparisons, one run (settings and versions go to the JSON):
    weights are our initial vectors of the same keys), so their losses must agree step by
    step: the JSON records the largest difference. Id universes are the Criteo Kaggle
    cardinalities (3 .. 10.1 M ids per table; capped in ``--quick``), ids drawn from a
-   bounded Zipf(1.05) (``recsys.io.zipf``, the synthetic data's law) and hashed to 64-bit keys. Samples/s = steps x batch / seconds.
+   bounded Zipf(1.05) (``recsys.io.zipf``, the synthetic data's law) and hashed to 64-bit
+   keys. Samples/s = steps x batch / seconds.
 2. **Memory**: bytes per stored row of one ``EmbeddingTable`` filled to capacity (dim 64,
    row-wise Adagrad), counted as the ``nbytes`` of every array the table and its key map
    allocate (weights, optimizer state, buckets, slot arrays, eviction pool, sketch), vs
@@ -58,7 +59,7 @@ import time
 import numpy as np
 from numba import njit
 
-from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, versions
+from recsys.bench import comparison, paired_ratio, with_passive_omp, quiet_fbgemm, versions
 from recsys.io.zipf import zipf_ranks
 
 # Criteo Kaggle (Display Advertising Challenge) categorical cardinalities, C1..C26.
@@ -268,7 +269,7 @@ def _measure_step(s: Settings) -> dict:
     return {
         "comparison": comparison(
             "train step: store vs fbgemm TBE (pre-remapped)", rate["ours"], rate["baseline"],
-            "samples/s", target_ratio=0.8, **paired(times["ours"], times["baseline"]),
+            "samples/s", target_ratio=0.8, **paired_ratio(times["ours"], times["baseline"]),
         ),
         "detail": {
             "distinct_keys_per_table": distinct,

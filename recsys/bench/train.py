@@ -67,7 +67,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, versions
+from recsys.bench import comparison, paired_ratio, with_passive_omp, quiet_fbgemm, versions
 from recsys.bench.reader import ensure_data as ensure_small_data
 from recsys.errors import UserError
 from recsys.runtime.spawn import free_port
@@ -651,7 +651,7 @@ def _scaling(root: Path, s: Settings, run_dir: Path) -> dict:
         seconds = sum(x["timed_seconds"] for x in runs[world])
         out[name] = {**runs[world][-1], "samples_per_s": rows / seconds, "timed_rows": rows, "timed_seconds": seconds,
                      "rounds": runs[world]}
-    out["paired"] = paired([x["timed_seconds"] for x in runs[2]], [x["timed_seconds"] for x in runs[1]])
+    out["paired"] = paired_ratio([x["timed_seconds"] for x in runs[2]], [x["timed_seconds"] for x in runs[1]])
     return out
 
 
@@ -733,9 +733,9 @@ def _measure_all(root: Path, s: Settings) -> dict:
     auc_ours, auc_peer = ours_result.get("auc", float("nan")), peer_eval.get("auc", float("nan"))
     comparisons = [
         comparison("ours vs torchrec DMP fused", rate["ours"], rate["torchrec"], "samples/s", target_ratio=1.2,
-                   **paired(ours_segments, peer.timed_s)),
+                   **paired_ratio(ours_segments, peer.timed_s)),
         comparison("ours vs dense-only limit", rate["ours"], rate["dense_only"], "samples/s", target_ratio=0.8,
-                   **paired(ours_segments, limit.timed_s)),
+                   **paired_ratio(ours_segments, limit.timed_s)),
     ]
     if scaling is not None:
         comparisons.append(comparison("2 processes vs 1 (ours)", scaling["two_processes"]["samples_per_s"],

@@ -32,7 +32,7 @@ Timing: each side trains ``warmup_chunks × chunk (+1)`` untimed steps, then
 segment (the order rotates by one side each round, so every side runs in every position).
 A segment starts after ``torch.cuda.synchronize()`` and ends after another: samples/s =
 rows of the timed steps / their seconds; the JSON adds each side's per-segment median and
-min-max, and each ratio's paired median and min-max (``paired``: the segments of one round,
+min-max, and each ratio's paired median and min-max (``paired_ratio``: the segments of one round,
 run back to back, a noisy moment slowing both). (a), (a2) and (a3) each run in a process of
 their own (spawned; a ``Trainer`` owns its process's signal handler and store threads),
 paused inside their batch fetch as the CPU bench pauses its (a) (``PausingSource``): there
@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recsys.bench import comparison, paired, with_passive_omp, quiet_fbgemm, train, versions
+from recsys.bench import comparison, paired_ratio, with_passive_omp, quiet_fbgemm, train, versions
 from recsys.bench.train import ROOT, Limit, PausingSource, Peer, _silent, _table_rows, _window_phases, load_bench_job
 
 QUICK_DATA = ROOT / "bench-out" / "data" / "train-gpu-quick"
@@ -657,15 +657,15 @@ def _measure_all(root: Path, s: Settings) -> dict:
     seg = {name: side.timed_s for name, side in sides.items()}
     comparisons = [
         comparison("ours (GPU tables) vs plain PyTorch EmbeddingBag", rate["ours"], rate["plain_torch"],
-                   "samples/s", **paired(seg["ours"], seg["plain_torch"])),
+                   "samples/s", **paired_ratio(seg["ours"], seg["plain_torch"])),
         comparison("ours (GPU tables) vs dense-only limit", rate["ours"], rate["dense_only"], "samples/s",
-                   **paired(seg["ours"], seg["dense_only"])),
+                   **paired_ratio(seg["ours"], seg["dense_only"])),
         comparison(f"ours GPU cache {s.cache_fraction:.0%} vs store on host", rate["ours_cache"],
-                   rate["ours_host"], "samples/s", **paired(seg["ours_cache"], seg["ours_host"])),
+                   rate["ours_host"], "samples/s", **paired_ratio(seg["ours_cache"], seg["ours_host"])),
     ]
     if "torchrec" in rate:
         comparisons.append(comparison("ours (GPU tables) vs torchrec DMP fused", rate["ours"], rate["torchrec"],
-                                      "samples/s", **paired(seg["ours"], seg["torchrec"])))
+                                      "samples/s", **paired_ratio(seg["ours"], seg["torchrec"])))
     auc = {name: d["eval"].get("auc", float("nan")) for name, d in details.items() if "eval" in d}
     comparisons.append(comparison(
         "AUC ours vs plain PyTorch", auc["ours"], auc["plain_torch"], "AUC",
