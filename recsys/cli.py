@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="search a job's hyperparameters with Optuna (each trial a training run with early stopping)",
         description="Train the job once per trial with values drawn from the space (TPE), pruning trials whose "
         "validation evaluations fall behind (median pruner); the objective is the validation metric of "
-        "train.keep_best. Writes DIR/best.toml, DIR/trials.csv and plots; the study persists in --storage "
+        "train.eval.keep_best. Writes DIR/best.toml, DIR/trials.csv and plots; the study persists in --storage "
         "(default DIR/study.journal), so the same command continues it. Details: docs/tuning.md.",
     )
     p.add_argument("--config", required=True, type=Path, help="job file (TOML)")

@@ -9,6 +9,9 @@ data, type-check them, and write them back. Rules:
   a wrong type fails naming the path, the expected and the found type.
 - ``--set section.key=value`` parses ``value`` as a TOML value when it can (``3``,
   ``true``, ``[1, 2]``, ``"x"``) and as a bare string otherwise.
+- A key that moved to a section of its own (``MOVED``) fails in a job file or ``--set``
+  with one line naming its new place; a saved job (a checkpoint's config) is read with
+  its moved keys put in their new places (``saved_job``).
 
 No torch here: the module is imported by the CLI before any heavy import.
 """
@@ -39,8 +42,12 @@ class ConfigError(UserError):
 
 
 def from_dict(cls: type[T], data: Any, where: str = "") -> T:
-    """Return an instance of dataclass ``cls`` built from ``data`` (nested dicts/lists)."""
-    return _convert(cls, data, where or cls.__name__)
+    """Return an instance of dataclass ``cls`` built from ``data`` (nested dicts/lists); a
+    whole job (``JobConfig``) holding a key of ``MOVED`` fails naming its new place."""
+    where = where or cls.__name__
+    if cls is JobConfig and isinstance(data, dict):
+        check_moved(data, where)
+    return _convert(cls, data, where)
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:
@@ -147,6 +154,9 @@ def apply_overrides(data: dict, overrides: list[str], cls: type | None = None) -
             if tp is not None and dataclasses.is_dataclass(tp):
                 valid = sorted(f.name for f in dataclasses.fields(tp) if f.init)
                 if key not in valid:
+                    old = ".".join(keys[: i + 1])
+                    if cls is JobConfig and old in MOVED:
+                        raise ConfigError(f"--set {text!r}: {moved_message(old)}")
                     where = ".".join(keys[:i]) or "top level"
                     raise ConfigError(
                         f"--set {text!r}: unknown key {key!r} in {where}; valid keys are {valid}"
@@ -256,11 +266,13 @@ def _without_secrets(data: Any) -> Any:
 def saved_job(text: str, where: str) -> "JobConfig":
     """Return the job of a saved config (a checkpoint's ``meta.json`` ``config``), with the
     settings its recsys had implied where a default changed since
-    (``saved_model_settings``, ``saved_schema_settings``)."""
+    (``saved_model_settings``, ``saved_schema_settings``) and its keys of ``MOVED`` in their
+    new places (``move_keys``): a checkpoint written before a key moved still evaluates,
+    serves and exports."""
     from recsys.model.config import saved_model_settings
     from recsys.features.schema import saved_schema_settings
 
-    data = saved_schema_settings(saved_model_settings(tomllib.loads(text)))
+    data = saved_schema_settings(saved_model_settings(move_keys(tomllib.loads(text))))
     return from_dict(JobConfig, data, where)
 
 
@@ -293,11 +305,13 @@ class DataConfig:
     eval: ReaderConfig = dataclasses.field(
         default_factory=lambda: ReaderConfig(shuffle=False)
     )
-    """Evaluation split (read in order, once)."""
+    """Evaluation split (read in order, once: ``shuffle = false`` unless set)."""
     validation: ReaderConfig = dataclasses.field(
         default_factory=lambda: ReaderConfig(shuffle=False)
     )
-    """Validation split for the periodic evaluations during training (no paths: the eval split)."""
+    """Validation split for the periodic evaluations during training (``shuffle = false``
+    unless set; no paths: the eval split, or ``train.eval.validation_fraction``'s held-out
+    row groups)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -311,11 +325,13 @@ class JobConfig:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Data splits."""
     store: StoreConfig = dataclasses.field(default_factory=StoreConfig)
-    """Embedding store: sparse optimizer, initialization, admission, staleness."""
+    """Embedding store: sparse optimizer, initialization, admission, staleness; its spill tier,
+    device tiers and use of the host."""
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     """Dense model."""
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    """Training loop, checkpoints, logging."""
+    """Training loop: the dense optimizer and its schedule, evaluations, checkpoints, logging,
+    and how the processes run."""
     publish: PublishConfig = dataclasses.field(default_factory=PublishConfig)
     """Live pushes of fresh rows to the serving tier while training (``recsys serve --follow``)."""
 
@@ -323,3 +339,95 @@ class JobConfig:
 def load_job(path: str | os.PathLike, overrides: list[str] = ()) -> JobConfig:
     """Return the job at ``path`` with overrides applied; relative data paths resolve from the CWD."""
     return load(JobConfig, path, overrides)
+
+
+# --------------------------------------------------------------------------- moved keys
+
+
+MOVED: dict[str, str] = {
+    "store.spill_url": "store.spill.url",
+    "store.spill_password_file": "store.spill.password_file",
+    "store.spill_namespace": "store.spill.namespace",
+    "store.spill_takeover": "store.spill.takeover",
+    "store.spill_outage": "store.spill.outage",
+    "store.spill_hold_timeout_s": "store.spill.hold_timeout_s",
+    "store.spill_hold_max_rows": "store.spill.hold_max_rows",
+    "store.spill_delete_restored": "store.spill.delete_restored",
+    "store.spill_batch_rows": "store.spill.batch_rows",
+    "store.spill_queue_rows": "store.spill.queue_rows",
+    "store.spill_retries": "store.spill.retries",
+    "store.spill_backoff_s": "store.spill.backoff_s",
+    "store.spill_timeout_s": "store.spill.timeout_s",
+    "store.device_cache_rows": "store.device.cache_rows",
+    "store.device_memory_gb": "store.device.memory_gb",
+    "store.prefault": "store.host.prefault",
+    "store.huge_pages": "store.host.huge_pages",
+    "store.threads": "store.host.threads",
+    "store.waiter_helps": "store.host.waiter_helps",
+    "store.keep_freed_memory": "store.host.keep_freed_memory",
+    "train.optimizer": "train.optim.name",
+    "train.fused_optimizer": "train.optim.fused",
+    "train.lr": "train.optim.lr",
+    "train.weight_decay": "train.optim.weight_decay",
+    "train.clip_grad_norm": "train.optim.clip_grad_norm",
+    "train.warmup_steps": "train.schedule.warmup_steps",
+    "train.decay": "train.schedule.decay",
+    "train.min_lr_ratio": "train.schedule.min_lr_ratio",
+    "train.eval_every": "train.eval.every",
+    "train.eval_every_epochs": "train.eval.every_epochs",
+    "train.eval_max_rows": "train.eval.max_rows",
+    "train.keep_best": "train.eval.keep_best",
+    "train.early_stopping_patience": "train.eval.early_stopping_patience",
+    "train.validation_fraction": "train.eval.validation_fraction",
+    "train.checkpoint_every_steps": "train.checkpoint.every_steps",
+    "train.checkpoint_every_minutes": "train.checkpoint.every_minutes",
+    "train.keep_last": "train.checkpoint.keep_last",
+    "train.threads": "train.runtime.threads",
+    "train.optimizer_threads": "train.runtime.optimizer_threads",
+    "train.idle_background": "train.runtime.idle_background",
+    "train.pin_cores": "train.runtime.pin_cores",
+    "train.local_exchange": "train.runtime.local_exchange",
+    "train.collective_timeout_s": "train.runtime.collective_timeout_s",
+}
+"""Job keys that moved into a section of their component, old path -> new path. A job file
+or ``--set`` naming an old path fails with ``moved_message``; a saved job is moved
+(``move_keys``)."""
+
+
+def moved_message(old: str) -> str:
+    """Return the one-line error of the moved key ``old``: ``store.spill_url: moved to store.spill.url``."""
+    return f"{old}: moved to {MOVED[old]}"
+
+
+def _lookup(data: dict, path: str) -> tuple[dict, str] | None:
+    """Return (the table holding ``path``'s last key, that key) when ``data`` has ``path``."""
+    *parents, last = path.split(".")
+    node: Any = data
+    for key in parents:
+        node = node.get(key) if isinstance(node, dict) else None
+    return (node, last) if isinstance(node, dict) and last in node else None
+
+
+def check_moved(data: dict, where: str) -> None:
+    """Raise ``ConfigError`` (one line, naming every moved key's new place) when the job
+    ``data`` sets a key of ``MOVED``."""
+    found = [old for old in MOVED if _lookup(data, old) is not None]
+    if found:
+        raise ConfigError(f"{where}: " + "; ".join(moved_message(old) for old in found))
+
+
+def move_keys(data: dict) -> dict:
+    """Return the job ``data`` (plain data, changed in place) with every key of ``MOVED`` it
+    sets put at its new path."""
+    for old, new in MOVED.items():
+        hit = _lookup(data, old)
+        if hit is None:
+            continue
+        table, key = hit
+        value = table.pop(key)
+        *parents, last = new.split(".")
+        node = data
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = value
+    return data

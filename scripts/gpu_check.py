@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
                                   *cuda_tests], 240)
     steps.finish(generating, 600)
     sets = [f"data.train.paths=['{data / 'train'}']", f"data.eval.paths=['{data / 'eval'}']",
-            "train.epochs=1", "train.progress='none'", "train.eval_every=200"]
+            "train.epochs=1", "train.progress='none'", "train.eval.every=200"]
     steps.run("train", cli + ["train", "--config", "jobs/synthetic_small.toml", "--device", "cuda", "--run-dir",
                               str(run_dir), *[a for s in sets for a in ("--set", s)]], 240)
     for device in ("cuda", "cpu"):

@@ -214,7 +214,7 @@ def test_training_resume_with_admission_equals_the_uninterrupted_run(tiny_data, 
     import test_train as tt
 
     extra = ("store.min_count=2", f"store.staleness={staleness}", "train.max_steps=10",
-             "train.checkpoint_every_steps=4", "train.keep_last=5")
+             "train.checkpoint.every_steps=4", "train.checkpoint.keep_last=5")
     tt.run(tiny_data, tmp_path / "full", *extra)
     ckpt4 = tmp_path / "full" / "checkpoints" / "step-00000004"
     dense = torch.load(ckpt4 / "dense.pt", weights_only=True)

@@ -54,7 +54,7 @@ def test_measure_pairs_each_candidate_on_the_same_repetitions(tmp_path, monkeypa
     fair = result["sets"]["fair"]
     assert [r["unit"] for r in fair["runs"]] == ["split 0", "split 1", "split 2"]
     assert len(seen) == 6 and [s for s, _, _ in seen] == [0, 0, 1, 1, 2, 2]
-    assert all("train.threads=1" in o for _, _, o in seen)
+    assert all("train.runtime.threads=1" in o for _, _, o in seen)
     d = fair["differences"]["defaults - previous"]
     assert d["mean"] == pytest.approx(-0.003) and d["wins"] == 0 and d["splits"] == 3
     assert fair["auc_mean"]["defaults"] == pytest.approx(0.71)  # splits 0, 1, 2

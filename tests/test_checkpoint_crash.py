@@ -95,7 +95,7 @@ with open(out, "w") as fh:
 
 
 def _args(data: Path, run_dir: Path) -> list[str]:
-    extra = [f"train.max_steps={STEPS}", f"train.checkpoint_every_steps={EVERY}", f"train.keep_last={KEEP}"]
+    extra = [f"train.max_steps={STEPS}", f"train.checkpoint.every_steps={EVERY}", f"train.checkpoint.keep_last={KEEP}"]
     out = ["--config", str(JOB), "--run-dir", str(run_dir)]
     for o in overrides(data, *extra):
         out += ["--set", o]
@@ -185,8 +185,8 @@ TORCHRUN_KILLED_AT = 8
 def _launch(data: Path, run_dir: Path, fault: str | None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--nproc", "2", "--max-restarts", "1",
            "--run-dir", str(run_dir)]
-    for o in overrides(data, "data.train.batch_size=64", "train.max_steps=16", "train.checkpoint_every_steps=4",
-                       "train.keep_last=1", "train.collective_timeout_s=60"):
+    for o in overrides(data, "data.train.batch_size=64", "train.max_steps=16", "train.checkpoint.every_steps=4",
+                       "train.checkpoint.keep_last=1", "train.runtime.collective_timeout_s=60"):
         cmd += ["--set", o]
     env = {k: v for k, v in os.environ.items() if k != "RECSYS_FAULT_CHECKPOINT"}
     if fault:

@@ -126,3 +126,65 @@ def test_resolved_config_round_trips(job_file, tmp_path):
     job = load_job(job_file, ["data.train.batch_size=7"])
     path = config.write_resolved(job, tmp_path / "run")
     assert load_job(path) == job
+
+
+# --------------------------------------------------------------------------- keys that moved
+
+
+def test_a_moved_key_in_a_job_file_fails_with_one_line_naming_its_new_place(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text(JOB + '[store]\nlr = 0.1\nspill_url = "redis://cache:6379/0"\n')
+    with pytest.raises(ConfigError) as exc:
+        load_job(path)
+    assert str(exc.value) == f"{path}: store.spill_url: moved to store.spill.url"
+    path.write_text(JOB + "[train]\neval_every = 5\nlr = 0.01\nthreads = 1\n")  # several: all in one line
+    with pytest.raises(ConfigError) as exc:
+        load_job(path)
+    assert str(exc.value) == (f"{path}: train.lr: moved to train.optim.lr; train.eval_every: moved to train.eval.every; "
+                              "train.threads: moved to train.runtime.threads")
+
+
+def test_a_moved_key_in_an_override_fails_with_one_line_naming_its_new_place(job_file):
+    from recsys.errors import user_message
+
+    with pytest.raises(ConfigError) as exc:
+        load_job(job_file, ["store.spill_url='redis://:secret@cache:6379/0'"])
+    message = user_message(exc.value)
+    assert message.endswith(": store.spill_url: moved to store.spill.url") and "\n" not in message
+    assert "secret" not in message  # the override is quoted redacted, as every user error is
+    with pytest.raises(ConfigError, match=r"^--set 'train.keep_best=\"auc\"': train.keep_best: moved to "
+                                          r"train.eval.keep_best$"):
+        load_job(job_file, ['train.keep_best="auc"'])
+
+
+def test_every_moved_key_names_a_key_that_exists_now_and_its_old_path_does_not(job_file):
+    from recsys.config import MOVED, apply_overrides
+
+    assert len(MOVED) == 43
+    for old, new in MOVED.items():
+        apply_overrides({}, [f"{new}=0"], JobConfig)  # the new path is a key of the job
+        with pytest.raises(ConfigError, match=f": {old}: moved to {new}$"):
+            apply_overrides({}, [f"{old}=0"], JobConfig)
+
+
+def test_a_checkpoint_saved_with_flat_keys_is_read_with_them_in_their_new_places(job_file):
+    import tomllib
+
+    import tomli_w
+
+    from recsys.config import MOVED, dumps, saved_job
+
+    job = load_job(job_file, ["store.spill.url='redis://cache:6379/0'", "store.spill.retries=5",
+                              "store.host.threads=2", "train.eval.every=7", "train.eval.keep_best='auc'",
+                              "train.optim.lr=0.02", "train.runtime.collective_timeout_s=60.0"])
+    flat = tomllib.loads(dumps(job))
+    for old, new in MOVED.items():  # the job as a recsys before the move saved it: every key flat
+        section, group, key = new.split(".")
+        flat[section][old.split(".")[1]] = flat[section][group].pop(key)
+        if not flat[section][group]:
+            del flat[section][group]
+    text = tomli_w.dumps(flat)
+    assert "spill_url" in text and "eval_every = 7" in text and "[store.spill]" not in text
+    assert saved_job(text, "meta.json:config") == job
+    with pytest.raises(ConfigError, match="store.spill_url: moved to store.spill.url"):  # as a job file: refused
+        config.from_dict(JobConfig, tomllib.loads(text), "config.toml")

@@ -1,4 +1,4 @@
-"""``train.pin_cores``: each local process of a CPU job on its own share of the host's cores."""
+"""``train.runtime.pin_cores``: each local process of a CPU job on its own share of the host's cores."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def test_share_gives_each_local_rank_an_equal_contiguous_part():
 def _rank_cores(rank, world, data, run_dir, pin):
     from test_train import build
 
-    trainer = build(Path(data), Path(run_dir), "train.max_steps=2", f"train.pin_cores={pin}")
+    trainer = build(Path(data), Path(run_dir), "train.max_steps=2", f"train.runtime.pin_cores={pin}")
     try:
         trainer.train()
         masks = set()

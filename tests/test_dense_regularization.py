@@ -1,4 +1,4 @@
-"""The dense towers' regularization in a real trainer: ``train.weight_decay`` reaches every
+"""The dense towers' regularization in a real trainer: ``train.optim.weight_decay`` reaches every
 dense parameter (the towers, the paper-DeepFM's linear term, the dense columns' embeddings),
 and ``model.dropout`` trains and evaluates (dropout off in evaluation)."""
 
@@ -12,7 +12,7 @@ import test_train as tt
 @pytest.mark.parametrize("arch", ["dlrm", "deepfm"])
 def test_weight_decay_and_dropout_reach_the_dense_towers(tiny_data, tmp_path, arch):
     trainer = tt.build(tiny_data, tmp_path / "run", "train.max_steps=2", f"model.arch='{arch}'",
-                       "train.weight_decay=0.001", "model.dropout=0.2",
+                       "train.optim.weight_decay=0.001", "model.dropout=0.2",
                        "schema.dense_transform={i1='periodic', i2='quantile_buckets', '*'='signed_log1p'}")
     try:
         optimized = {id(p): g["weight_decay"] for g in trainer.opt.param_groups for p in g["params"]}

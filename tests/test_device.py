@@ -18,7 +18,7 @@ import pytest
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from recsys.store.config import StoreConfig
+from recsys.store.config import DeviceConfig, StoreConfig
 from recsys.store.device.cache import DeviceCache, device_budget_rows
 from recsys.store.device.table import DeviceTable
 from recsys.store.sharded.store import ShardedEmbeddingStore
@@ -68,24 +68,24 @@ def test_device_memory_budget_holds_whole_tables_when_they_fit_and_shares_it_oth
     per_row = D * 4 + 4  # float32 row + row-wise Adagrad's one float
     whole = sum(s.capacity for s in specs.values()) * per_row
     assert device_budget_rows(specs, _cfg()) == {}
-    fits = device_budget_rows(specs, _cfg(device_memory_gb=whole / 2**30))
+    fits = device_budget_rows(specs, _cfg(device=DeviceConfig(memory_gb=whole / 2**30)))
     assert fits == {n: s.capacity for n, s in specs.items()}
-    half = device_budget_rows(specs, _cfg(device_memory_gb=whole / 2 / 2**30))
+    half = device_budget_rows(specs, _cfg(device=DeviceConfig(memory_gb=whole / 2 / 2**30)))
     assert all(abs(half[n] - s.capacity // 2) <= 1 for n, s in specs.items())
     assert sum(half[n] for n in specs) * per_row <= whole / 2
-    with pytest.raises(ValueError, match="device_cache_rows .* or device_memory_gb .* not both"):
-        _cfg(device_memory_gb=1.0, device_cache_rows=10)
-    with pytest.raises(ValueError, match="device_memory_gb must be a number >= 0"):
-        _cfg(device_memory_gb=-1.0)
+    with pytest.raises(ValueError, match="cache_rows .* or memory_gb .* not both"):
+        DeviceConfig(memory_gb=1.0, cache_rows=10)
+    with pytest.raises(ValueError, match="memory_gb must be a number >= 0"):
+        DeviceConfig(memory_gb=-1.0)
 
 
 def test_a_budget_store_puts_every_table_on_the_device_and_trains_as_the_host_store():
-    """``device_memory_gb`` that holds every table puts each one whole on the device
+    """``store.device.memory_gb`` that holds every table puts each one whole on the device
     (``DeviceTable``; here the CPU device: the same code as on a GPU), all in one arena, and
     gathers and updates rows where they live, one call over all tables each; nothing
     changes in the numbers."""
     kjts = random_kjts(12, vocab=60, seed=3)
-    budget = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg(device_memory_gb=0.01), device="cpu")
+    budget = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg(device=DeviceConfig(memory_gb=0.01)), device="cpu")
     host = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg())
     try:
         assert all(isinstance(t, DeviceTable) and t.rows == 10_000 for t in budget.tables.values())
@@ -112,12 +112,12 @@ def test_whole_tables_on_the_device_evict_admit_and_train_exactly_as_the_host_st
     with pushes a step late (their slots checked against evictions since the lookup)."""
     cfg = kw
     kjts = random_kjts(30, vocab=90, seed=5)
-    whole = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(device_cache_rows=40, **cfg), device="cpu",
+    whole = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(device=DeviceConfig(cache_rows=40), **cfg), device="cpu",
                                   threaded=True)
     host = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(**cfg), threaded=True)
     try:
         assert all(isinstance(t, DeviceTable) for t in whole.tables.values())
-        partial = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(device_cache_rows=39, **cfg), device="cpu")
+        partial = ShardedEmbeddingStore(three_feature_schema(D, 40), _cfg(device=DeviceConfig(cache_rows=39), **cfg), device="cpu")
         assert all(isinstance(t, DeviceCache) for t in partial.tables.values())  # one row short: a cache
         partial.close()
         for step, (a, b) in enumerate(zip(train_pooled(whole, kjts, D), train_pooled(host, kjts, D))):
@@ -143,8 +143,8 @@ def test_a_device_table_checkpoints_pops_and_restores_its_device_rows():
     """The device's rows are what a checkpoint, ``pop_rows`` and evaluation see; rows loaded
     into a fresh store reach its device."""
     kjts = random_kjts(8, vocab=30, seed=7)
-    a = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg(device_memory_gb=0.01), device="cpu")
-    b = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg(device_memory_gb=0.01), device="cpu")
+    a = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg(device=DeviceConfig(memory_gb=0.01)), device="cpu")
+    b = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg(device=DeviceConfig(memory_gb=0.01)), device="cpu")
     host = ShardedEmbeddingStore(three_feature_schema(D, 100), _cfg())
     try:
         train_pooled(a, kjts, D)
@@ -229,7 +229,8 @@ def test_train_with_cuda_on_a_machine_without_a_gpu_is_one_line_before_anything_
 def test_a_store_on_the_gpu_trains_as_the_cpu_store(tier):
     """Host rows crossing to the GPU (pinned, side stream), a GPU cache of a quarter of the
     rows with evictions, and whole tables in GPU memory: the CPU store's numbers."""
-    kw = {"host": {}, "device_cache": {"device_cache_rows": 36}, "whole_tables": {"device_memory_gb": 0.01}}[tier]
+    kw = {"host": {}, "device_cache": {"device": DeviceConfig(cache_rows=36)},
+          "whole_tables": {"device": DeviceConfig(memory_gb=0.01)}}[tier]
     kjts = random_kjts(15, vocab=60, seed=4)
     gpu = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg(**kw), device="cuda", threaded=True)
     cpu = ShardedEmbeddingStore(three_feature_schema(D, 10_000), _cfg())
@@ -266,9 +267,9 @@ def test_training_on_the_gpu_evaluates_checkpoints_and_resumes_on_either_device(
     resumed on the GPU."""
     from recsys.eval.scoring import evaluate_checkpoint
 
-    extra = ["train.max_steps=12", "train.eval_every=6", "train.log_every=4"]
+    extra = ["train.max_steps=12", "train.eval.every=6", "train.log_every=4"]
     if store == "gpu_tier":
-        extra.append("store.device_memory_gb=0.5")
+        extra.append("store.device.memory_gb=0.5")
     gpu = _train(tiny_data, tmp_path / "gpu", "cuda", *extra)
     cpu = _train(tiny_data, tmp_path / "cpu", "cpu", *extra)
     assert gpu["step"] == cpu["step"] == 12

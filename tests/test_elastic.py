@@ -120,7 +120,7 @@ def _sets(data: Path, *extra: str) -> list[str]:
     """The scenario jobs' settings, one thread per worker everywhere: the same arithmetic with
     one node of two workers or two nodes of one (exact comparisons), and no oversubscription
     of this machine's cores."""
-    return job_overrides(data, "train.threads=1", *extra)
+    return job_overrides(data, "train.runtime.threads=1", *extra)
 
 
 def _report(name: str, **figures) -> None:
@@ -148,7 +148,7 @@ def test_a_node_leaves_and_one_joins_rows_exactly_once(tiny_data, tmp_path):
     # Batch 8: enough steps that the epoch outlasts a join (~16 s) on a fast host; at batch 16
     # a job on an AVX-512 host ended before the new node joined
     sets = _sets(tiny_data, "data.train.batch_size=8", "train.epochs=1", "train.log_every=2",
-                 "train.checkpoint_every_steps=25")
+                 "train.checkpoint.every_steps=25")
     figures = leave_and_join(run_dir, sets, 1)
     worlds = [w for _, w in figures["trajectory"]]
     assert worlds in ([2, 1, 2], [1, 2, 1, 2]), figures  # a may train alone until b joins
@@ -186,7 +186,7 @@ def _one_epoch_nodes(data: Path, run_dir: Path) -> Nodes:
     # batch 8: the epoch outlasts a node's join on a fast host (at 16, node a finished it alone
     # before node c joined, on this AVX-512 host on 2026-11-28, with and without that day's store)
     return Nodes(run_dir, _sets(data, "data.train.batch_size=8", "train.epochs=1", "train.log_every=2",
-                                "train.checkpoint_every_steps=25"))
+                                "train.checkpoint.every_steps=25"))
 
 
 @pytest.mark.multiproc
@@ -290,7 +290,7 @@ def test_two_then_one_then_three_workers_by_stop_and_resume(tiny_data, tmp_path)
     run_dir = tmp_path / "resized"
     # no periodic checkpoints: SIGTERM makes the ones to resume from
     sets = _sets(tiny_data, "data.train.batch_size=32", "train.epochs=1", "train.log_every=2",
-                 "train.checkpoint_every_steps=0")
+                 "train.checkpoint.every_steps=0")
     figures = stop_and_resume(run_dir, sets, [2, 1, 3], 12)
     assert [w for _, w in figures["trajectory"]] == [2, 1, 3], figures
     report = assert_exactly_once(run_dir, tiny_data, epochs=1)

@@ -121,7 +121,7 @@ def test_a_workers_user_error_is_printed_once(tiny, tmp_path):
         pq.write_table(table, bad / f.name)
     out = _run([*RECSYS, "train", "--config", str(JOB), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
                 *_sets(*overrides(bad.parent, f"data.train.paths=['{bad}']", f"data.eval.paths=['{tiny / 'eval'}']",
-                                  "train.collective_timeout_s=60"))], timeout=240)
+                                  "train.runtime.collective_timeout_s=60"))], timeout=240)
     line = _one_error_line(out)
     assert "label" in line and str(bad) in line and "null" in line
     assert "ChildFailedError" not in out.stderr and "exitcode" not in out.stderr  # torchrun's summary
@@ -200,7 +200,7 @@ def test_checkpoint_format_mismatch_is_one_line(tiny, checkpoint, tmp_path, entr
 
 def _launch(data: Path, run_dir: Path, tag: str) -> subprocess.Popen:
     cmd = [*RECSYS, "train", "--config", str(JOB), "--nproc", "2", "--run-dir", str(run_dir),
-           *_sets(*overrides(data, "data.train.batch_size=64", "train.collective_timeout_s=60"))]
+           *_sets(*overrides(data, "data.train.batch_size=64", "train.runtime.collective_timeout_s=60"))]
     log = open(run_dir.parent / f"{run_dir.name}.log", "a")  # noqa: SIM115 - the child keeps its copy
     try:
         return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True,

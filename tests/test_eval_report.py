@@ -18,7 +18,7 @@ def logged_run(tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("report_run")
     return train_tiny(out, "--set", "train.log_every=4", "--set", f"data.validation.paths=['{out / 'data' / 'eval'}']",
-                      "--set", "train.epochs=2", "--set", "train.eval_every_epochs=1", "--set", "train.keep_best='auc'")
+                      "--set", "train.epochs=2", "--set", "train.eval.every_epochs=1", "--set", "train.eval.keep_best='auc'")
 
 
 def test_report_writes_nonblank_curves_and_a_summary(logged_run, tmp_path, capsys):

@@ -30,8 +30,8 @@ def weighted(tiny_data, tmp_path_factory):
     eval_w = add_weights(tiny_data / "eval", root / "eval_w", seed=100)
     eval_ones = add_weights(tiny_data / "eval", root / "eval_ones", weights=ones)
     run = root / "run"
-    train(run, train_dir, eval_w, "schema.weight='w'", "train.max_steps=12", "train.checkpoint_every_steps=6",
-          "train.keep_last=5")
+    train(run, train_dir, eval_w, "schema.weight='w'", "train.max_steps=12", "train.checkpoint.every_steps=6",
+          "train.checkpoint.keep_last=5")
     return SimpleNamespace(run=run, step6=run / "checkpoints" / "step-00000006", eval_w=eval_w,
                            eval_ones=eval_ones)
 

@@ -239,11 +239,11 @@ def test_a_killed_worker_whose_rows_spill_resumes_over_its_earlier_rows_exactly(
 
 @pytest.mark.slow  # 77 s, most of it the collective timeout and torchrun's 30 s grace: make test stays < 20 min
 def test_a_stopped_worker_is_noticed_and_the_job_restarts_to_the_same_result(uninterrupted, tmp_path):
-    """SIGSTOP: the peer's collective times out after train.collective_timeout_s (not gloo's
+    """SIGSTOP: the peer's collective times out after train.runtime.collective_timeout_s (not gloo's
     30 minutes), it exits, torchrun kills the stopped worker and restarts both from the last
     checkpoint; the job ends exactly like the uninterrupted one."""
     data, reference = uninterrupted
-    job = _job(data, tmp_path / "stopped", uuid.uuid4().hex, "train.collective_timeout_s=15").start()
+    job = _job(data, tmp_path / "stopped", uuid.uuid4().hex, "train.runtime.collective_timeout_s=15").start()
     hit = _fault(job, [(25, 1)], signal.SIGSTOP)
     _wait(job.proc, job.run_dir, job.tag)
     _assert_resumed_from_last_checkpoint(job, hit)
@@ -310,8 +310,8 @@ def test_resume_where_one_rank_already_finished_the_epoch(tiny, tmp_path, after_
     short = min(batches)
     at = short + after_end
     assert at < max(batches), f"the scenario needs uneven ranks: {batches} batches per rank"
-    extra = ["data.train.batch_size=48", "train.epochs=2", f"train.checkpoint_every_steps={at}",
-             "train.keep_last=10", "train.collective_timeout_s=30"]
+    extra = ["data.train.batch_size=48", "train.epochs=2", f"train.checkpoint.every_steps={at}",
+             "train.checkpoint.keep_last=10", "train.runtime.collective_timeout_s=30"]
     full = run_distributed(_two_rank_run, 2, str(data), str(tmp_path / "full"), extra, None, timeout=120)
     ckpt = tmp_path / "full" / "checkpoints" / f"step-{at:08d}"
     assert (ckpt / "meta.json").exists()

@@ -172,7 +172,7 @@ def test_training_lowers_the_store_and_reader_only_for_the_dense_phase(tiny_data
 
 
 def test_training_without_idle_background_never_lowers(tiny_data, tmp_path, quiet_host):
-    in_forward, _ = _train_watching(tiny_data, tmp_path / "run", "train.max_steps=3", "train.idle_background=false")
+    in_forward, _ = _train_watching(tiny_data, tmp_path / "run", "train.max_steps=3", "train.runtime.idle_background=false")
     assert len(in_forward) > 3 and {p for seen in in_forward for p in seen.values()} == {os.SCHED_OTHER}
 
 

@@ -100,8 +100,8 @@ def test_every_live_row_is_the_trainers_row_at_the_step_it_names(tiny_data, tmp_
     """A checkpoint at every step; every snapshot's rows equal that step's checkpoint rows."""
     written = _record_writes(monkeypatch)
     run_dir = tmp_path / "run"
-    result = _train(tiny_data, run_dir, "data.train.batch_size=512", "train.checkpoint_every_steps=1",
-                    "train.keep_last=100", *_publish(redis_server.url, "publish.every_s=1e-9"))
+    result = _train(tiny_data, run_dir, "data.train.batch_size=512", "train.checkpoint.every_steps=1",
+                    "train.checkpoint.keep_last=100", *_publish(redis_server.url, "publish.every_s=1e-9"))
     assert result["step"] == 12
     # every_s tiny: one snapshot per push, each of exactly the keys that push updated
     assert [s for s, _ in written] == list(range(1, 13)), [s for s, _ in written]
@@ -131,7 +131,7 @@ def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_d
     written = _record_writes(monkeypatch)
     run_dir = tmp_path / "run"
     result = _train(tiny_data, run_dir, "model.wide=true", "data.train.batch_size=512", "train.log_every=4",
-                    "train.checkpoint_every_steps=1", "train.keep_last=100",
+                    "train.checkpoint.every_steps=1", "train.checkpoint.keep_last=100",
                     *_publish(redis_server.url, "publish.every_s=1e-9"))
     assert result["step"] == 12
     wide = [(s, parts) for s, parts in written if all(t.endswith(".wide") for t, _, _ in parts)]
@@ -202,7 +202,7 @@ def test_two_ranks_publish_their_own_shards(tiny_data, tmp_path, redis_server):
 
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--nproc", "2", "--run-dir", str(run_dir)]
-    for o in overrides(tiny_data, "data.train.batch_size=128", "train.threads=1",
+    for o in overrides(tiny_data, "data.train.batch_size=128", "train.runtime.threads=1",
                        *_publish(redis_server.url, "publish.every_s=0.05")):
         cmd += ["--set", o]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

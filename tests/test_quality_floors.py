@@ -29,7 +29,7 @@ pairs of the tiny set's features). On flights it trains well (docs/dense_and_arm
 
 Floors sit about 0.01 below the lowest seed, ceilings about 0.006 above the highest log loss.
 Broken on purpose (seed 0), every arm falls below its floor: frozen embeddings (``store.lr``
-1e-12, what a detached embedding does) 0.46-0.56; a frozen dense model (``train.lr`` 1e-12)
+1e-12, what a detached embedding does) 0.46-0.56; a frozen dense model (``train.optim.lr`` 1e-12)
 0.50-0.56, except wide, whose own arm still learns: 0.7169 (log loss 0.4344); both frozen
 0.47-0.53; the wide arm frozen (``model.wide_lr`` 1e-12): dlrm's 0.6855. The two tests at the
 end keep two of those breaks failing the floors, so a floor never drifts down to chance.

@@ -5,7 +5,7 @@
 - A job's ``config.toml`` and checkpoints keep its Redis URLs without the password; a resumed
   run takes it from ``*_password_file`` or ``$REDIS_PASSWORD`` and connects (a real
   redis-server with ``--requirepass``), as does ``recsys serve``.
-- The messages that showed a raw URL (a bad spill_url scheme, an unreadable live manifest
+- The messages that showed a raw URL (a bad store.spill.url scheme, an unreadable live manifest
   and the takeover warning) show it redacted.
 """
 
@@ -70,16 +70,16 @@ def test_urls_without_a_password_are_unchanged(url):
 def test_an_unparsable_url_shows_nothing_of_its_password(url):
     """An unquoted '#' or '?' cuts the password in two; redis-py cannot parse it either."""
     assert redact(url) == "<unparsable url>"
-    with pytest.raises(ValueError, match="store.spill_url: not a valid Redis URL") as err:
-        check_url(url, "store.spill_url")
+    with pytest.raises(ValueError, match="store.spill.url: not a valid Redis URL") as err:
+        check_url(url, "store.spill.url")
     assert PASSWORD[:4] not in str(err.value) and PASSWORD[4:] not in str(err.value)
 
 
 def test_a_bad_spill_scheme_is_named_without_the_password():
-    from recsys.store.config import StoreConfig
+    from recsys.store.config import SpillConfig
 
-    with pytest.raises(ValueError, match="spill_url") as err:
-        StoreConfig(spill_url=f"http://:{PASSWORD}@cache:6379/0")
+    with pytest.raises(ValueError, match="store.spill.url") as err:
+        SpillConfig(url=f"http://:{PASSWORD}@cache:6379/0")
     assert PASSWORD not in str(err.value) and "http://:***@cache:6379/0" in str(err.value)
 
 
@@ -106,8 +106,8 @@ def test_password_sources_in_order(tmp_path, monkeypatch):
     assert password_for(url) == "from-env" and client_options(url) == {"password": "from-env"}
     monkeypatch.delenv(PASSWORD_ENV)
     assert password_for(url) is None and client_options(url) == {}
-    with pytest.raises(ValueError, match=r"store.spill_password_file: cannot read the Redis password file .*nope"):
-        password_for(url, str(tmp_path / "nope"), "store.spill_password_file")
+    with pytest.raises(ValueError, match=r"store.spill.password_file: cannot read the Redis password file .*nope"):
+        password_for(url, str(tmp_path / "nope"), "store.spill.password_file")
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(ValueError, match="publish.redis_password_file: .*empty must hold one non-empty line"):
         password_for(url, str(tmp_path / "empty"), "publish.redis_password_file")
@@ -115,21 +115,21 @@ def test_password_sources_in_order(tmp_path, monkeypatch):
 
 def test_a_saved_job_holds_no_password(tmp_path):
     from recsys.config import JobConfig, dumps, from_dict, write_resolved
-    from recsys.store.config import StoreConfig
+    from recsys.store.config import SpillConfig, StoreConfig
     from recsys.train.config import PublishConfig
 
-    job = JobConfig(store=StoreConfig(spill_url=f"redis://:{PASSWORD}@cache:6379/0"),
+    job = JobConfig(store=StoreConfig(spill=SpillConfig(url=f"redis://:{PASSWORD}@cache:6379/0")),
                     publish=PublishConfig(redis=f"rediss://alice:{PASSWORD}@cache:6380/1?ssl_ca_certs=/ca.pem"))
     text = dumps(job)
     path = write_resolved(job, tmp_path)
     for saved in (text, path.read_text()):
         assert PASSWORD not in saved
-        assert 'spill_url = "redis://cache:6379/0"' in saved
+        assert '[store.spill]\nurl = "redis://cache:6379/0"' in saved
         assert 'redis = "rediss://alice@cache:6380/1?ssl_ca_certs=/ca.pem"' in saved
     import tomllib
 
     again = from_dict(JobConfig, tomllib.loads(text))  # still a job file
-    assert again.store.spill_url == "redis://cache:6379/0" and job.store.spill_url.endswith("@cache:6379/0")
+    assert again.store.spill.url == "redis://cache:6379/0" and job.store.spill.url.endswith("@cache:6379/0")
 
 
 # ------------------------------------------------------------------ with a real password-protected Redis
@@ -195,11 +195,11 @@ def test_a_resumed_run_takes_the_password_from_the_environment(locked_redis, tin
     env = {k: v for k, v in os.environ.items() if k != PASSWORD_ENV}
     first = _train(run_dir, JOB, env, f"data.train.paths=['{tiny_data / 'train'}']",
                    f"data.eval.paths=['{tiny_data / 'eval'}']", "train.max_steps=6", "schema.tables.c1.capacity=150",
-                   f"store.spill_url='redis://:{PASSWORD}@{where}'", f"publish.redis='redis://:{PASSWORD}@{where}'",
+                   f"store.spill.url='redis://:{PASSWORD}@{where}'", f"publish.redis='redis://:{PASSWORD}@{where}'",
                    "publish.namespace='secrets'", "publish.every_s=0.05")
     assert first.returncode == 0, first.stderr[-2000:]
     saved = (run_dir / "config.toml").read_text()
-    assert f'spill_url = "redis://{where}"' in saved and f'redis = "redis://{where}"' in saved
+    assert f'[store.spill]\nurl = "redis://{where}"' in saved and f'redis = "redis://{where}"' in saved
     assert (run_dir / "checkpoints" / "step-00000006" / "meta.json").is_file()
     assert _files_holding(run_dir, PASSWORD) == [] and PASSWORD not in first.stdout + first.stderr
     client = _client(locked_redis)

@@ -14,7 +14,7 @@ import torch
 
 from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
-from recsys.store.config import StoreConfig
+from recsys.store.config import DeviceConfig, SpillConfig, StoreConfig
 from recsys.store.device.cache import DeviceCache, apply_update_torch
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.tables.table import EmbeddingTable
@@ -143,7 +143,7 @@ def test_write_back_on_eviction_and_on_state_dict():
 def test_calls_larger_than_the_cache_are_refused_without_changes():
     host = EmbeddingTable("t", TableSpec(dim=D, capacity=100), cfg_for("sgd"))
     cache = DeviceCache(host, rows=2, device="cpu")
-    with pytest.raises(ValueError, match="device_cache_rows"):
+    with pytest.raises(ValueError, match="store.device.cache_rows"):
         cache.lookup(np.array([1, 2, 3]), 0)
     assert len(host) == 0 and cache.cached() == 0
 
@@ -154,7 +154,7 @@ def test_calls_larger_than_the_cache_are_refused_without_changes():
 @pytest.mark.parametrize("optimizer,staleness", [("rowwise_adagrad", 0), ("adam", 1)])
 def test_sharded_store_with_device_cache_matches_without(optimizer, staleness):
     kjts = random_kjts(15, vocab=60, seed=4)
-    with_cache = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(optimizer, staleness=staleness, device_cache_rows=36),
+    with_cache = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(optimizer, staleness=staleness, device=DeviceConfig(cache_rows=36)),
                                        device="cpu")
     without = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(optimizer, staleness=staleness))
     assert isinstance(with_cache.tables["item"], DeviceCache)
@@ -173,7 +173,7 @@ def test_sharded_store_with_device_cache_matches_without(optimizer, staleness):
 @pytest.mark.redis
 def test_cache_over_a_spilling_host_equals_an_unbounded_table(redis_server):
     """All three tiers: device cache (6 rows) ─► host (10 rows) ─► Redis; invisible to training."""
-    cfg = cfg_for("adam", spill_url=redis_server.url, spill_retries=1, spill_backoff_s=0.01)
+    cfg = cfg_for("adam", spill=SpillConfig(url=redis_server.url, retries=1, backoff_s=0.01))
     tiers = DeviceCache(EmbeddingTable("t", TableSpec(dim=D, capacity=10), cfg), rows=6, device="cpu")
     plain = EmbeddingTable("t", TableSpec(dim=D, capacity=1000), cfg_for("adam"))
     rng = np.random.default_rng(2)

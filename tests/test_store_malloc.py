@@ -40,12 +40,12 @@ def test_a_freed_block_is_reused_without_page_faults():
 def test_a_store_sets_it_unless_told_not_to(monkeypatch):
     from recsys.features.schema import FeatureSpec, Schema, TableSpec
     from recsys.store.sharded import store as sharded
-    from recsys.store.config import StoreConfig
+    from recsys.store.config import HostConfig, StoreConfig
 
     calls = []
     monkeypatch.setattr(sharded, "keep_freed_memory", lambda: calls.append(1))
     schema = Schema(tables={"t": TableSpec(dim=4, capacity=16)}, sparse=[FeatureSpec(name="f", table="t")])
-    sharded.ShardedEmbeddingStore(schema, StoreConfig(keep_freed_memory=False)).close()
+    sharded.ShardedEmbeddingStore(schema, StoreConfig(host=HostConfig(keep_freed_memory=False))).close()
     assert calls == []
     sharded.ShardedEmbeddingStore(schema, StoreConfig()).close()
     assert calls == [1]

@@ -9,7 +9,7 @@ import pytest
 from recsys.features import hashing
 from recsys.features.schema import TableSpec
 from recsys.store.host import pages
-from recsys.store.config import StoreConfig
+from recsys.store.config import HostConfig, StoreConfig
 from recsys.store.tables.keymap import KeyMap
 from recsys.store.tables.table import EmbeddingTable
 
@@ -113,7 +113,7 @@ def test_a_table_on_huge_pages_holds_the_same_rows():
     """Rows, optimizer state and key map on huge pages or not: every value the same, and
     the large arrays are where the setting says."""
     spec = TableSpec(dim=16, capacity=140_000)  # rows 8.5 MiB, keys and steps 2.1 MiB
-    tables = {hp: EmbeddingTable("t", spec, StoreConfig(optimizer="adam", huge_pages=hp)) for hp in (True, False)}
+    tables = {hp: EmbeddingTable("t", spec, StoreConfig(optimizer="adam", host=HostConfig(huge_pages=hp))) for hp in (True, False)}
     rng = np.random.default_rng(1)
     for step in range(4):
         keys = np.unique(hashing.hash_int64(rng.integers(0, 210_000, 70_000), "t"))  # evicts from step 3 on

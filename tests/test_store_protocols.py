@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from recsys.store import protocols
-from recsys.store.config import StoreConfig
+from recsys.store.config import DeviceConfig, StoreConfig
 from recsys.store.device.cache import DeviceCache
 from recsys.store.device.table import DeviceTable
 from recsys.store.sharded.store import Lookup, ShardedEmbeddingStore
@@ -50,7 +50,7 @@ def test_each_implementation_has_every_declared_method_with_its_parameters(proto
 def test_live_instances_satisfy_the_protocols():
     """``isinstance`` against a runtime-checkable protocol checks every member, attributes too."""
     schema = three_feature_schema(4, 100)
-    cfg = StoreConfig(device_cache_rows=20)
+    cfg = StoreConfig(device=DeviceConfig(cache_rows=20))
     deep = ShardedEmbeddingStore(schema, cfg)
     wide = WideStore(ShardedEmbeddingStore(schema, StoreConfig()), ShardedEmbeddingStore(wide_schema(schema),
                                                                                          StoreConfig()))
@@ -64,7 +64,7 @@ def test_live_instances_satisfy_the_protocols():
         assert all(isinstance(t, DeviceCache) for t in deep.tables.values())
         assert isinstance(deep.tables["user"].host, protocols.Table)
         assert not isinstance(object(), protocols.Table)  # the check can fail
-        whole = ShardedEmbeddingStore(schema, StoreConfig(device_cache_rows=100))  # holds each table whole
+        whole = ShardedEmbeddingStore(schema, StoreConfig(device=DeviceConfig(cache_rows=100)))  # holds each table whole
         assert all(isinstance(t, DeviceTable) and isinstance(t, protocols.Table) for t in whole.tables.values())
         whole.close()
     finally:

@@ -10,7 +10,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from dist_utils import run_distributed
 from recsys.features.schema import FeatureSpec, Schema, TableSpec
-from recsys.store.config import StoreConfig
+from recsys.store.config import HostConfig, StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore
 
 DIM = 4
@@ -319,7 +319,7 @@ def test_rows_gradient_and_pooled_gradient_are_pushed_together():
 
 @pytest.mark.parametrize("threaded", [False, True])
 def test_any_thread_count_gives_the_same_numbers(threaded):
-    """``store.threads``: tables split over threads (keys, rows, pooling backward, optimizer)
+    """``store.host.threads``: tables split over threads (keys, rows, pooling backward, optimizer)
     give bit-identical pooled outputs and rows,
     with evictions (capacity below the ids seen) and a mean-pooled bag sharing a table."""
     from store_data import random_kjts, three_feature_schema, train_pooled
@@ -329,7 +329,7 @@ def test_any_thread_count_gives_the_same_numbers(threaded):
     kjts = random_kjts(6, vocab=4000, seed=3, B=B)
     runs = {}
     for threads in (1, 2, 3):
-        store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.1, threads=threads), threaded=threaded)
+        store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.1, host=HostConfig(threads=threads)), threaded=threaded)
         assert store._lanes.n == threads
         pooled = train_pooled(store, kjts, dim)
         runs[threads] = (pooled, {t: v.sort_by("key") for t, v in store.state_dict().items()})
@@ -405,7 +405,7 @@ def test_a_failing_table_raises_as_in_table_order_with_threads(threaded):
                             lengths=torch.ones(24, dtype=torch.int32))
     messages = {}
     for threads in (1, 2, 3):
-        store = ShardedEmbeddingStore(schema, StoreConfig(threads=threads), threaded=threaded)
+        store = ShardedEmbeddingStore(schema, StoreConfig(host=HostConfig(threads=threads)), threaded=threaded)
         assert (store._board is not None) == threaded
         with pytest.raises(ValueError) as err:
             store.lookup(kjt, 0)
@@ -505,7 +505,7 @@ def test_waiter_help_changes_no_number():
     kjts = random_kjts(8, vocab=4000, seed=5, B=600)
     runs = []
     for helps in (False, True):
-        store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.1, waiter_helps=helps), threaded=True)
+        store = ShardedEmbeddingStore(schema, StoreConfig(lr=0.1, host=HostConfig(waiter_helps=helps)), threaded=True)
         assert (store._board is not None) == helps
         losses = train_steps_pipelined(store, kjts)
         runs.append((losses, {t: v.sort_by("key") for t, v in store.state_dict().items()}))

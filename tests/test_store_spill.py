@@ -22,7 +22,7 @@ from recsys.features import hashing
 from recsys.testing.harness import RedisServer
 from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
-from recsys.store.config import StoreConfig
+from recsys.store.config import DeviceConfig, SpillConfig, StoreConfig
 from recsys.store.tables.rowblock import RowBlock
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.spill.tier import SpillError, SpillTier
@@ -48,11 +48,11 @@ def closing():
             pass
 
 
-def cfg_for(url: str = "", **kw) -> StoreConfig:
-    base = dict(optimizer="adam", lr=0.05, weight_decay=0.01, spill_url=url, spill_namespace="recsys", spill_retries=2,
-                spill_backoff_s=0.01, spill_timeout_s=2.0)
-    base.update(kw)
-    return StoreConfig(**base)
+def cfg_for(url: str = "", spill: dict | None = None, **kw) -> StoreConfig:
+    """The tests' store settings; ``spill``: keys of ``[store.spill]`` over the tests' own."""
+    tier = SpillConfig(**{"url": url, "namespace": "recsys", "retries": 2, "backoff_s": 0.01, "timeout_s": 2.0,
+                          **(spill or {})})
+    return StoreConfig(**{"optimizer": "adam", "lr": 0.05, "weight_decay": 0.01, **kw}, spill=tier)
 
 
 def grads_for(keys: np.ndarray, rows: np.ndarray, step: int) -> np.ndarray:
@@ -147,15 +147,15 @@ def test_value_is_raw_little_endian_with_a_version_header(optimizer, dtype):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="spill_url"):
-        StoreConfig(spill_url="http://x")
-    with pytest.raises(ValueError, match="spill_queue_rows"):
-        StoreConfig(spill_batch_rows=100, spill_queue_rows=10)
-    with pytest.raises(ValueError, match="spill_namespace"):
-        StoreConfig(spill_namespace="a b")
-    with pytest.raises(ValueError, match="device_cache_rows"):
-        StoreConfig(device_cache_rows=-1)
-    assert StoreConfig(spill_retries=3, spill_backoff_s=0.1).spill_retry_budget_s() == pytest.approx(0.7)
+    with pytest.raises(ValueError, match="store.spill.url"):
+        SpillConfig(url="http://x")
+    with pytest.raises(ValueError, match="queue_rows must be >= batch_rows"):
+        SpillConfig(batch_rows=100, queue_rows=10)
+    with pytest.raises(ValueError, match="namespace must have no whitespace"):
+        SpillConfig(namespace="a b")
+    with pytest.raises(ValueError, match="cache_rows must be >= 0"):
+        DeviceConfig(cache_rows=-1)
+    assert SpillConfig(retries=3, backoff_s=0.1).retry_budget_s() == pytest.approx(0.7)
 
 
 # --------------------------------------------------------------------------- round trips
@@ -187,12 +187,12 @@ def test_evicted_row_comes_back_bit_identical(redis_server, closing, optimizer, 
     assert np.frombuffer(after[-1], np.int64)[0] == 4  # touched by the lookup
     assert np.array_equal(out[0], t.peek(np.array([42]))[0])
     t.flush()
-    assert r.exists(name) == 1  # kept (spill_delete_restored is off): stale, unread while 42 is here
+    assert r.exists(name) == 1  # kept (spill.delete_restored is off): stale, unread while 42 is here
     assert t.counters()["spill_unlinks"] == 0
 
 
 def test_a_restored_rows_kept_copy_is_never_read_and_its_next_eviction_overwrites_it(redis_server, closing):
-    """With ``spill_delete_restored`` off, a row back in memory keeps its Redis copy: a
+    """With ``spill.delete_restored`` off, a row back in memory keeps its Redis copy: a
     checkpoint does not read it (garbage there changes nothing), the row's next eviction
     writes its newer state over it, and a row popped from the table takes its copy along."""
     t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url))
@@ -232,7 +232,7 @@ def test_a_restored_rows_kept_copy_is_never_read_and_its_next_eviction_overwrite
 def test_prefetch_reads_no_copy_of_a_row_the_table_holds(redis_server, closing, delete_restored):
     """The store passes a coming lookup's every key to ``prefetch``; a held row's kept copy
     is stale, and reading it ahead would be wasted round trips."""
-    t = EmbeddingTable("u", TableSpec(dim=D, capacity=4), cfg_for(redis_server.url, spill_delete_restored=delete_restored))
+    t = EmbeddingTable("u", TableSpec(dim=D, capacity=4), cfg_for(redis_server.url, spill=dict(delete_restored=delete_restored)))
     closing(t)
     a, b = np.arange(4), np.arange(4, 8)
     t.lookup(a, 0)
@@ -247,7 +247,7 @@ def test_prefetch_reads_no_copy_of_a_row_the_table_holds(redis_server, closing, 
 def test_a_popped_rows_copy_is_gone_before_a_new_owner_can_write_it(redis_server, closing, delete_restored):
     """``pop_rows`` deletes the row's Redis copy before it returns: an UNLINK still queued
     then could land after the new owner's write of the same key and lose the row."""
-    cfg = cfg_for(redis_server.url, spill_delete_restored=delete_restored)
+    cfg = cfg_for(redis_server.url, spill=dict(delete_restored=delete_restored))
     a = EmbeddingTable("u", TableSpec(dim=D, capacity=2), cfg)
     b = EmbeddingTable("u", TableSpec(dim=D, capacity=2), cfg)
     closing(a)
@@ -277,7 +277,7 @@ def test_a_popped_rows_copy_is_gone_before_a_new_owner_can_write_it(redis_server
 
 
 def test_with_delete_restored_a_restored_rows_copy_is_deleted(redis_server, closing):
-    t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url, spill_delete_restored=True))
+    t = EmbeddingTable("user", TableSpec(dim=D, capacity=2), cfg_for(redis_server.url, spill=dict(delete_restored=True)))
     closing(t)
     r = raw_client(redis_server)
     closing(r)
@@ -325,7 +325,7 @@ def test_gradient_for_a_row_evicted_after_its_lookup_is_applied(redis_server, cl
 
 @pytest.mark.parametrize("delete_restored", [False, True])
 def test_rows_in_flight_or_pending_are_served_from_the_buffer(redis_server, closing, delete_restored):
-    cfg = cfg_for(redis_server.url, spill_delete_restored=delete_restored)
+    cfg = cfg_for(redis_server.url, spill=dict(delete_restored=delete_restored))
     t = EmbeddingTable("t", TableSpec(dim=D, capacity=2), cfg)
     closing(t)
     ref = EmbeddingTable("t", TableSpec(dim=D, capacity=100), cfg_for())
@@ -525,9 +525,9 @@ def test_redis_stopped_mid_run_raises_spill_error_and_never_reinitializes(redis_
         ref.apply_gradients(keys, grads_for(keys, expect, step), step)
     assert error is not None, "the outage was never noticed"
     assert step >= stop_at
-    assert elapsed < cfg.spill_retry_budget_s() + 3 * cfg.spill_timeout_s
+    assert elapsed < cfg.spill.retry_budget_s() + 3 * cfg.spill.timeout_s
     msg = str(error)
-    for part in ("'user'", redis_server.url, "3 attempt(s)", "No row was re-initialized", "spill_url"):
+    for part in ("'user'", redis_server.url, "3 attempt(s)", "No row was re-initialized", "store.spill.url"):
         assert part in msg, part
     assert "MGET" in msg or "MSET" in msg  # the read of a miss, or a write the next call reported
     # an evaluation read of a spilled key fails the same way instead of returning an init vector
@@ -627,7 +627,7 @@ def test_a_read_of_many_rows_never_piles_up_replies(redis_server, closing):
     r = raw_client(redis_server)
     closing(r)
     r.config_set("client-output-buffer-limit", "normal 1mb 1mb 0")
-    tier = SpillTier("user", D, cfg_for(redis_server.url, spill_batch_rows=100, spill_retries=0))
+    tier = SpillTier("user", D, cfg_for(redis_server.url, spill=dict(batch_rows=100, retries=0)))
     closing(tier)
     n = 400_000
     keys = np.arange(1, n + 1, dtype=np.int64)
@@ -707,8 +707,8 @@ def test_a_store_reads_spilled_rows_ahead_while_the_step_trains(redis_server, cl
     on the CPU) in front of the spilling host tables."""
     for staleness in (0, 1):
         spilled = ShardedEmbeddingStore(three_feature_schema(D, 36),
-                                        cfg_for(redis_server.url, staleness=staleness, device_cache_rows=cache_rows,
-                                                spill_namespace=f"ahead{staleness}-{cache_rows}"),
+                                        cfg_for(redis_server.url, staleness=staleness, device=DeviceConfig(cache_rows=cache_rows),
+                                                spill=dict(namespace=f"ahead{staleness}-{cache_rows}")),
                                         device="cpu", threaded=True)
         closing(spilled)
         plain = ShardedEmbeddingStore(three_feature_schema(D, 10_000), cfg_for(staleness=staleness), threaded=True)

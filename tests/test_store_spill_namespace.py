@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from recsys.features.schema import Schema, TableSpec, FeatureSpec
-from recsys.store.config import StoreConfig, run_namespace
+from recsys.store.config import SpillConfig, StoreConfig, run_namespace
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.spill.tier import SpillError
 from recsys.redisio.spill_layout import owner_key, spill_key
@@ -29,14 +29,14 @@ def schema(capacity: int = 4) -> Schema:
     return Schema(dense=["d"], tables={"user": TableSpec(dim=D, capacity=capacity)}, sparse=[FeatureSpec(name="user")])
 
 
-def cfg_for(url: str, **kw) -> StoreConfig:
-    base = dict(optimizer="adagrad", lr=0.1, spill_url=url, spill_retries=1, spill_backoff_s=0.01, spill_timeout_s=2.0)
-    base.update(kw)
-    return StoreConfig(**base)
+def cfg_for(url: str, **spill) -> StoreConfig:
+    """The tests' store settings; ``spill``: keys of ``[store.spill]`` over the tests' own."""
+    tier = SpillConfig(**{"url": url, "retries": 1, "backoff_s": 0.01, "timeout_s": 2.0, **spill})
+    return StoreConfig(optimizer="adagrad", lr=0.1, spill=tier)
 
 
-def store_for(url: str, run_dir, job: str = "job", **kw) -> ShardedEmbeddingStore:
-    return ShardedEmbeddingStore(schema(), cfg_for(url, **kw), run_dir=run_dir, job_name=job)
+def store_for(url: str, run_dir, job: str = "job", **spill) -> ShardedEmbeddingStore:
+    return ShardedEmbeddingStore(schema(), cfg_for(url, **spill), run_dir=run_dir, job_name=job)
 
 
 def train(store: ShardedEmbeddingStore, steps: int = 3, start: int = 0) -> None:
@@ -70,11 +70,11 @@ def test_run_namespace_is_stable_per_run_directory_and_distinct_between_runs(tmp
     assert a != run_namespace(tmp_path / "b", "clicks") != run_namespace(tmp_path / "a", "views")
     assert run_namespace(tmp_path, "my job*") .startswith("recsys-my_job_-")  # no space, no glob character
     cfg = StoreConfig()
-    assert cfg.spill_namespace == "" and cfg.spill_namespace_for(tmp_path / "a", "clicks") == a
-    assert StoreConfig(spill_namespace="mine").spill_namespace_for(tmp_path / "a", "clicks") == "mine"
+    assert cfg.spill.namespace == "" and cfg.spill.namespace_for(tmp_path / "a", "clicks") == a
+    assert SpillConfig(namespace="mine").namespace_for(tmp_path / "a", "clicks") == "mine"
     for bad in ("a b", "a*", "x[1]"):
-        with pytest.raises(ValueError, match="spill_namespace"):
-            StoreConfig(spill_namespace=bad)
+        with pytest.raises(ValueError, match="namespace must have no whitespace and no glob characters"):
+            SpillConfig(namespace=bad)
 
 
 def test_two_runs_with_the_same_tables_never_see_each_others_rows(redis_server, tmp_path):
@@ -144,7 +144,7 @@ def test_a_restore_sees_exactly_its_checkpoints_rows(redis_server, tmp_path):
 
 def check_spilled_after_restore(url: str, ns: str, saved_rows, table, delete_restored: bool) -> None:
     """Redis holds every checkpoint row the table does not hold and no key the checkpoint
-    lacks; the rows back in memory keep their copies unless ``spill_delete_restored``."""
+    lacks; the rows back in memory keep their copies unless ``spill.delete_restored``."""
     table.flush()
     held = set(table._map.items()[0].tolist())
     saved_keys = saved_rows.column("key").to_pylist()
@@ -161,9 +161,9 @@ def test_a_restore_in_the_running_process_leaves_redis_exactly_its_spilled_rows(
                                                                                 delete_restored):
     """Restored into the store that kept training: spilled rows of keys the checkpoint lacks
     are deleted, the checkpoint's rows replace the others, and Redis ends holding exactly the
-    checkpoint's rows the table does not hold (and, unless ``spill_delete_restored``, the
+    checkpoint's rows the table does not hold (and, unless ``spill.delete_restored``, the
     kept copies of rows it does)."""
-    store = store_for(redis_server.url, tmp_path / "run", spill_delete_restored=delete_restored)
+    store = store_for(redis_server.url, tmp_path / "run", delete_restored=delete_restored)
     try:
         train(store, steps=2)
         saved = store.state_dict()
@@ -182,11 +182,11 @@ def test_a_restore_in_the_running_process_leaves_redis_exactly_its_spilled_rows(
         store.close()
 
 
-def trained_tables(names, url: str, run, steps: int, **kw) -> tuple[Schema, ShardedEmbeddingStore]:
+def trained_tables(names, url: str, run, steps: int, **spill) -> tuple[Schema, ShardedEmbeddingStore]:
     """A store of 4-row tables ``names`` in ``run``, every table trained on ``KEYS`` (most spill)."""
     schema_ = Schema(dense=["d"], tables={n: TableSpec(dim=D, capacity=4) for n in names},
                      sparse=[FeatureSpec(name=n) for n in names])
-    store = ShardedEmbeddingStore(schema_, cfg_for(url, **kw), run_dir=run, job_name="job")
+    store = ShardedEmbeddingStore(schema_, cfg_for(url, **spill), run_dir=run, job_name="job")
     for step in range(steps):
         for n in names:
             for start in range(0, KEYS.shape[0], 4):
@@ -204,7 +204,7 @@ def test_a_store_built_to_restore_rewrites_its_earlier_rows_instead_of_deleting_
     to read them, and the load deletes those its checkpoint lacks (in a table it does not
     hold, all) and rewrites the others: no UNLINK of a row it writes again."""
     run = tmp_path / "run"
-    opt = {"spill_delete_restored": delete_restored}
+    opt = {"delete_restored": delete_restored}
     two, store = trained_tables(("user", "item"), redis_server.url, run, steps=3, **opt)
     saved = {"user": store.state_dict()["user"]}  # a checkpoint without "item"
     later = np.arange(100, 106, dtype=np.int64)  # spilled after it: in Redis, not in the checkpoint
@@ -273,7 +273,7 @@ def test_a_restore_of_several_spilled_tables_scans_the_namespace_once(redis_serv
 
 
 def test_a_namespace_owned_by_another_run_is_refused_unless_taken_over(redis_server, tmp_path):
-    shared = dict(spill_namespace="team")
+    shared = dict(namespace="team")
     a = store_for(redis_server.url, tmp_path / "run-a", job="a", **shared)
     train(a)
     client = redis.Redis.from_url(redis_server.url)
@@ -285,7 +285,7 @@ def test_a_namespace_owned_by_another_run_is_refused_unless_taken_over(redis_ser
         msg = str(err.value)
         assert "\n" not in msg
         for part in ("'team'", redis_server.url, str(tmp_path / "run-a"), "job 'a'", str(tmp_path / "run-b"),
-                     "spill_takeover"):
+                     "store.spill.takeover"):
             assert part in msg, part
         assert spilled_names(redis_server.url, "team"), "the refused run deleted the owner's rows"
         # the owner itself may restart: same run directory and job
@@ -295,7 +295,7 @@ def test_a_namespace_owned_by_another_run_is_refused_unless_taken_over(redis_ser
         a.close()
         # a foreign key in the namespace (not a table of this job) survives a takeover
         client.set("team:spill:other:0000000000000001", b"x")
-        b = store_for(redis_server.url, tmp_path / "run-b", job="b", spill_takeover=True, **shared)
+        b = store_for(redis_server.url, tmp_path / "run-b", job="b", takeover=True, **shared)
         try:
             assert json.loads(client.get(owner_key("team")))["job"] == "b"
             assert spilled_names(redis_server.url, "team") == [b"team:spill:other:0000000000000001"]

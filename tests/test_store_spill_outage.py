@@ -1,4 +1,4 @@
-"""Redis outages under the spill tier: ``store.spill_outage = "fail"`` (one clear error, nothing
+"""Redis outages under the spill tier: ``store.spill.outage = "fail"`` (one clear error, nothing
 lost, bit-exact after Redis returns) and ``"hold"`` (training goes on, evicted rows held in
 memory until Redis returns), against a real redis-server stopped and restarted mid-run.
 
@@ -17,7 +17,7 @@ import pytest
 from conftest import wait_until
 from recsys.testing.harness import RedisServer, start_redis
 from recsys.features.schema import FeatureSpec, Schema, TableSpec
-from recsys.store.config import StoreConfig
+from recsys.store.config import SpillConfig, StoreConfig
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.spill.tier import SpillError
 from recsys.store.tables.table import EmbeddingTable
@@ -35,11 +35,11 @@ def persistent_redis(tmp_path):
     server.stop()
 
 
-def cfg_for(url: str = "", **kw) -> StoreConfig:
-    base = dict(optimizer="adam", lr=0.05, spill_url=url, spill_namespace="outage", spill_retries=2,
-                spill_backoff_s=0.01, spill_timeout_s=1.0)
-    base.update(kw)
-    return StoreConfig(**base)
+def cfg_for(url: str = "", spill: dict | None = None) -> StoreConfig:
+    """The tests' store settings; ``spill``: keys of ``[store.spill]`` over the tests' own."""
+    tier = SpillConfig(**{"url": url, "namespace": "outage", "retries": 2, "backoff_s": 0.01, "timeout_s": 1.0,
+                          **(spill or {})})
+    return StoreConfig(optimizer="adam", lr=0.05, spill=tier)
 
 
 def grads_for(keys: np.ndarray, rows: np.ndarray, step: int) -> np.ndarray:
@@ -50,9 +50,10 @@ def grads_for(keys: np.ndarray, rows: np.ndarray, step: int) -> np.ndarray:
 class Pair:
     """A spilling table and an unbounded reference trained on the same keys, compared per step."""
 
-    def __init__(self, url: str, capacity: int = 4, **kw) -> None:
-        self.t = EmbeddingTable("user", TableSpec(dim=D, capacity=capacity), cfg_for(url, **kw))
-        self.ref = EmbeddingTable("user", TableSpec(dim=D, capacity=1000), cfg_for(**kw))
+    def __init__(self, url: str, capacity: int = 4, **spill) -> None:
+        """``spill``: keys of ``[store.spill]``."""
+        self.t = EmbeddingTable("user", TableSpec(dim=D, capacity=capacity), cfg_for(url, spill))
+        self.ref = EmbeddingTable("user", TableSpec(dim=D, capacity=1000), cfg_for(spill=spill))
         self.step = 0
 
     def train(self, keys) -> None:
@@ -84,7 +85,7 @@ def restart_later(server: RedisServer, delay: float) -> threading.Thread:
 
 
 def test_hold_trains_through_an_outage_and_loses_no_row(persistent_redis):
-    p = Pair(persistent_redis.url, spill_outage="hold", spill_hold_timeout_s=60)
+    p = Pair(persistent_redis.url, outage="hold", hold_timeout_s=60)
     try:
         for keys in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):  # 1-8 spilled to Redis
             p.train(keys)
@@ -116,8 +117,8 @@ def test_hold_trains_through_an_outage_and_loses_no_row(persistent_redis):
         p.close()
 
 
-def test_hold_gives_up_after_spill_hold_timeout_s_keeping_the_rows(persistent_redis):
-    p = Pair(persistent_redis.url, spill_outage="hold", spill_hold_timeout_s=1.0)
+def test_hold_gives_up_after_hold_timeout_s_keeping_the_rows(persistent_redis):
+    p = Pair(persistent_redis.url, outage="hold", hold_timeout_s=1.0)
     try:
         p.train([1, 2, 3, 4])
         p.train([5, 6, 7, 8])  # 1-4 spilled
@@ -133,7 +134,7 @@ def test_hold_gives_up_after_spill_hold_timeout_s_keeping_the_rows(persistent_re
         assert 0.9 <= time.monotonic() - t0 < 30
         msg = str(err.value)
         assert "\n" not in msg
-        for part in ("'user'", persistent_redis.url, "spill_hold_timeout_s", "No row was re-initialized",
+        for part in ("'user'", persistent_redis.url, "store.spill.hold_timeout_s", "No row was re-initialized",
                      "still held"):
             assert part in msg, part
         assert p.t.counters()["inserts"] == inserts  # the failed call initialized nothing
@@ -148,14 +149,14 @@ def test_hold_gives_up_after_spill_hold_timeout_s_keeping_the_rows(persistent_re
         p.close()
 
 
-def test_hold_refuses_more_held_rows_than_spill_hold_max_rows(persistent_redis):
-    p = Pair(persistent_redis.url, capacity=2, spill_outage="hold", spill_batch_rows=1, spill_queue_rows=2,
-             spill_hold_max_rows=3)
+def test_hold_refuses_more_held_rows_than_hold_max_rows(persistent_redis):
+    p = Pair(persistent_redis.url, capacity=2, outage="hold", batch_rows=1, queue_rows=2,
+             hold_max_rows=3)
     try:
         p.train([1, 2])
         persistent_redis.stop()
         p.train([3, 4])  # 1, 2 held
-        with pytest.raises(SpillError, match=r"4 evicted rows .*spill_hold_max_rows \(3\)"):
+        with pytest.raises(SpillError, match=r"4 evicted rows .*store.spill.hold_max_rows \(3\)"):
             p.t.lookup(np.array([5, 6]), p.step)  # 3, 4 evicted: 4 held
         # nothing lost: the rows that raised are held too, and written once Redis is back
         persistent_redis.restart()
@@ -175,7 +176,7 @@ def test_hold_refuses_more_held_rows_than_spill_hold_max_rows(persistent_redis):
 
 
 def test_fail_raises_one_line_then_resumes_bit_exact_after_redis_returns(persistent_redis):
-    p = Pair(persistent_redis.url, spill_outage="fail")
+    p = Pair(persistent_redis.url, outage="fail")
     try:
         for keys in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
             p.train(keys)
@@ -187,7 +188,7 @@ def test_fail_raises_one_line_then_resumes_bit_exact_after_redis_returns(persist
             p.t.lookup(np.array([1, 2]), p.step)
         msg = str(err.value)
         assert "\n" not in msg and persistent_redis.url in msg and "attempt(s)" in msg
-        assert "spill_outage = 'hold'" in msg
+        assert "store.spill.outage = 'hold'" in msg
         assert p.t.counters()["inserts"] == inserts
         persistent_redis.restart()
 
@@ -210,7 +211,7 @@ def test_fail_raises_one_line_then_resumes_bit_exact_after_redis_returns(persist
 @pytest.mark.parametrize("mode", ["fail", "hold"])
 def test_a_redis_that_lost_the_rows_is_an_error_never_a_reinitialization(redis_server, mode):
     """A restart without persistence loses spilled rows: the tier knows which it wrote."""
-    p = Pair(redis_server.url, spill_outage=mode)
+    p = Pair(redis_server.url, outage=mode)
     try:
         p.train([1, 2, 3, 4])
         p.train([5, 6, 7, 8])
@@ -236,7 +237,7 @@ def test_a_redis_that_lost_the_rows_is_an_error_never_a_reinitialization(redis_s
 def test_store_error_names_the_run_and_its_checkpoint(redis_server, tmp_path):
     """A store of a run adds which checkpoint is intact (here: none yet) to the one line."""
     schema = Schema(dense=["d"], tables={"user": TableSpec(dim=D, capacity=2)}, sparse=[FeatureSpec(name="user")])
-    store = ShardedEmbeddingStore(schema, cfg_for(redis_server.url, spill_namespace=""), run_dir=tmp_path / "run",
+    store = ShardedEmbeddingStore(schema, cfg_for(redis_server.url, spill=dict(namespace="")), run_dir=tmp_path / "run",
                                   job_name="j", threaded=True)
     try:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -275,8 +276,8 @@ SMALL = [f"schema.tables.{t}.capacity={300 if t[0] == 'c' else 1000}"
 
 
 def job_args(url: str, *extra: str) -> list[str]:
-    return [f"store.spill_url='{url}'", "store.spill_retries=2", "store.spill_backoff_s=0.02",
-            "store.spill_timeout_s=1.0", f"train.max_steps={STEPS}", *SMALL, *extra]
+    return [f"store.spill.url='{url}'", "store.spill.retries=2", "store.spill.backoff_s=0.02",
+            "store.spill.timeout_s=1.0", f"train.max_steps={STEPS}", *SMALL, *extra]
 
 
 def spill_totals(store) -> dict[str, int]:
@@ -316,13 +317,13 @@ def assert_rows_equal(got, want) -> None:
 
 def test_training_job_fails_in_one_line_and_resumes_exactly_from_the_intact_checkpoint(
         tiny_data, tmp_path, reference_run):
-    """spill_outage = "fail": Redis stopped mid-run; the job retries, then exits 2 with one
+    """store.spill.outage = "fail": Redis stopped mid-run; the job retries, then exits 2 with one
     line (which Redis, what failed, which checkpoint is intact); the checkpoint loads, and a
     resume after Redis returns (empty: no persistence) ends with the uninterrupted rows."""
     server = start_redis(tmp_path / "redis")
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "recsys.train", "--config", str(tt.JOB), "--run-dir", str(run_dir)]
-    for o in tt.overrides(tiny_data, *job_args(server.url, "train.checkpoint_every_steps=2")):
+    for o in tt.overrides(tiny_data, *job_args(server.url, "train.checkpoint.every_steps=2")):
         cmd += ["--set", o]
     proc = subprocess.Popen(cmd, cwd=tt.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     from recsys.checkpoint import read as checkpoint_files
@@ -407,13 +408,13 @@ class OutageSource:
 
 def test_training_job_holds_through_an_outage_and_ends_with_the_uninterrupted_rows(
         tiny_data, tmp_path, reference_run):
-    """spill_outage = "hold": Redis stopped at step 4 for 3 s; the job goes on (reads of rows
+    """store.spill.outage = "hold": Redis stopped at step 4 for 3 s; the job goes on (reads of rows
     only in Redis wait for it), finishes, and its rows and losses equal the uninterrupted run's."""
     from recsys.config import load_job
     from recsys.io.reader import ParquetReader
 
     server = start_redis(tmp_path / "redis", "--appendonly", "yes", "--appendfsync", "always")
-    extra = job_args(server.url, "store.spill_outage='hold'", "store.spill_hold_timeout_s=120")
+    extra = job_args(server.url, "store.spill.outage='hold'", "store.spill.hold_timeout_s=120")
     job = load_job(tt.JOB, tt.overrides(tiny_data, *extra))
     source = OutageSource(ParquetReader(job.data.train, job.schema), server, stop_at=4, outage_s=3.0)
     try:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from recsys.features import hashing
 from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
-from recsys.store.config import StoreConfig
+from recsys.store.config import HostConfig, StoreConfig
 from recsys.store.tables.float16 import to_float16, to_float32
 from recsys.store.tables.table import COUNTERS, EmbeddingTable, init_vectors
 
@@ -623,7 +623,7 @@ def test_store_config_checks_and_loads_from_plain_data():
 _PREFAULT_PROBE = r"""
 import sys
 from recsys.features.schema import TableSpec
-from recsys.store.config import StoreConfig
+from recsys.store.config import HostConfig, StoreConfig
 from recsys.store.tables.table import EmbeddingTable
 
 def rss():
@@ -632,7 +632,7 @@ def rss():
 
 before = rss()
 t = EmbeddingTable("t", TableSpec(dim=64, capacity=200_000),
-                   StoreConfig(optimizer=sys.argv[1], prefault=sys.argv[2] == "1"))
+                   StoreConfig(optimizer=sys.argv[1], host=HostConfig(prefault=sys.argv[2] == "1")))
 print(rss() - before, t.weights_CD.nbytes + sum(a.nbytes for a in t._state.values()))
 """
 
@@ -652,7 +652,7 @@ def test_prefault_commits_the_tables_memory_and_changes_no_row(optimizer):
         growth[prefault], committed = (int(x) for x in out.stdout.split())
     assert growth["1"] - growth["0"] >= 0.9 * committed, (growth, committed)
     spec = TableSpec(dim=64, capacity=200_000)
-    tables = {p: EmbeddingTable("t", spec, StoreConfig(optimizer=optimizer, prefault=p)) for p in (False, True)}
+    tables = {p: EmbeddingTable("t", spec, StoreConfig(optimizer=optimizer, host=HostConfig(prefault=p))) for p in (False, True)}
     t = tables[True]
     assert not t.weights_CD.any() and not any(a.any() for a in t._state.values())
     keys = hashing.hash_int64(np.arange(5000), "t")

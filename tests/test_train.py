@@ -27,7 +27,7 @@ def overrides(data: Path, *extra: str) -> list[str]:
         "data.train.batch_size=256",
         "data.eval.batch_size=1024",
         "train.log_every=1",
-        "train.warmup_steps=0",
+        "train.schedule.warmup_steps=0",
         "train.progress='none'",
         *extra,
     ]
@@ -177,7 +177,7 @@ def test_two_ranks_equal_one_rank_at_staleness_zero(tiny_data, tmp_path):
     batches = global_batches(tiny_data)
     run(tiny_data, tmp_path / "one", "train.max_steps=8", source=ListSource(batches, 0, 1))
     shm = run_distributed(_two_rank_body, 2, tiny_data, str(tmp_path / "two"), batches)
-    gloo = run_distributed(_two_rank_body, 2, tiny_data, str(tmp_path / "gloo"), batches, "train.local_exchange=false")
+    gloo = run_distributed(_two_rank_body, 2, tiny_data, str(tmp_path / "gloo"), batches, "train.runtime.local_exchange=false")
     # the store's channel and the trainer's (the control values, the dense gradients' mean)
     assert shm == [[True, True]] * 2 and gloo == [[]] * 2
     l1, l2, lg = losses(tmp_path / "one"), losses(tmp_path / "two"), losses(tmp_path / "gloo")
@@ -195,10 +195,10 @@ def test_resume_equals_uninterrupted_run(tiny_data, tmp_path, staleness):
     look-ahead lookup is redone after it), so a resumed run sees the rows the full one saw."""
     # tiny has 23+ steps of 256 rows per epoch: the resume point is mid-epoch, mid-unit
     s = f"store.staleness={staleness}"
-    run(tiny_data, tmp_path / "full", s, "train.max_steps=14", "train.checkpoint_every_steps=6", "train.keep_last=5")
+    run(tiny_data, tmp_path / "full", s, "train.max_steps=14", "train.checkpoint.every_steps=6", "train.checkpoint.keep_last=5")
     ckpt6 = tmp_path / "full" / "checkpoints" / "step-00000006"
     assert (ckpt6 / "meta.json").exists()
-    run(tiny_data, tmp_path / "resumed", s, "train.max_steps=14", "train.checkpoint_every_steps=6", resume=ckpt6)
+    run(tiny_data, tmp_path / "resumed", s, "train.max_steps=14", "train.checkpoint.every_steps=6", resume=ckpt6)
     full, resumed = losses(tmp_path / "full"), losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(7, 15))
     assert {step: full[step] for step in resumed} == resumed
@@ -274,7 +274,7 @@ def test_golden_tiny_losses(tiny_data, tmp_path):
 def test_dense_optimizer_implementations(tiny_data, tmp_path):
     """The default dense optimizer (torch's multi-tensor one) gives exactly the numbers of the
     per-tensor loop it replaced (the golden losses above were written with that loop), and
-    ``fused_optimizer`` trains alike, the same every run, apart from the last float bits."""
+    ``train.optim.fused`` trains alike, the same every run, apart from the last float bits."""
     import copy
 
     torch.manual_seed(0)
@@ -296,8 +296,8 @@ def test_dense_optimizer_implementations(tiny_data, tmp_path):
     finally:
         trainer.close()
     run(tiny_data, tmp_path / "default", "train.max_steps=6")
-    run(tiny_data, tmp_path / "fused", "train.max_steps=6", "train.fused_optimizer=true")
-    run(tiny_data, tmp_path / "fused2", "train.max_steps=6", "train.fused_optimizer=true")
+    run(tiny_data, tmp_path / "fused", "train.max_steps=6", "train.optim.fused=true")
+    run(tiny_data, tmp_path / "fused2", "train.max_steps=6", "train.optim.fused=true")
     default, fused = losses(tmp_path / "default"), losses(tmp_path / "fused")
     assert fused == losses(tmp_path / "fused2") and sorted(fused) == sorted(default)
     for step in default:
@@ -305,10 +305,10 @@ def test_dense_optimizer_implementations(tiny_data, tmp_path):
 
 
 def test_optimizer_threads_change_no_number(tiny_data, tmp_path):
-    """``train.optimizer_threads`` runs the dense optimizer's step on that many torch threads
+    """``train.runtime.optimizer_threads`` runs the dense optimizer's step on that many torch threads
     and restores the count after; the step is elementwise, so the numbers are the same as with
     the trainer's own count (here checked on tensors large enough for torch to split)."""
-    from recsys.train.config import TrainConfig
+    from recsys.train.config import RuntimeConfig
     from recsys.train.loop import torch_threads
 
     before = torch.get_num_threads()
@@ -333,9 +333,9 @@ def test_optimizer_threads_change_no_number(tiny_data, tmp_path):
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="optimizer_threads"):
-        TrainConfig(optimizer_threads=-1)
-    run(tiny_data, tmp_path / "one", "train.max_steps=6", "train.threads=2")
-    run(tiny_data, tmp_path / "same", "train.max_steps=6", "train.threads=2", "train.optimizer_threads=0")
+        RuntimeConfig(optimizer_threads=-1)
+    run(tiny_data, tmp_path / "one", "train.max_steps=6", "train.runtime.threads=2")
+    run(tiny_data, tmp_path / "same", "train.max_steps=6", "train.runtime.threads=2", "train.runtime.optimizer_threads=0")
     assert losses(tmp_path / "one") == losses(tmp_path / "same")
 
 

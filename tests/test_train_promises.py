@@ -60,10 +60,10 @@ def linear_run(tiny_data, tmp_path_factory):
     """1 rank: warm-up then linear decay, a checkpoint every 2 steps, keep_last=3, an evaluation
     every 4 steps keeping the best by AUC, a table small enough to evict."""
     run_dir = tmp_path_factory.mktemp("promises") / "linear"
-    seen = _train(tiny_data, run_dir, f"train.max_steps={STEPS}", f"train.warmup_steps={WARMUP}",
-                  "train.decay='linear'", f"train.min_lr_ratio={FLOOR}", f"train.lr={LR}",
-                  f"train.checkpoint_every_steps={EVERY}", f"train.keep_last={KEEP}", "train.eval_every=4",
-                  "train.keep_best='auc'", "schema.tables.c3.capacity=300")
+    seen = _train(tiny_data, run_dir, f"train.max_steps={STEPS}", f"train.schedule.warmup_steps={WARMUP}",
+                  "train.schedule.decay='linear'", f"train.schedule.min_lr_ratio={FLOOR}", f"train.optim.lr={LR}",
+                  f"train.checkpoint.every_steps={EVERY}", f"train.checkpoint.keep_last={KEEP}", "train.eval.every=4",
+                  "train.eval.keep_best='auc'", "schema.tables.c3.capacity=300")
     return run_dir, seen
 
 
@@ -140,8 +140,8 @@ def clip_runs(tiny_data, tmp_path_factory):
     """The same 6 steps (warm-up 2, cosine decay) without clipping and with a tiny clip; the
     clipped run records every norm clip_grad_norm_ saw before clipping."""
     base = tmp_path_factory.mktemp("clip")
-    extra = ("train.max_steps=6", "train.warmup_steps=2", "train.decay='cosine'", f"train.min_lr_ratio={FLOOR}",
-             f"train.lr={LR}")
+    extra = ("train.max_steps=6", "train.schedule.warmup_steps=2", "train.schedule.decay='cosine'", f"train.schedule.min_lr_ratio={FLOOR}",
+             f"train.optim.lr={LR}")
     free = _train(tiny_data, base / "free", *extra)
     before_clip: list[float] = []
     real = torch.nn.utils.clip_grad_norm_
@@ -153,7 +153,7 @@ def clip_runs(tiny_data, tmp_path_factory):
 
     torch.nn.utils.clip_grad_norm_ = recording
     try:
-        clipped = _train(tiny_data, base / "clipped", *extra, "train.clip_grad_norm=0.01")
+        clipped = _train(tiny_data, base / "clipped", *extra, "train.optim.clip_grad_norm=0.01")
     finally:
         torch.nn.utils.clip_grad_norm_ = real
     clipped["before_clip"] = before_clip
@@ -268,7 +268,7 @@ def torchrun_run(tiny_data, tmp_path_factory):
            "--log-dir", str(logs), "--redirects", "3", "-m", "recsys.train", "--config", str(JOB),
            "--run-dir", str(run_dir)]
     for o in overrides(tiny_data, "train.max_steps=5", "train.progress='lines'", "train.log_every=1",
-                       "data.train.passthrough=['row_id']", "train.collective_timeout_s=60"):
+                       "data.train.passthrough=['row_id']", "train.runtime.collective_timeout_s=60"):
         cmd += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -383,8 +383,8 @@ def test_a_decay_without_max_steps_decays_or_is_refused(tiny_data, tmp_path):
     from recsys.config import ConfigError
 
     try:
-        trainer = build(tiny_data, tmp_path / "run", "train.decay='linear'", "train.epochs=1", "train.max_steps=0",
-                        f"train.min_lr_ratio={FLOOR}")
+        trainer = build(tiny_data, tmp_path / "run", "train.schedule.decay='linear'", "train.epochs=1", "train.max_steps=0",
+                        f"train.schedule.min_lr_ratio={FLOOR}")
     except (ConfigError, ValueError) as exc:
         assert "max_steps" in str(exc)
         return

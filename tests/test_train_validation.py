@@ -38,8 +38,8 @@ def _evals(run_dir: Path) -> list[dict]:
 def test_early_stopping_stops_after_the_peak_and_keeps_the_best(tiny, tmp_path):
     run_dir = tmp_path / "run"
     # 8 epochs of the tiny set overfit (the job file says a second one already does)
-    result = _run(tiny, run_dir, "train.epochs=8", "train.eval_every_epochs=1", "train.keep_best='auc'",
-                  "train.early_stopping_patience=2", "train.keep_last=1")
+    result = _run(tiny, run_dir, "train.epochs=8", "train.eval.every_epochs=1", "train.eval.keep_best='auc'",
+                  "train.eval.early_stopping_patience=2", "train.checkpoint.keep_last=1")
     evals = _evals(run_dir)
     aucs = [e["auc"] for e in evals]
     peak = max(range(len(aucs)), key=aucs.__getitem__)
@@ -61,11 +61,11 @@ def test_a_resume_keeps_the_best_so_far_and_the_count(tiny, tmp_path):
     from recsys.train.loop import Trainer, setup_env
 
     run_dir = tmp_path / "run"
-    first = _run(tiny, run_dir, "train.epochs=3", "train.eval_every_epochs=1", "train.keep_best='log_loss'",
-                 "train.early_stopping_patience=5")
+    first = _run(tiny, run_dir, "train.epochs=3", "train.eval.every_epochs=1", "train.eval.keep_best='log_loss'",
+                 "train.eval.early_stopping_patience=5")
     job = load_job(JOB, overrides(tiny, f"data.validation.paths=['{tiny / 'eval'}']", "train.epochs=4",
-                                  "train.eval_every_epochs=1", "train.keep_best='log_loss'",
-                                  "train.early_stopping_patience=5"))
+                                  "train.eval.every_epochs=1", "train.eval.keep_best='log_loss'",
+                                  "train.eval.early_stopping_patience=5"))
     resumed = Trainer(job, run_dir, setup_env("cpu"))
     try:
         assert resumed.best == first["best"]
@@ -79,8 +79,8 @@ def test_a_resume_keeps_the_best_so_far_and_the_count(tiny, tmp_path):
 def test_keep_best_needs_periodic_evaluations():
     from recsys.config import ConfigError, load_job
 
-    with pytest.raises((ValueError, ConfigError), match="eval_every"):
-        load_job(JOB, ["train.keep_best='auc'"])
+    with pytest.raises(ConfigError, match=r"train.eval: keep_best and early_stopping_patience need periodic evaluations"):
+        load_job(JOB, ["train.eval.keep_best='auc'"])
 
 
 # --------------------------------------------------------------------------- validation_fraction
@@ -117,7 +117,7 @@ def test_validation_fraction_never_trains_on_the_rows_it_validates_on(tiny, tmp_
     from test_train import run
 
     run_dir = tmp_path / "run"
-    run(tiny, run_dir, "train.validation_fraction=0.25", "train.eval_every_epochs=1", "train.epochs=2",
+    run(tiny, run_dir, "train.eval.validation_fraction=0.25", "train.eval.every_epochs=1", "train.epochs=2",
         "train.record_rows=true", "data.train.passthrough=['row_id']")
     record = json.loads((run_dir / "validation.json").read_text())
     assert record["fraction"] == 0.25 and len(record["row_groups"]) == 3
@@ -134,4 +134,4 @@ def test_validation_fraction_and_validation_paths_are_one_or_the_other(tiny, tmp
     from recsys.config import ConfigError
 
     with pytest.raises(ConfigError, match="validation_fraction"):
-        _run(tiny, tmp_path / "run", "train.validation_fraction=0.25")
+        _run(tiny, tmp_path / "run", "train.eval.validation_fraction=0.25")

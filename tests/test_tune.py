@@ -20,7 +20,7 @@ SECRET = "s3cret-pw"
 SPACE = """
 [params]
 "store.lr" = { low = 0.01, high = 0.2, log = true }
-"train.lr" = { low = 1e-4, high = 1e-2, log = true }
+"train.optim.lr" = { low = 1e-4, high = 1e-2, log = true }
 "model.top_mlp" = { choices = [[64, 1], [32, 16, 1]] }
 """
 
@@ -28,8 +28,8 @@ SPACE = """
 def job_sets(data: Path) -> list[str]:
     """A handful of steps with a validation evaluation every 4 (tiny: ~19 steps an epoch)."""
     return [f"data.train.paths=['{data / 'train'}']", f"data.eval.paths=['{data / 'eval'}']",
-            "train.validation_fraction=0.25", "train.eval_every=4", "train.keep_best='auc'", "train.max_steps=8",
-            "train.warmup_steps=0", "train.log_every=4",
+            "train.eval.validation_fraction=0.25", "train.eval.every=4", "train.eval.keep_best='auc'", "train.max_steps=8",
+            "train.schedule.warmup_steps=0", "train.log_every=4",
             # a password in the job must reach none of tune's files (trials push nothing live)
             f"publish.redis='redis://:{SECRET}@127.0.0.1:9/0'"]
 
@@ -51,8 +51,8 @@ def test_a_bad_trial_is_pruned_and_a_restart_continues_the_study(tiny_data, spac
     from recsys.tune.run import TuneOptions, tune
 
     out = tmp_path / "tuned"
-    good = {"store.lr": 0.2, "train.lr": 0.01, "model.top_mlp": "[64, 1]"}
-    bad = {"store.lr": 0.01, "train.lr": 1e-4, "model.top_mlp": "[64, 1]"}
+    good = {"store.lr": 0.2, "train.optim.lr": 0.01, "model.top_mlp": "[64, 1]"}
+    bad = {"store.lr": 0.01, "train.optim.lr": 1e-4, "model.top_mlp": "[64, 1]"}
     opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=2,
                        prune_startup=1, prune_warmup=0, seed=0, progress=False, enqueue=[good, bad])
     lines: list[str] = []
@@ -75,8 +75,8 @@ def test_a_bad_trial_is_pruned_and_a_restart_continues_the_study(tiny_data, spac
 
     # best.toml trains the good trial's job; no password anywhere
     best = load_job(out / "best.toml")
-    assert (best.store.lr, best.train.lr, best.model.top_mlp) == (0.2, 0.01, [64, 1])
-    assert best.train.keep_best == "auc" and best.publish.redis == "redis://127.0.0.1:9/0"
+    assert (best.store.lr, best.train.optim.lr, best.model.top_mlp) == (0.2, 0.01, [64, 1])
+    assert best.train.eval.keep_best == "auc" and best.publish.redis == "redis://127.0.0.1:9/0"
     for name in ("best.toml", "trials.csv", "summary.json", "tune.json"):
         assert SECRET not in (out / name).read_text(), name
     with open(out / "trials.csv") as fh:
@@ -138,8 +138,10 @@ def test_the_space_file_is_checked(tiny_data, tmp_path):
     msg = error('[params]\n"model.arch" = { choices = ["dlrm", "transformer"] }\n')
     assert 'params."model.arch"' in msg and "expected one of ['dlrm', 'dcn', 'deepfm']" in msg
     assert "must be an int" in error('[params]\n"data.train.batch_size" = { low = 64.5, high = 512 }\n')
-    assert "log = true needs low > 0" in error('[params]\n"train.weight_decay" = { low = 0, high = 1, log = true }\n')
-    assert "objective" in error('[params]\n"train.keep_best" = { choices = ["auc", "log_loss"] }\n')
+    assert "log = true needs low > 0" in error('[params]\n"train.optim.weight_decay" = { low = 0, high = 1, log = true }\n')
+    assert "objective" in error('[params]\n"train.eval.keep_best" = { choices = ["auc", "log_loss"] }\n')
+    msg = error('[params]\n"train.lr" = { low = 1e-4, high = 1e-2, log = true }\n')  # a key that moved
+    assert msg == f'{path}: params."train.lr": train.lr: moved to train.optim.lr', msg
     assert "unknown section(s) ['param']" in error('[param]\n"store.lr" = { low = 0.01, high = 0.1 }\n')
 
     # the shipped default space fits a CTR job; '*' sets every table's dim
@@ -172,9 +174,9 @@ def test_the_job_must_have_a_validation_split_and_a_metric(tiny_data, space, tmp
     from recsys.errors import UserError
     from recsys.tune.run import TuneOptions, prepare
 
-    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.validation_fraction")]
+    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.eval.validation_fraction")]
     with pytest.raises(UserError, match="no validation split"):
         prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
-    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.keep_best")]
-    with pytest.raises(UserError, match="train.keep_best"):
+    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.eval.keep_best")]
+    with pytest.raises(UserError, match="train.eval.keep_best"):
         prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))

@@ -36,7 +36,7 @@ def test_wide_two_ranks_equal_one_rank_at_staleness_zero(tiny_data, tmp_path):
 def test_wide_resume_equals_uninterrupted_run_and_eval_scores_the_same(tiny_data, tmp_path):
     from recsys.eval.scoring import evaluate_checkpoint
 
-    extra = ("train.max_steps=8", "train.checkpoint_every_steps=4", "train.keep_last=5", *WIDE)
+    extra = ("train.max_steps=8", "train.checkpoint.every_steps=4", "train.checkpoint.keep_last=5", *WIDE)
     full = tt.run(tiny_data, tmp_path / "full", *extra)
     ckpt4 = tmp_path / "full" / "checkpoints" / "step-00000004"
     tt.run(tiny_data, tmp_path / "resumed", *extra, resume=ckpt4)

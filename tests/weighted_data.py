@@ -40,7 +40,7 @@ def ones(n: int, seed: int) -> np.ndarray:
 
 def overrides(train: Path, eval_: Path, *extra: str) -> list[str]:
     return [f"data.train.paths=['{train}']", f"data.eval.paths=['{eval_}']", "data.train.batch_size=256",
-            "data.eval.batch_size=512", "train.log_every=1", "train.warmup_steps=0", "train.progress='none'",
+            "data.eval.batch_size=512", "train.log_every=1", "train.schedule.warmup_steps=0", "train.progress='none'",
             *extra]
 
 

@@ -110,7 +110,7 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
         runs = []
         for unit, seed, overrides in _units(name, quick, data, splits):
             if threads is not None:
-                overrides = [*overrides, f"train.threads={threads}"]
+                overrides = [*overrides, f"train.runtime.threads={threads}"]
             row = {"unit": unit}
             for label in labels:
                 run_dir = out_root / name / unit.replace(" ", "-") / label.replace(" ", "-")

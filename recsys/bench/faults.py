@@ -10,7 +10,7 @@ real processes, and checks what the project promises (RELIABILITY.md):
   equal an uninterrupted run's, at staleness 0 and 1 alike (a checkpoint is a synchronization
   point of the store; the issue asked for AUC within 0.005 at s = 1: exact is stronger).
   Figure: seconds from the kill to the first step after the restart.
-- ``hung_worker``: SIGSTOP one worker. The other notices within ``train.collective_timeout_s``
+- ``hung_worker``: SIGSTOP one worker. The other notices within ``train.runtime.collective_timeout_s``
   (20 s here) and exits; torchrun kills the stopped one and restarts both from the last
   checkpoint. Passed as above. Figures: seconds from SIGSTOP to the peer's exit (detection)
   and to the first step after the restart.
@@ -124,7 +124,7 @@ class Scenarios:
         at, victim = self.fault_point(rng)
         self.reference(0)
         job = TrainJob(self.out / f"hung-seed{seed}",
-                       self.overrides(f"train.collective_timeout_s={timeout_s}"))
+                       self.overrides(f"train.runtime.collective_timeout_s={timeout_s}"))
         details: dict = {"seed": seed, "victim_rank": victim, "stop_after_step": at, "collective_timeout_s": timeout_s}
         try:
             pids = job.start().wait_for_step(at, attempt=0)
@@ -176,7 +176,7 @@ class Scenarios:
 
         rank = 0 if point in ("after-marker", "before-latest", "after-latest", "prune") else 1  # rank 0's steps
         self.reference(0)
-        job = TrainJob(self.out / f"ckpt-crash-{point}", self.overrides("train.keep_last=1"),
+        job = TrainJob(self.out / f"ckpt-crash-{point}", self.overrides("train.checkpoint.keep_last=1"),
                        env={FAULT_ENV: f"{point}:step={at_step}:rank={rank}"})
         details: dict = {"point": point, "step": at_step, "rank": rank}
         passed = self._finish(job.start(), 0, details)
@@ -230,7 +230,7 @@ class Scenarios:
 
     def spill_outage(self) -> dict:
         """Redis under the spill tier stops after the first checkpoint of a job whose tables
-        spill (``store.spill_outage = "fail"``): the job exits 2 with one line naming the
+        spill (``store.spill.outage = "fail"``): the job exits 2 with one line naming the
         intact checkpoint; Redis comes back (empty: no persistence) and the same command
         resumes to exactly the end of the uninterrupted run, the one whose tables are large
         enough never to spill (a spilled row comes back bit-exact with its optimizer state)."""
@@ -285,8 +285,8 @@ class Scenarios:
         per epoch and (``exact``) the run equals the same world-size schedule trained as clean
         stages: the optimizer state and reader position were carried exactly."""
         # smaller batches: enough steps per epoch for the changes; few periodic checkpoints
-        sets = self.overrides("data.train.batch_size=16", "train.log_every=2", "train.threads=1",
-                              f"train.checkpoint_every_steps={25 if cycles == 1 else EVERY}")
+        sets = self.overrides("data.train.batch_size=16", "train.log_every=2", "train.runtime.threads=1",
+                              f"train.checkpoint.every_steps={25 if cycles == 1 else EVERY}")
         run_dir = self.out / f"elastic-{cycles}"
         figures = leave_and_join(run_dir, sets, cycles)
         # node a may train alone until b joins: then the trajectory starts at world size 1
@@ -299,8 +299,8 @@ class Scenarios:
     def resize(self, sizes: list[int], exact: bool) -> dict:
         """Stop-and-resume through the world sizes ``sizes``: SIGTERM to the launcher, the same
         command with the next ``--nproc``. Passed as ``elastic_nodes``."""
-        sets = self.overrides("data.train.batch_size=32", "train.log_every=2", "train.threads=1",
-                              "train.checkpoint_every_steps=0")  # SIGTERM makes the checkpoints
+        sets = self.overrides("data.train.batch_size=32", "train.log_every=2", "train.runtime.threads=1",
+                              "train.checkpoint.every_steps=0")  # SIGTERM makes the checkpoints
         run_dir = self.out / f"resize-{'-'.join(map(str, sizes))}"
         figures = stop_and_resume(run_dir, sets, sizes, 12 if self.epochs == 1 else 60)  # a change in each epoch
         return self._membership(f"resize[{' -> '.join(map(str, sizes))} by stop and resume"

@@ -60,7 +60,7 @@ NICED_REDIS = 19  # the nice value of the Redis that stands in for one on its ow
 def _job_sets(root: Path, batch: int, *extra: str) -> list[str]:
     return [f"data.train.paths=['{root / 'train'}']", f"data.eval.paths=['{root / 'eval'}']",
             f"data.train.batch_size={batch}", "data.eval.batch_size=8192", "train.progress='none'",
-            "train.checkpoint_every_steps=0", "train.eval_every=0", "train.threads=2", *extra]
+            "train.checkpoint.every_steps=0", "train.eval.every=0", "train.runtime.threads=2", *extra]
 
 
 def _probe_ids(root: Path, n: int, seed: int = 0) -> np.ndarray:
@@ -234,7 +234,7 @@ def _cost(root: Path, work: Path, url: str, pairs: int, steps: int, batch: int, 
                      "publish.takeover=true"] if side == "on" else []
             cmd = [sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), "--run-dir", str(run_dir)]
             for o in _job_sets(root, batch, f"train.max_steps={steps}", f"train.log_every={window}",
-                               "train.warmup_steps=0", *extra):
+                               "train.schedule.warmup_steps=0", *extra):
                 cmd += ["--set", o]
             cpu0, t0 = _cpu_s(redis_pid), time.monotonic()
             env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"} if omp_passive else None

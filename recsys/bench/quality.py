@@ -1,7 +1,7 @@
 """``recsys bench quality``: our job per data set against scikit-learn, on the same split.
 
 For each data set: its job file (``jobs/quality_*.toml``) trained with 3 seeds, the epoch
-chosen by the trainer's own early stopping on the validation split (``keep_best = "auc"``),
+chosen by the trainer's own early stopping on the validation split (``train.eval.keep_best = "auc"``),
 the kept checkpoint scored on the eval split; next to it, on the same three splits,
 ``HistGradientBoostingClassifier`` and ``LogisticRegression`` with hyper-parameters picked
 by validation AUC (a small grid, seed 0), then fitted with 3 seeds and scored on the eval
@@ -466,7 +466,7 @@ def _synthetic(quick: bool, data: Path | None) -> tuple[Path, Path, list[str], d
         files = sorted(str(p) for p in (root / "train").glob("*.parquet"))
         overrides = [f"data.train.paths={json.dumps(files[:-1])}", f"data.validation.paths={json.dumps(files[-1:])}",
                      f"data.eval.paths=['{root / 'eval'}']", "data.train.batch_size=256", f"train.epochs={QUICK_EPOCHS}",
-                     "train.warmup_steps=0", "store.prefault=false"]
+                     "train.schedule.warmup_steps=0", "store.host.prefault=false"]
     else:
         root = data or ROOT / "data" / "synthetic_small"
         if not (root / "oracle.json").exists():
@@ -563,7 +563,7 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
             threads: int | None = None, tuned: bool = False, splits: int | None = None) -> dict:
     """Run every data set (or ``sets``); return the figures and the comparison rows.
 
-    ``threads``: our trainer's threads (``train.threads``) and the cap of the baselines'
+    ``threads``: our trainer's threads (``train.runtime.threads``) and the cap of the baselines'
     thread pools; None: ``QUICK_THREADS`` with ``quick``, else each library's default.
     ``tuned``: add the tuned job of each real set (tuning it first if needed). ``splits``:
     random splits of the sets with an eval split under ``SMALL_EVAL`` rows (None: ``SPLITS``,
@@ -591,7 +591,7 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
             if quick:
                 overrides += [f"train.epochs={QUICK_EPOCHS}"]
         if threads is not None:
-            overrides += [f"train.threads={threads}"]
+            overrides += [f"train.runtime.threads={threads}"]
         job = load_job(job_path, overrides)
         t0 = time.perf_counter()
         ours = [train_ours(job_path, seed, out_root / name / f"seed-{seed}", overrides) for seed in seeds]
@@ -726,7 +726,7 @@ def repeated(name: str, jobs: dict[str, Path], splits: int = SPLITS, threads: in
         if quick:
             overrides.append(f"train.epochs={QUICK_EPOCHS}")
         if threads is not None:
-            overrides.append(f"train.threads={threads}")
+            overrides.append(f"train.runtime.threads={threads}")
         row: dict = {"split": k}
         for label, job_path in jobs.items():
             row[label] = train_ours(job_path, k, out_root / name / f"split-{k}" / label, overrides)

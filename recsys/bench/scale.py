@@ -39,7 +39,7 @@ keys it wrote there, by namespace). A size whose process dies (out of memory) en
 with what it had (``stopped`` says so):
 
 1. the batches are made, then the trainer is built (the store commits its tables' memory:
-   ``store.prefault``);
+   ``store.host.prefault``);
 2. *prefill*: every id of the universe is looked up once by training lookups that are then
    withdrawn (``store.cancel``: no gradient), coldest Zipf ranks first, one step each, so
    the store holds exactly ``distinct_ids`` rows (in memory, or the most recent
@@ -60,7 +60,7 @@ state): the resident pages (``mincore``) of every array the store's tables hold 
 prefill (rows, optimizer state, key maps; with spill also the tier's index of spilled keys),
 divided by the rows held in memory. ``bytes_per_row``: the process's resident memory after
 the prefill minus before the trainer was built, both read after ``malloc_trim`` (the store
-keeps freed temporaries for reuse, ``store.keep_freed_memory``; they are not rows), over the
+keeps freed temporaries for reuse, ``store.host.keep_freed_memory``; they are not rows), over the
 same rows: it also holds fixed costs (the store's compiled kernels, ~60 MiB; the dense model
 and Adam, the metrics writer, the first lookups' torch allocations), which swamp the small
 sizes, so between two in-memory sizes ``marginal_bytes_per_row`` gives the growth per added
@@ -234,7 +234,7 @@ def _counters(store) -> dict:
 
 def _trimmed_rss() -> int:
     """Return this process's resident bytes after handing glibc's free heap memory back
-    (``malloc_trim``): the store keeps freed temporaries for reuse (``store.keep_freed_memory``),
+    (``malloc_trim``): the store keeps freed temporaries for reuse (``store.host.keep_freed_memory``),
     which would otherwise count as rows."""
     import ctypes
     import ctypes.util
@@ -310,10 +310,10 @@ def run_size(s: Settings, n: int, spill_fraction: float | None, redis_url: str, 
     spilled = spill_fraction is not None
     caps = capacities(s, unis, spill_fraction)
     base = load_job(JOB, [f"data.train.batch_size={s.batch}", "data.train.paths=[]", "data.eval.paths=[]",
-                          "train.epochs=1", f"train.threads={s.threads}", f"train.log_every={s.chunk}",
-                          "train.eval_every=0", "train.checkpoint_every_steps=0",
-                          "train.checkpoint_every_minutes=0.0", "train.progress='none'", "train.warmup_steps=0",
-                          "train.keep_last=1", *([f"store.spill_url='{redis_url}'"] if spilled else [])])
+                          "train.epochs=1", f"train.runtime.threads={s.threads}", f"train.log_every={s.chunk}",
+                          "train.eval.every=0", "train.checkpoint.every_steps=0",
+                          "train.checkpoint.every_minutes=0.0", "train.progress='none'", "train.schedule.warmup_steps=0",
+                          "train.checkpoint.keep_last=1", *([f"store.spill.url='{redis_url}'"] if spilled else [])])
     (dim,) = {t.dim for t in base.schema.tables.values()}
     shape = type("Shape", (), {"dim": dim, "tables": len(unis)})
     schema = dataclasses.replace(_schema(shape, caps), label=base.schema.label, dense=list(base.schema.dense),
@@ -538,12 +538,12 @@ def _warm_kernels(s: Settings, url: str) -> None:
     Numpy only: a torch parallel region before ``fork`` would leave the children's OpenMP
     pool broken."""
     from recsys.features.schema import TableSpec
-    from recsys.store.config import StoreConfig
+    from recsys.store.config import SpillConfig, StoreConfig
     from recsys.store.tables.table import EmbeddingTable
 
     SyntheticIds.make(dataclasses.replace(s, batch=8), universes(1000), 1, 1)
     keys = np.arange(64, dtype=np.int64)
-    for cfg in (StoreConfig(), StoreConfig(spill_url=url)):
+    for cfg in (StoreConfig(), StoreConfig(spill=SpillConfig(url=url))):
         table = EmbeddingTable("warm", TableSpec(dim=16, capacity=32), cfg)
         try:
             for step, part in enumerate((keys[:32], keys[32:], keys[:32])):  # the last one reads spilled rows

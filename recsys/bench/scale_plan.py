@@ -117,7 +117,7 @@ def need_bytes(n: int, spill_fraction: float | None, est: dict) -> dict:
         return {"process": d * est["peak_bytes_per_id"], "redis": 0.0}
     kept = d * spill_fraction
     # Redis holds the spilled rows, plus a copy of each row the timed steps bring back into
-    # memory (``StoreConfig.spill_delete_restored`` is off): ~5 k a step at 50 M ids, under
+    # memory (``store.spill.delete_restored`` is off): ~5 k a step at 50 M ids, under
     # 1 M rows in a run, inside the budget's margin; a long run may add up to ``kept`` rows
     return {"process": kept * est["store_bytes_per_row"] + d * est["transient_bytes_per_id"],
             "redis": (d - kept) * est["redis_bytes_per_row"]}

@@ -40,7 +40,7 @@ Timed runs alternate (ours first in even rounds, the baseline first in odd ones)
 side keeps its best run (medians are in the JSON too); every round uses fresh batches of
 the same stream for both sides, so ours pays its steady-state insertions, as in training.
 Threads: comparison 1 runs both sides with 2 threads (``threads``): ``torch.set_num_threads(2)``
-for both, and ``store.threads = 2`` for ours (its per-table work on the store's worker plus
+for both, and ``store.host.threads = 2`` for ours (its per-table work on the store's worker plus
 one helper; each numba kernel is single-threaded). In comparison 4 the 1-rank store gets 2
 store threads and each of the 2 ranks' stores 1. Unless the caller set it, the run
 sets ``OMP_WAIT_POLICY=PASSIVE`` before torch loads (see ``recsys.bench.passive_omp``): on 2 shared
@@ -81,7 +81,7 @@ class Settings:
     warmup_rounds: int = 2  # untimed rounds (fresh batches) before the timed ones
     repeats: int = 20  # timed rounds: paired ratios per round (median, min-max) and best-of
     threads: int = 2  # torch threads of both sides in comparison 1 (4 uses 2 vs 1 + 1)
-    store_threads: int | None = None  # ours' store.threads in comparison 1 (None: ``threads``)
+    store_threads: int | None = None  # ours' store.host.threads in comparison 1 (None: ``threads``)
     lr: float = 0.01
     capacity_headroom: float = 1.25  # ours: capacity = headroom x distinct keys (+64)
     mem_capacity: int = 1_000_000
@@ -190,7 +190,7 @@ def _fbgemm():
 def _measure_step(s: Settings) -> dict:
     import torch
 
-    from recsys.store.config import StoreConfig
+    from recsys.store.config import HostConfig, StoreConfig
     from recsys.store.sharded.store import ShardedEmbeddingStore
     from recsys.store.tables.table import init_vectors
 
@@ -199,7 +199,7 @@ def _measure_step(s: Settings) -> dict:
     rounds = s.warmup_rounds + s.repeats
     keys = make_trace(s, rounds * s.steps)  # [N, T, B]
     T, B, D = s.tables, s.batch, s.dim
-    cfg = StoreConfig(lr=s.lr, threads=s.threads if s.store_threads is None else s.store_threads)
+    cfg = StoreConfig(lr=s.lr, host=HostConfig(threads=s.threads if s.store_threads is None else s.store_threads))
 
     # baseline: keys remapped to dense rows ahead of time, tables sized to the distinct ids
     rows_idx = np.empty_like(keys)

@@ -155,13 +155,13 @@ def load_bench_job(root: Path, s: Settings, *extra: str):
         f"data.train.batch_size={s.batch_size}",
         "train.epochs=1",
         f"train.max_steps={s.steps}",
-        f"train.threads={s.threads}",
+        f"train.runtime.threads={s.threads}",
         f"train.log_every={s.chunk}",
-        "train.eval_every=0",
-        "train.checkpoint_every_steps=0",
-        "train.checkpoint_every_minutes=0.0",
+        "train.eval.every=0",
+        "train.checkpoint.every_steps=0",
+        "train.checkpoint.every_minutes=0.0",
         "train.progress='none'",
-        *([] if s.lr_warmup_steps is None else [f"train.warmup_steps={s.lr_warmup_steps}"]),
+        *([] if s.lr_warmup_steps is None else [f"train.schedule.warmup_steps={s.lr_warmup_steps}"]),
         *extra,
     ])
 
@@ -191,8 +191,8 @@ def job_settings(job) -> dict:
         "dense_columns": len(job.schema.dense),
         "dim": next(iter(job.schema.tables.values())).dim,
         "sparse_optimizer": {"name": job.store.optimizer, "lr": job.store.lr, "eps": job.store.eps},
-        "dense_optimizer": {"name": job.train.optimizer, "lr": job.train.lr,
-                            "warmup_steps": job.train.warmup_steps, "decay": job.train.decay},
+        "dense_optimizer": {"name": job.train.optim.name, "lr": job.train.optim.lr,
+                            "warmup_steps": job.train.schedule.warmup_steps, "decay": job.train.schedule.decay},
         "torch_threads": torch.get_num_threads(),
     }
 
@@ -395,8 +395,9 @@ class Peer:
         order = self._pooled_order(model)
         if order != schema.feature_names:
             model.perm = torch.tensor([order.index(f) for f in schema.feature_names])
-        self.opt = torch.optim.Adam(dense_model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, foreach=True)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, steps))
+        self.opt = torch.optim.Adam(dense_model.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay,
+                                    foreach=True)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc.schedule, steps))
         self.pipeline = TrainPipelineSparseDist(self.dmp, self.opt, torch.device("cpu"))
         self.reader = ParquetReader(job.data.train, schema)
         self._batches = self._folded(iter(self.reader), steps)
@@ -490,9 +491,10 @@ class Limit:
         (D,) = {t.dim for t in schema.tables.values()}
         torch.manual_seed(tc.seed)
         self.model = RankingModel(job.model, N, F, D)
-        # the trainer's dense optimizer, as it runs it (foreach, ``train.optimizer_threads``)
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, foreach=True)
-        self.optimizer_threads = tc.optimizer_threads
+        # the trainer's dense optimizer, as it runs it (foreach, ``train.runtime.optimizer_threads``)
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay,
+                                    foreach=True)
+        self.optimizer_threads = tc.runtime.optimizer_threads
         g = torch.Generator().manual_seed(tc.seed)
         a = job.store.init_bound(D)
         self.batches = [
@@ -597,10 +599,10 @@ def _cli_train(root: Path, s: Settings, run_dir: Path, world: int) -> dict:
         f"data.train.batch_size={s.batch_size // world}",
         "train.epochs=1",
         f"train.max_steps={s.steps}",
-        f"train.threads={threads}",
+        f"train.runtime.threads={threads}",
         f"train.log_every={s.chunk}",
         "train.progress='none'",
-        *([] if s.lr_warmup_steps is None else [f"train.warmup_steps={s.lr_warmup_steps}"]),
+        *([] if s.lr_warmup_steps is None else [f"train.schedule.warmup_steps={s.lr_warmup_steps}"]),
     ]
     cmd = [sys.executable, "-m", "recsys.cli", "train", "--nproc", str(world), "--config", s.job,
            "--run-dir", str(run_dir)]

@@ -5,10 +5,10 @@ One run, one GPU, one data set, one model (``model_for(job)``: the job's DLRM an
 batch size ``B`` (16384), the same batches in the same order for every side that reads:
 
 (a)  **ours, tables on the GPU**: the real ``Trainer`` with ``train.device = 'cuda'`` and
-     ``store.device_memory_gb`` large enough that every table's whole capacity is a device
+     ``store.device.memory_gb`` large enough that every table's whole capacity is a device
      cache (the GPU tier: rows gathered, pooled and updated on the GPU; only a key's first
      sighting crosses from the host). The run checks that every table got its capacity.
-(a2) **ours, GPU cache**: ``store.device_cache_rows`` = ``cache_fraction`` (10 %) of the
+(a2) **ours, GPU cache**: ``store.device.cache_rows`` = ``cache_fraction`` (10 %) of the
      largest table's capacity, for every table (one number for all tables: the 1 M-row
      tables cache 10 %, tables smaller than that fit whole; the JSON gives the total).
 (a3) **ours, store on the host**: no device cache; rows cross to the GPU every step.
@@ -95,9 +95,9 @@ class Settings(train.Settings):
     device: str = "cuda"
     """Where every side trains ("cpu": the tests' variant of the same code)."""
     device_memory_gb: float = 64.0
-    """(a)'s ``store.device_memory_gb``: a cap, not an allocation; must hold every table."""
+    """(a)'s ``store.device.memory_gb``: a cap, not an allocation; must hold every table."""
     cache_fraction: float = 0.1
-    """(a2)'s ``store.device_cache_rows``: this share of the largest table's capacity."""
+    """(a2)'s ``store.device.cache_rows``: this share of the largest table's capacity."""
     child_timeout_s: float = 1800.0
     """How long the parent waits for one message of a trainer's process."""
     reader_workers: int = 4
@@ -133,9 +133,9 @@ def _dense_optimizer(params, tc):
     """Return the trainer's dense optimizer over ``params``, built as ``Trainer`` builds it."""
     import torch
 
-    opt_cls = torch.optim.Adam if tc.optimizer == "adam" else torch.optim.Adagrad
-    impl = {"fused": True} if tc.fused_optimizer else {"foreach": True}
-    return opt_cls(params, lr=tc.lr, weight_decay=tc.weight_decay, **impl)
+    opt_cls = torch.optim.Adam if tc.optim.name == "adam" else torch.optim.Adagrad
+    impl = {"fused": True} if tc.optim.fused else {"foreach": True}
+    return opt_cls(params, lr=tc.optim.lr, weight_decay=tc.optim.weight_decay, **impl)
 
 
 def _spread(seconds: list[float], rows: int) -> dict:
@@ -152,9 +152,9 @@ def _variant_overrides(job, s: Settings) -> dict[str, list[str]]:
     largest = max(spec.capacity for spec in job.schema.tables.values())
     cache_rows = max(1, int(round(s.cache_fraction * largest)))
     return {
-        "ours": [f"store.device_memory_gb={float(s.device_memory_gb)}", "store.device_cache_rows=0"],
-        "ours_cache": ["store.device_memory_gb=0.0", f"store.device_cache_rows={cache_rows}"],
-        "ours_host": ["store.device_memory_gb=0.0", "store.device_cache_rows=0"],
+        "ours": [f"store.device.memory_gb={float(s.device_memory_gb)}", "store.device.cache_rows=0"],
+        "ours_cache": ["store.device.memory_gb=0.0", f"store.device.cache_rows={cache_rows}"],
+        "ours_host": ["store.device.memory_gb=0.0", "store.device.cache_rows=0"],
     }
 
 
@@ -163,8 +163,8 @@ def _device_rows(job) -> dict[str, int]:
     from recsys.store.device.cache import device_budget_rows
 
     cfg = job.store
-    if cfg.device_cache_rows:
-        return {name: cfg.device_cache_rows for name in job.schema.tables}
+    if cfg.device.cache_rows:
+        return {name: cfg.device.cache_rows for name in job.schema.tables}
     return device_budget_rows(dict(job.schema.tables), cfg)
 
 
@@ -391,7 +391,7 @@ class PlainTorch(_Segments):
         self.model = model_for(job).to(self.device)
         self.sparse_opt = torch.optim.Adagrad(self.bags.parameters(), lr=sc.lr, eps=sc.eps)
         self.opt = _dense_optimizer(self.model.parameters(), tc)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc.schedule, steps))
         self.reader = ParquetReader(job.data.train, schema)
         self._batches = iter(self.reader)
         self.steps = 0
@@ -575,7 +575,7 @@ def _measure_all(root: Path, s: Settings) -> dict:
     short = {t: (device_rows["ours"].get(t, 0), spec.capacity) for t, spec in job.schema.tables.items()
              if device_rows["ours"].get(t, 0) < spec.capacity}
     if short:
-        raise ValueError(f"store.device_memory_gb = {s.device_memory_gb} does not hold every table whole "
+        raise ValueError(f"store.device.memory_gb = {s.device_memory_gb} does not hold every table whole "
                          f"(device rows, capacity: {short}); raise Settings.device_memory_gb")
     oracle = json.loads((root / "oracle.json").read_text()) if (root / "oracle.json").exists() else {}
     with ParquetReader(job.data.train, job.schema) as reader:

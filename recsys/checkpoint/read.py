@@ -7,7 +7,7 @@ and ``recsys export`` read checkpoints without torch. Every command that takes a
     RUN_DIR                          a run directory      → its checkpoints/latest
     RUN_DIR/checkpoints              a checkpoints/ dir   → its latest
     RUN_DIR/checkpoints/latest       the pointer file     → the checkpoint it names
-    RUN_DIR/checkpoints/best         the best one (``train.keep_best``)
+    RUN_DIR/checkpoints/best         the best one (``train.eval.keep_best``)
     RUN_DIR/checkpoints/step-00000100  one checkpoint     → itself
 """
 

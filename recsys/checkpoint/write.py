@@ -4,7 +4,7 @@ Layout::
 
     RUN_DIR/checkpoints/
     ├── latest                      text: the name of the newest complete checkpoint
-    ├── best                        text: the best one by train.keep_best (kept past keep_last)
+    ├── best                        text: the best one by train.eval.keep_best (kept past keep_last)
     ├── step-00000100/
     │   ├── meta.json               step, world size, reader state, time, format version
     │   ├── dense.pt                model + dense optimizer + scheduler + RNG (tensors only;

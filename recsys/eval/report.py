@@ -139,7 +139,7 @@ def _markdown(run_dir, out, train, evals, ckpts, figures, missing) -> str:
                       f"`recsys eval --checkpoint {run_dir}/checkpoints/best` scores it on the eval split."]
         elif scored:
             top = max(scored, key=lambda r: r["auc"])
-            lines += ["", f"Best validation AUC: {top['auc']:.5f} at step {top['step']} (no train.keep_best)."]
+            lines += ["", f"Best validation AUC: {top['auc']:.5f} at step {top['step']} (no train.eval.keep_best)."]
     lines += ["", "## Curves", ""]
     lines += [f"![{Path(f).stem}]({Path(f).relative_to(out)})" for f in figures]
     if missing:

@@ -18,6 +18,7 @@ import torch
 from recsys import config as config_mod
 from recsys.errors import UserError
 from recsys.eval.metrics import evaluate_predictions
+from recsys.store.config import DeviceConfig
 
 
 class PeerStopped(UserError):
@@ -62,7 +63,8 @@ def load_trained(checkpoint: str | Path, device: str = "cpu"):
         tables = {name: dataclasses.replace(spec, capacity=max(spec.capacity, sparse[name].num_rows))
                   for name, spec in schema.tables.items()}
         store = ShardedEmbeddingStore(dataclasses.replace(schema, tables=tables),
-                                      dataclasses.replace(cfg, spill_url="", device_cache_rows=0, device_memory_gb=0.0),
+                                      dataclasses.replace(cfg, spill=dataclasses.replace(cfg.spill, url=""),
+                                                          device=DeviceConfig()),
                                       device=device)
         store.load_state_dict({name: sparse[name] for name in tables})
         return store

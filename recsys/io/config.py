@@ -27,7 +27,7 @@ class ReaderConfig:
     num_workers: int = 0
     """Worker processes per rank (0 = read in a background thread of the calling process).
     They start with the reader's first epoch and stay until it closes (a new process faults
-    in every page it writes, which on a 2-core VM costs a third of an epoch's time)."""
+    in every page it writes, a sizeable share of an epoch's time)."""
     prefetch: int = 2
     """Batches read ahead (the thread: queued; each worker: ``prefetch + 2`` in flight)."""
     drop_last: bool = False
@@ -44,15 +44,15 @@ class ReaderConfig:
     holdout_fraction: float = 0.0
     """Hold out this fraction of the row groups (whole row groups, chosen by a stable hash of
     each one's file key and index with ``holdout_seed``; the same choice on every host and
-    world size). ``train.validation_fraction`` sets it for the training and validation reads."""
+    world size). ``train.eval.validation_fraction`` sets it for the training and validation reads."""
     holdout: Literal["exclude", "only"] = "exclude"
     """With ``holdout_fraction``: read every row group but the held-out ones, or only them."""
     holdout_seed: int = 0
     """Seed of the held-out choice."""
     start_method: Literal["fork", "forkserver", "spawn"] = "fork"
-    """How worker processes start (``num_workers > 0``). fork starts in ~0.1 s; forkserver and
-    spawn re-import torch (seconds) but are safer if other threads of the process may hold
-    locks at fork time (e.g. another reader streaming in a background thread)."""
+    """How worker processes start (``num_workers > 0``). fork starts at once; forkserver and
+    spawn re-import torch (far slower to start) but are safer if other threads of the process
+    may hold locks at fork time (e.g. another reader streaming in a background thread)."""
 
     def __post_init__(self) -> None:
         from recsys.io.partitions import parse_filter

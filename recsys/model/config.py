@@ -45,8 +45,8 @@ class ModelConfig:
     features and embedded dense columns), the deep tower (the top MLP) takes their
     concatenation and the plain dense values as they are, and the values add a linear term
     to the logit; no bottom MLP. ``vector``: the bottom MLP makes one more vector of them,
-    which joins the FM term and the deep tower (recsys' DeepFM before 2026-11: its
-    checkpoints need this)."""
+    which joins the FM term and the deep tower (recsys' former DeepFM: its checkpoints
+    need this)."""
     dropout: float = 0.0
     """Dropout rate after each hidden layer of the dense towers in training: the bottom MLP's
     layers but its last (the interaction's dense vector) and the top MLP's layers but its
@@ -58,8 +58,7 @@ class ModelConfig:
     periodic_sigma: float = 1.0
     """Standard deviation of the initial frequencies ``c ~ N(0, σ²)`` of ``periodic`` columns
     (over standardized values: small σ, smooth functions; the paper's most sensitive setting,
-    tuned per data set there). On randhie (deepfm, 3 seeds) 0.01 / 0.1 / 1 / 3 scored eval
-    AUC 0.6436 / 0.6387 / 0.6596 / 0.6596."""
+    tuned per data set there; the default's figures: docs/dense_and_arms.md)."""
     dcn_layers: int = 3
     """Cross layers (``dcn`` only)."""
     dcn_low_rank: int = 64

@@ -202,7 +202,7 @@ class LocalExchange:
             arr = _map(path, -(-size // mmap.PAGESIZE) * mmap.PAGESIZE, create=True)
         except OSError as e:
             raise RuntimeError(f"local exchange: {SHM_DIR} has no room for an outbox of {size} bytes "
-                               f"({e.strerror}); free space there or set train.local_exchange = false") from None
+                               f"({e.strerror}); free space there or set train.runtime.local_exchange = false") from None
         self._out[k] = (gen, arr)  # the old outbox lost its name one call after it was made
         self._ctl[self.rank][k, 0] = gen
         self._unlink_next.append(path)  # once every peer has opened it (next call)

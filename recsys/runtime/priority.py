@@ -54,7 +54,7 @@ class IdleGroup:
     def __init__(self, prefixes: tuple[str, ...]) -> None:
         self.prefixes = prefixes
         self.enabled = False
-        """Whether ``lower`` does anything (the trainer turns it on, ``train.idle_background``)."""
+        """Whether ``lower`` does anything (the trainer turns it on, ``train.runtime.idle_background``)."""
         self._low = False
         self._lock = threading.Lock()
 

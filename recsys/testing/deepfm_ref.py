@@ -180,7 +180,7 @@ def train_reference(data: dict, settings: Settings, seed: int) -> dict:
 
 
 OURS = ("schema.dense_transform='standardize'", "model.arch='deepfm'", "train.epochs=15",
-        "train.early_stopping_patience=3", "train.threads=1")
+        "train.eval.early_stopping_patience=3", "train.runtime.threads=1")
 """recsys' side of ``compare``: the set's job (its store, wide arm, towers, batch) as DeepFM
 over standardized dense values (the reference's inputs), the reference's epoch budget."""
 

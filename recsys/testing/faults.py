@@ -39,11 +39,11 @@ def job_overrides(data: Path, *extra: str, epochs: int = EPOCHS) -> list[str]:
         "data.train.passthrough=['row_id']",
         "train.record_rows=true",
         "train.log_every=1",
-        "train.warmup_steps=0",
+        "train.schedule.warmup_steps=0",
         "train.progress='none'",
         f"train.epochs={epochs}",
-        f"train.checkpoint_every_steps={EVERY}",
-        "train.collective_timeout_s=60",
+        f"train.checkpoint.every_steps={EVERY}",
+        "train.runtime.collective_timeout_s=60",
         *extra,
     ]
 
@@ -52,8 +52,8 @@ def spilling_overrides(url: str) -> list[str]:
     """Settings that make the scenario job's larger tables spill to the Redis at ``url``."""
     small = [f"schema.tables.{t}.capacity={300 if t[0] == 'c' else 1000}"
              for t in ("c3", "c4", "c7", "c10", "c12", "c15", "c16", "c21", "c24", "c26", "m1", "m2")]
-    return [f"store.spill_url='{url}'", "store.spill_retries=2", "store.spill_backoff_s=0.02",
-            "store.spill_timeout_s=1.0", *small]
+    return [f"store.spill.url='{url}'", "store.spill.retries=2", "store.spill.backoff_s=0.02",
+            "store.spill.timeout_s=1.0", *small]
 
 
 # --------------------------------------------------------------------------- membership changes

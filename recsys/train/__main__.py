@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace, sigterm: dict) -> int:
     from recsys.config import write_resolved
     from recsys.train.loop import Trainer, setup_env
 
-    env = setup_env(job.train.device, job.train.collective_timeout_s)
+    env = setup_env(job.train.device, job.train.runtime.collective_timeout_s)
     run_dir = run_dir_for(job, args.run_dir, env)
     if env.is_main:
         write_resolved(job, run_dir)

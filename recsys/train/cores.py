@@ -1,10 +1,10 @@
-"""Each local process of a CPU job on its own share of the host's cores (``train.pin_cores``).
+"""Each local process of a CPU job on its own share of the host's cores (``train.runtime.pin_cores``).
 
 With ``--nproc n`` on one host, every rank runs its dense step, its store's worker, its
 reader's threads and gloo's threads. Left to the scheduler, a rank's background thread often
 runs on the core the other rank's dense step wants; that rank's step then ends later, and
 each of a step's all-to-alls makes the first rank wait for it. Pinned, a rank's background
-threads take only the moments its own core idles (with ``train.idle_background`` they yield
+threads take only the moments its own core idles (with ``train.runtime.idle_background`` they yield
 to its dense step at once). Linux only: elsewhere nothing is pinned.
 """
 

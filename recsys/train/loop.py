@@ -165,18 +165,18 @@ def read_splits(job):
     """Return the reader settings of the training split and of the validation split (None:
     the job has none; periodic evaluations then read the eval split).
 
-    With ``train.validation_fraction`` both read the training files: training all row groups
+    With ``train.eval.validation_fraction`` both read the training files: training all row groups
     but the held-out ones, validation only them, with ``data.validation``'s read settings."""
     from recsys.config import ConfigError
 
-    data, fraction = job.data, job.train.validation_fraction
+    data, fraction = job.data, job.train.eval.validation_fraction
     if not fraction:
         return data.train, (data.validation if data.validation.paths else None)
     if data.validation.paths:
-        raise ConfigError("train.validation_fraction carves the validation split out of the training files: "
-                          "remove data.validation.paths, or set train.validation_fraction = 0")
+        raise ConfigError("train.eval.validation_fraction carves the validation split out of the training files: "
+                          "remove data.validation.paths, or set train.eval.validation_fraction = 0")
     if data.train.holdout_fraction:
-        raise ConfigError("set train.validation_fraction or data.train.holdout_fraction, not both")
+        raise ConfigError("set train.eval.validation_fraction or data.train.holdout_fraction, not both")
     held = dict(holdout_fraction=fraction, holdout_seed=data.train.holdout_seed)
     validation = dataclasses.replace(data.validation, paths=list(data.train.paths), on_bad_file=data.train.on_bad_file,
                                      holdout="only", **held)
@@ -236,15 +236,15 @@ class Trainer:
         self.train_cfg, self.validation_cfg = read_splits(job)
 
     def _place_process(self) -> None:
-        """This process's cores (``train.pin_cores``) and torch's intra-op threads."""
+        """This process's cores (``train.runtime.pin_cores``) and torch's intra-op threads."""
         tc, env = self.job.train, self.env
         self.cores = None
-        """The cores this process is pinned to (``train.pin_cores``; None: not pinned)."""
-        if tc.pin_cores and env.device.type == "cpu":
+        """The cores this process is pinned to (``train.runtime.pin_cores``; None: not pinned)."""
+        if tc.runtime.pin_cores and env.device.type == "cpu":
             from recsys.train.cores import pin_process
 
             self.cores = pin_process(int(os.environ.get("LOCAL_RANK", "0")), env.local_world_size)
-        torch.set_num_threads(tc.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+        torch.set_num_threads(tc.runtime.threads or max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
 
     def _build_model(self) -> None:
         """The dense model on the device, DDP over it (with the host's gradient exchange),
@@ -261,17 +261,17 @@ class Trainer:
         )
         # the main thread's collectives among ranks of one host (CPU): through shared memory
         self._local = (LocalExchange.open(dist.group.WORLD, env.collective_timeout_s)
-                       if env.world_size > 1 and env.device.type == "cpu" and tc.local_exchange else None)
+                       if env.world_size > 1 and env.device.type == "cpu" and tc.runtime.local_exchange else None)
         if env.world_size > 1 and env.device.type == "cpu" and env.world_size <= EXCHANGE_MAX_RANKS:
             if self._local is not None:
                 self.ddp.register_comm_hook(self._local, local_mean)
             else:
                 self.ddp.register_comm_hook(self.ddp.process_group, exchange_mean)
-        opt_cls = torch.optim.Adam if tc.optimizer == "adam" else torch.optim.Adagrad
-        impl = {"fused": True} if tc.fused_optimizer else {"foreach": True}
-        self.opt = opt_cls(self.model.parameters(), lr=tc.lr, weight_decay=tc.weight_decay, **impl)
+        opt_cls = torch.optim.Adam if tc.optim.name == "adam" else torch.optim.Adagrad
+        impl = {"fused": True} if tc.optim.fused else {"foreach": True}
+        self.opt = opt_cls(self.model.parameters(), lr=tc.optim.lr, weight_decay=tc.optim.weight_decay, **impl)
         self.total_steps = tc.max_steps or None
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc, self.total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lr_lambda(tc.schedule, self.total_steps))
 
     def _build_stores(self, restoring: bool):
         """Return the job's embedding store (with ``model.wide``, paired with the wide arm's
@@ -283,7 +283,7 @@ class Trainer:
             group = new_group(env.collective_timeout_s) if dist.is_initialized() else None
             return ShardedEmbeddingStore(schema, cfg, group=group, device=env.device, threaded=True,
                                          run_dir=self.run_dir, job_name=job.name, restoring=restoring,
-                                         local_exchange=tc.local_exchange,
+                                         local_exchange=tc.runtime.local_exchange,
                                          collective_timeout_s=env.collective_timeout_s)
 
         store = sharded(job.schema, job.store)
@@ -301,7 +301,7 @@ class Trainer:
         self.dense_stats = self._dense_stats(resume)
         self.reader = source or ParquetReader(self.train_cfg, self.job.schema, rank=env.rank,
                                               world_size=env.world_size, dense_stats=self.dense_stats)
-        if tc.validation_fraction and env.is_main:
+        if tc.eval.validation_fraction and env.is_main:
             record_validation_split(self.validation_cfg, self.job.schema, self.run_dir)
 
     def _init_loop_state(self) -> None:
@@ -429,7 +429,7 @@ class Trainer:
             meta["dense_stats"] = self.dense_stats.to_json()
         path = ckpt.save(self.ckpt_root, self.step, sparse=self.store.write_state,
                          dense={**dense, **self.store.admission_state_dict()},
-                         meta=meta, keep_last=self.job.train.keep_last)
+                         meta=meta, keep_last=self.job.train.checkpoint.keep_last)
         self.log.event("checkpoint", step=self.step, path=str(path))
         return path
 
@@ -500,7 +500,7 @@ class Trainer:
         tc, env = self.job.train, self.env
         F = len(self.job.schema.sparse)
         previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-        priority.enable(tc.idle_background and env.device.type == "cpu")
+        priority.enable(tc.runtime.idle_background and env.device.type == "cpu")
         last_ckpt = time.monotonic()
         progress = Progress(tc.progress, enabled=env.is_main, total=self.total_steps, every=tc.log_every)
         try:
@@ -518,7 +518,7 @@ class Trainer:
                         self.store.cancel(future.result())
                         self._log_epoch_end(epoch)
                         self.epoch += 1
-                        if tc.eval_every_epochs and self.epoch % tc.eval_every_epochs == 0:
+                        if tc.eval.every_epochs and self.epoch % tc.eval.every_epochs == 0:
                             self.store.flush()
                             self._validate(lookahead=False)
                         break
@@ -543,10 +543,10 @@ class Trainer:
                     loss.backward()
                     t3 = time.perf_counter()
                     self.store.push(lookup)
-                    if tc.clip_grad_norm:
-                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.clip_grad_norm)
+                    if tc.optim.clip_grad_norm:
+                        torch.nn.utils.clip_grad_norm_(self.model.parameters(), tc.optim.clip_grad_norm)
                     lr = self.opt.param_groups[0]["lr"]  # the LR this step trains with
-                    with torch_threads(tc.optimizer_threads):
+                    with torch_threads(tc.runtime.optimizer_threads):
                         self.opt.step()
                     self.sched.step()
                     self.step += 1
@@ -562,9 +562,9 @@ class Trainer:
                         self.store, lr, log_every=tc.log_every,
                     )
                     progress.update(self.step, self.log.last_loss, self.log.samples_per_s)
-                    if tc.eval_every and self.step % tc.eval_every == 0:
+                    if tc.eval.every and self.step % tc.eval.every == 0:
                         self._validate(lookahead=future is not None)
-                    every = tc.checkpoint_every_steps and self.step % tc.checkpoint_every_steps == 0
+                    every = tc.checkpoint.every_steps and self.step % tc.checkpoint.every_steps == 0
                     if stop or due or every:
                         resync = future is not None and self.store.staleness > 0
                         if resync:
@@ -620,10 +620,10 @@ class Trainer:
     def _validate(self, lookahead: bool) -> dict:
         """Run a periodic evaluation; track the best one, keep its checkpoint, count patience."""
         tc = self.job.train
-        result = self.evaluate(max_rows=tc.eval_max_rows, split="validation")
+        result = self.evaluate(max_rows=tc.eval.max_rows, split="validation")
         if self.after_validation is not None and self.after_validation(self.step, result):
             self.pruned = True
-        metric = tc.keep_best or ("auc" if tc.early_stopping_patience else "")
+        metric = tc.eval.keep_best or ("auc" if tc.eval.early_stopping_patience else "")
         if not metric or metric not in result:
             return result
         value = float(result[metric])
@@ -631,7 +631,7 @@ class Trainer:
         if better:
             self.best = {"metric": metric, "value": value, "step": self.step}
             self.evals_without_improvement = 0
-            if tc.keep_best:
+            if tc.eval.keep_best:
                 path = self.save(lookahead=lookahead)
                 if self.env.is_main:
                     ckpt.set_pointer(self.ckpt_root, "best", path.name)
@@ -641,14 +641,14 @@ class Trainer:
         return result
 
     def _early_stop(self) -> bool:
-        patience = self.job.train.early_stopping_patience
+        patience = self.job.train.eval.early_stopping_patience
         return self.pruned or (bool(patience) and self.evals_without_improvement >= patience)
 
     def _done(self) -> bool:
         return bool(self.total_steps) and self.step >= self.total_steps
 
     def _checkpoint_due(self, since: float) -> bool:
-        minutes = self.job.train.checkpoint_every_minutes
+        minutes = self.job.train.checkpoint.every_minutes
         return bool(minutes) and (time.monotonic() - since) >= 60 * minutes
 
     def _on_sigterm(self, signum, frame) -> None:

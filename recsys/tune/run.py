@@ -3,7 +3,7 @@
 Every trial is a real training run of the job with the trial's values set (``Trainer``, in
 the worker's process, one process per trial as ``recsys train`` without ``--nproc``), in
 ``DIR/trials/<number>``, with validation-driven early stopping as the job asks. The
-objective is the job's ``train.keep_best`` metric on the validation split (the run's best
+objective is the job's ``train.eval.keep_best`` metric on the validation split (the run's best
 periodic evaluation), never the eval split. Each periodic evaluation is reported to the
 study's pruner through the trainer's ``after_validation`` hook (Optuna's step: the
 evaluation's number, 1, 2, ...); a pruned trial stops as early stopping does, its run
@@ -119,23 +119,23 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
     known = study.user_attrs.get("metric")
     if study.direction.name.lower() != direction or known not in (None, metric):
         raise UserError(f"tune: study {name!r} in {_where(opts)} optimizes {known or study.direction.name.lower()}, "
-                        f"this job's train.keep_best is {metric!r}: give another --study")
+                        f"this job's train.eval.keep_best is {metric!r}: give another --study")
     if known is None:
         study.set_user_attr("metric", metric)
     return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12])
 
 
 def check_job(job, where) -> str:
-    """Return the objective's metric (``train.keep_best``); ``UserError`` unless the job
+    """Return the objective's metric (``train.eval.keep_best``); ``UserError`` unless the job
     evaluates a validation split periodically."""
     tc = job.train
-    if not tc.keep_best:
-        raise UserError(f"tune: {where}: the objective is the validation metric of train.keep_best: set it "
-                        "(e.g. --set train.keep_best='\"auc\"') with train.eval_every or train.eval_every_epochs")
-    if not (tc.validation_fraction or job.data.validation.paths):
+    if not tc.eval.keep_best:
+        raise UserError(f"tune: {where}: the objective is the validation metric of train.eval.keep_best: set it "
+                        "(e.g. --set train.eval.keep_best='\"auc\"') with train.eval.every or train.eval.every_epochs")
+    if not (tc.eval.validation_fraction or job.data.validation.paths):
         raise UserError(f"tune: {where}: the job has no validation split (the objective is never the eval split): "
-                        "set train.validation_fraction or data.validation.paths")
-    return tc.keep_best
+                        "set train.eval.validation_fraction or data.validation.paths")
+    return tc.eval.keep_best
 
 
 def open_storage(url: str, out: Path):
@@ -218,7 +218,7 @@ def objective(ctx: Context, trial) -> float:
         raise optuna.TrialPruned(f"pruned at evaluation {evaluations} (step {result['step']})")
     if best is None:
         raise UserError(f"trial {trial.number}: the run made no validation evaluation of {ctx.metric} "
-                        "(train.eval_every / eval_every_epochs beyond its steps?)")
+                        "(train.eval.every / every_epochs beyond its steps?)")
     return float(best["value"])
 
 
@@ -228,10 +228,10 @@ def _train(ctx: Context, trial, values: dict, run_dir: Path) -> tuple[dict, int]
     from recsys.train.loop import Trainer, setup_env
 
     trial_only = {"train.progress": "none", "publish.redis": ""}  # no bar per trial; no live pushes
-    if ctx.opts.jobs > 1 and not ctx.space.job(values, "").train.threads:
-        trial_only["train.threads"] = max(1, (os.cpu_count() or 1) // ctx.opts.jobs)
+    if ctx.opts.jobs > 1 and not ctx.space.job(values, "").train.runtime.threads:
+        trial_only["train.runtime.threads"] = max(1, (os.cpu_count() or 1) // ctx.opts.jobs)
     job = ctx.space.job({**values, **trial_only}, f"trial {trial.number}")
-    env = setup_env(job.train.device, job.train.collective_timeout_s)
+    env = setup_env(job.train.device, job.train.runtime.collective_timeout_s)
     write_resolved(job, run_dir)
     trainer = Trainer(job, run_dir, env)
     evaluations = 0

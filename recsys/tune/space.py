@@ -32,7 +32,7 @@ from recsys.config import ConfigError, JobConfig, apply_overrides, from_dict, re
 from recsys.model.config import WIDE_SETTINGS
 
 RANGE_KEYS = ("low", "high", "log", "step")
-NOT_TUNABLE = ("train.keep_best",)
+NOT_TUNABLE = ("train.eval.keep_best",)
 """Keys a space may not set: the objective's metric is the job's own."""
 
 

@@ -1,6 +1,6 @@
 """The device cache: a table's hot rows, with their optimizer state, on the compute device.
 
-Legend: ``R`` cached rows (``device_cache_rows``), ``D`` dim, ``U`` keys of a call.
+Legend: ``R`` cached rows (``store.device.cache_rows``), ``D`` dim, ``U`` keys of a call.
 
 ``DeviceCache`` sits in front of an ``EmbeddingTable`` (the host tier, which may spill to
 Redis) and offers the same interface (lookup / peek / apply_gradients / state_dict /
@@ -212,7 +212,7 @@ class DeviceCache(DeviceTier):
         if keys.shape[0] > self.rows and (touched := distinct(keys).shape[0]) > self.rows:
             raise ValueError(
                 f"table {self.name!r}: a call touches {touched} distinct keys but the "
-                f"device cache holds {self.rows} rows; raise StoreConfig.device_cache_rows or send smaller batches"
+                f"device cache holds {self.rows} rows; raise store.device.cache_rows or send smaller batches"
             )
         clock = self._map.clock
         if clock is not None and step < clock:
@@ -357,12 +357,12 @@ class DeviceCache(DeviceTier):
 
 def device_budget_rows(specs: dict, cfg) -> dict[str, int]:
     """Return the device cache rows of each table (its shard's ``TableSpec``) under
-    ``cfg.device_memory_gb``: every table's capacity when all fit, else the budget shared in
+    ``cfg.device.memory_gb``: every table's capacity when all fit, else the budget shared in
     proportion to capacity (at least 1 row each). Empty without a budget."""
-    if not cfg.device_memory_gb or not specs:
+    if not cfg.device.memory_gb or not specs:
         return {}
     itemsize = np.dtype(cfg.dtype).itemsize
-    budget = cfg.device_memory_gb * 2**30
+    budget = cfg.device.memory_gb * 2**30
     rows: dict[str, int] = {}
     per_row = {}
     for name, spec in specs.items():

@@ -4,7 +4,7 @@ at the host table's own slots.
 Legend: ``C`` the table's capacity (rows), ``D`` dim, ``U`` keys of a call.
 
 ``DeviceTable`` is what a store's GPU tier uses for a table that fits whole
-(``store.device_memory_gb`` holding every capacity, or ``device_cache_rows`` at least the
+(``store.device.memory_gb`` holding every capacity, or ``store.device.cache_rows`` at least the
 capacity) in a one-process store without a spill tier. A ``DeviceCache`` in front of such a
 table would do the host's key work *and* its own (a second key map with its own LRU), and
 measured slower than no device tier at all on an H100 (BENCHMARKS.md). Here the host table

@@ -85,10 +85,10 @@ class ShardedEmbeddingStore:
     ``group=None`` with no initialized process group means one process owning every row.
 
     ``run_dir`` / ``job_name``: the training run this store belongs to. With a spill tier
-    (``cfg.spill_url``) it spills to the run's namespace (``cfg.spill_namespace``, or when
-    empty one derived from the run directory and job: ``StoreConfig.spill_namespace_for``),
+    (``cfg.spill.url``) it spills to the run's namespace (``cfg.spill.namespace``, or when
+    empty one derived from the run directory and job: ``SpillConfig.namespace_for``),
     claims it (``<namespace>:owner``; another run's namespace is refused with ``SpillError``
-    unless ``cfg.spill_takeover``) and deletes this shard's rows in it: the rows of a run
+    unless ``cfg.spill.takeover``) and deletes this shard's rows in it: the rows of a run
     are those of the checkpoint it resumes from (``load_state_dict``), or none. With
     ``restoring`` the caller loads a checkpoint (``load_state_dict``) before any other call:
     the start then only finds this shard's rows (one SCAN), and the load deletes those the
@@ -114,12 +114,13 @@ class ShardedEmbeddingStore:
         local_exchange: bool = True,
         collective_timeout_s: float = 300.0,
     ) -> None:
-        if cfg.keep_freed_memory:
+        if cfg.host.keep_freed_memory:
             keep_freed_memory()
         self.schema = schema
         self.run_dir = None if run_dir is None else Path(os.path.abspath(run_dir))
-        if cfg.spill_url and self.run_dir is not None:
-            cfg = dataclasses.replace(cfg, spill_namespace=cfg.spill_namespace_for(self.run_dir, job_name))
+        if cfg.spill.url and self.run_dir is not None:
+            spill = dataclasses.replace(cfg.spill, namespace=cfg.spill.namespace_for(self.run_dir, job_name))
+            cfg = dataclasses.replace(cfg, spill=spill)
         self.cfg = cfg
         self.device = torch.device(device)
         if group is None and dist.is_available() and dist.is_initialized():
@@ -139,8 +140,8 @@ class ShardedEmbeddingStore:
         budget_rows = device_budget_rows(
             {name: self._shard_spec(spec) for name, spec in schema.tables.items()}, cfg)
         self._arena = None  # every table's device cache in one array (recsys.store.device.cache.DeviceArena)
-        # each table's device cache rows (0: none), from device_cache_rows or the budget
-        self._cache_rows = {name: cfg.device_cache_rows or budget_rows.get(name, 0)
+        # each table's device cache rows (0: none), from device.cache_rows or the budget
+        self._cache_rows = {name: cfg.device.cache_rows or budget_rows.get(name, 0)
                             for name in schema.tables}
         cache_rows = self._cache_rows
         if table_factory is None and cache_rows and all(cache_rows.values()):
@@ -180,9 +181,9 @@ class ShardedEmbeddingStore:
         self._table_columns = {t: np.isin(np.arange(len(schema.sparse)), self._features_of[t]) for t in self.table_names}
         # per-table work on several threads: plain host tables only (a spill tier's Redis
         # client and a device cache stay on the worker thread)
-        plain = table_factory is None and not cfg.spill_url and not any(self._cache_rows.values())
-        lanes = (cfg.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
-        self._board = Board() if threaded and cfg.waiter_helps and plain and self.device.type == "cpu" else None
+        plain = table_factory is None and not cfg.spill.url and not any(self._cache_rows.values())
+        lanes = (cfg.host.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
+        self._board = Board() if threaded and cfg.host.waiter_helps and plain and self.device.type == "cpu" else None
         self._lanes = Lanes(lanes, self._board)
         # every table plain (float32 host rows, row-wise Adagrad, nothing else attached):
         # training's per-table steps run as one kernel call for all tables
@@ -212,8 +213,8 @@ class ShardedEmbeddingStore:
 
     def _make_table(self, table_factory, name: str, spec: TableSpec, cfg: StoreConfig):
         """Return one table's tiers: ``table_factory``'s table (default: an ``EmbeddingTable``
-        spilling to ``cfg.spill_url`` if set, listing only this rank's keys), wrapped in a
-        ``DeviceCache`` on ``self.device`` when it has cache rows (``device_cache_rows`` or the budget),
+        spilling to ``cfg.spill.url`` if set, listing only this rank's keys), wrapped in a
+        ``DeviceCache`` on ``self.device`` when it has cache rows (``device.cache_rows`` or the budget),
         or held whole there as a ``DeviceTable`` when those rows hold it (``fits_whole``)."""
         if table_factory is not None:
             table = table_factory(name, spec, cfg)
@@ -221,7 +222,7 @@ class ShardedEmbeddingStore:
             from recsys.store.tables.table import EmbeddingTable
 
             spill = None
-            if cfg.spill_url:
+            if cfg.spill.url:
                 from recsys.store.spill.tier import SpillTier
 
                 owns = None
@@ -252,9 +253,9 @@ class ShardedEmbeddingStore:
         from recsys.store.spill.tier import clear_tables, find_leftovers
 
         if self.run_dir is not None:
-            taken = tiers[0].claim({"run_dir": str(self.run_dir), "job": job_name}, takeover=self.cfg.spill_takeover)
+            taken = tiers[0].claim({"run_dir": str(self.run_dir), "job": job_name}, takeover=self.cfg.spill.takeover)
             if taken is not None:
-                log.warning("spill namespace %r taken over from %s (store.spill_takeover)", tiers[0].namespace, taken)
+                log.warning("spill namespace %r taken over from %s (store.spill.takeover)", tiers[0].namespace, taken)
         if restoring:
             n = find_leftovers(tiers)
             if n:

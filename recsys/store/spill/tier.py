@@ -1,6 +1,6 @@
 """The spill tier: evicted rows kept in Redis with their optimizer state, back on the next miss.
 
-Legend: ``N`` rows of a call, ``D`` dim, ``B`` keys per Redis command (``spill_batch_rows``).
+Legend: ``N`` rows of a call, ``D`` dim, ``B`` keys per Redis command (``spill.batch_rows``).
 
 One ``SpillTier`` per table and shard (``EmbeddingTable`` drives it; see its module doc)::
 
@@ -10,12 +10,12 @@ One ``SpillTier`` per table and shard (``EmbeddingTable`` drives it; see its mod
     table misses ──► fetch(keys) ──► buffer first ─┤  else, keys in the index: read ahead, or MGET ──► Redis
                                                    └─ else: not spilled (no round trip)
     next lookup's misses ──► prefetch(keys) ──► MGET ahead (while the step trains)
-    rows restored ──► restored(keys): copies kept (spill_delete_restored: forget(keys) ──►
+    rows restored ──► restored(keys): copies kept (spill.delete_restored: forget(keys) ──►
                       buffer {key: None} (a tombstone) ──► writer: UNLINK)
 
 Keys: ``<namespace>:spill:<table>:<key as 16 lowercase hex digits>`` (the key's uint64
 bits). Nothing about the shard or world size enters it, so a row spilled at one world size
-is found at any other. The namespace (``StoreConfig.spill_namespace``) belongs to one
+is found at any other. The namespace (``store.spill.namespace``) belongs to one
 training run: ``<namespace>:owner`` names it (``claim``), and a run deletes its tables'
 rows at start (``clear_tables``): the checkpoint it resumes from holds every spilled row.
 
@@ -39,7 +39,7 @@ Semantics, exactly:
 
 - ``put`` encodes at once and buffers the rows (the newest copy of a key wins); a writer
   thread writes the buffer in pipelined batches. Each batch is *in flight* until Redis
-  confirmed it. While the buffer holds ``spill_queue_rows`` rows or more, ``put`` waits
+  confirmed it. While the buffer holds ``spill.queue_rows`` rows or more, ``put`` waits
   for the writer (back-pressure), never dropping rows.
 - ``fetch`` answers from the buffer first (pending, then in flight): a buffered value is
   the newest copy, a buffered tombstone means "not spilled". Keys the buffer does not know
@@ -53,7 +53,7 @@ Semantics, exactly:
   table asks only for keys it does not hold and ``rows(skip=...)`` passes over those it
   does, so a copy is never read while its row is in memory, and the row's next ``put``
   overwrites it (Redis then holds every row evicted at least once: the price in Redis
-  memory of sending no UNLINK per restored row). With ``spill_delete_restored``,
+  memory of sending no UNLINK per restored row). With ``spill.delete_restored``,
   ``restored`` is ``forget``: tombstones, written as UNLINK by the writer, after any
   in-flight SET of the same key (batches are written in order), so a later eviction's copy
   is the only one that counts. Once the index is built, only keys it or the buffer holds get
@@ -61,8 +61,8 @@ Semantics, exactly:
   it hands over (``pop_rows``, flushed before they leave, so a new owner's write of the same
   key lands after the UNLINK), whose copies would otherwise outlive them, and passes
   ``prefetch`` only the keys it does not hold.
-- Every Redis call is retried ``spill_retries`` times on connection errors and timeouts,
-  waiting ``spill_backoff_s`` and doubling. Then, by ``spill_outage``:
+- Every Redis call is retried ``spill.retries`` times on connection errors and timeouts,
+  waiting ``spill.backoff_s`` and doubling. Then, by ``spill.outage``:
 
   - ``"fail"``: ``SpillError`` (the URL, the operation, the table, what to do). A failed
     read leaves the table unchanged. A failed background write keeps its rows buffered
@@ -70,10 +70,10 @@ Semantics, exactly:
     (``check`` at every table call); the writer then tries again.
   - ``"hold"``: an *outage* begins. The writer keeps its rows buffered (served by
     ``fetch``) and tries again every ~1 s; ``put`` stops waiting for the writer (the buffer
-    may grow to ``spill_hold_max_rows``, then ``put`` raises, the rows kept); a miss of a
+    may grow to ``spill.hold_max_rows``, then ``put`` raises, the rows kept); a miss of a
     key the index does not have needs no Redis; a read that needs Redis (a key in the
     index, ``rows``, ``clear``) and ``flush`` wait for it. The first Redis call that
-    succeeds ends the outage. Once it lasted ``spill_hold_timeout_s``, calls raise
+    succeeds ends the outage. Once it lasted ``spill.hold_timeout_s``, calls raise
     ``SpillError`` as with ``"fail"``.
 - ``write_rows`` writes rows at once in the caller's thread (after a flush, so no older
   buffered copy lands after them): a restore's rows beyond the table's capacity, millions
@@ -158,8 +158,8 @@ class SpillTier:
 
     ``owns(keys) -> bool mask`` limits ``rows`` and ``clear`` to this shard's keys (None:
     all keys of the table). ``client``: a ready ``redis.Redis`` (tests); by default one
-    is made from ``cfg.spill_url`` with this module's retry policy and no other. An empty
-    ``cfg.spill_namespace`` gives the tier a temporary namespace of its own
+    is made from ``cfg.spill.url`` with this module's retry policy and no other. An empty
+    ``cfg.spill.namespace`` gives the tier a temporary namespace of its own
     (``recsys-tmp-<random>``, its rows deleted by ``close``).
     """
 
@@ -172,18 +172,18 @@ class SpillTier:
         owns: Callable[[np.ndarray], np.ndarray] | None = None,
         client: redis.Redis | None = None,
     ) -> None:
-        if not cfg.spill_url and client is None:
-            raise ValueError(f"table {table!r}: a spill tier needs StoreConfig.spill_url (or a client)")
+        if not cfg.spill.url and client is None:
+            raise ValueError(f"table {table!r}: a spill tier needs store.spill.url (or a client)")
         self.table = table
         self.dim = int(dim)
         self.cfg = cfg
-        self.url = _redact(cfg.spill_url) if cfg.spill_url else "<given client>"
-        self.temporary = not cfg.spill_namespace
-        self.namespace = cfg.spill_namespace or f"recsys-tmp-{secrets.token_hex(8)}"
+        self.url = _redact(cfg.spill.url) if cfg.spill.url else "<given client>"
+        self.temporary = not cfg.spill.namespace
+        self.namespace = cfg.spill.namespace or f"recsys-tmp-{secrets.token_hex(8)}"
         self.prefix = spill_prefix(self.namespace, table)
         self._prefix_b = self.prefix.encode()
         self._owns = owns
-        self._hold = cfg.spill_outage == "hold"
+        self._hold = cfg.spill.outage == "hold"
         self.dtype = value_dtype(self.dim, cfg)
         self._columns = optim.state_columns(cfg.optimizer)
         self._storage = np.dtype(cfg.dtype)
@@ -191,12 +191,12 @@ class SpillTier:
         self._header[0] = (FORMAT_VERSION, DTYPE_CODES[cfg.dtype], OPTIMIZER_CODES[cfg.optimizer], 0, self.dim)
         self._own_client = client is None
         self._client = client if client is not None else redis.Redis.from_url(
-            cfg.spill_url,
-            socket_timeout=cfg.spill_timeout_s,
-            socket_connect_timeout=cfg.spill_timeout_s,
+            cfg.spill.url,
+            socket_timeout=cfg.spill.timeout_s,
+            socket_connect_timeout=cfg.spill.timeout_s,
             retry=Retry(NoBackoff(), 0),  # the retries are ours (bounded, with backoff)
             health_check_interval=0,
-            **_client_options(cfg.spill_url, cfg.spill_password_file, "store.spill_password_file"),
+            **_client_options(cfg.spill.url, cfg.spill.password_file, "store.spill.password_file"),
         )
         self._cond = threading.Condition()  # re-entrant
         self._pending: dict[int, bytes | None] = {}  # newest wanted state per key, not yet taken
@@ -212,7 +212,7 @@ class SpillTier:
         self._outage_since: float | None = None  # "hold": monotonic start of the current outage
         self._outage_cause = ""
         self._retry_at = 0.0  # "hold": the writer's next try during an outage
-        self._writer_delay = max(cfg.spill_backoff_s, 0.01)
+        self._writer_delay = max(cfg.spill.backoff_s, 0.01)
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._write_gate: Callable[[], object] | None = None  # test hook: called per batch taken
         self._writer = threading.Thread(target=self._write_loop, name=f"spill-writer-{table}", daemon=True)
@@ -241,7 +241,7 @@ class SpillTier:
 
     @property
     def in_outage(self) -> bool:
-        """Return True while Redis is unreachable and ``spill_outage = "hold"`` holds rows."""
+        """Return True while Redis is unreachable and ``spill.outage = "hold"`` holds rows."""
         with self._cond:
             return self._outage_since is not None
 
@@ -263,7 +263,7 @@ class SpillTier:
         if block.num_rows == 0:
             return
         values = self._encode(block)
-        limit = self.cfg.spill_queue_rows
+        limit = self.cfg.spill.queue_rows
         with self._cond:
             self._drop_ahead(block.keys)
             self._pending.update(zip(block.keys.tolist(), values))
@@ -272,21 +272,21 @@ class SpillTier:
                    and self._outage_since is None and self._writer.is_alive() and not self._abandoned):
                 self._cond.wait(timeout=1.0)
             held = len(self._pending) + len(self._inflight)
-            over = self._outage_since is not None and held > self.cfg.spill_hold_max_rows
+            over = self._outage_since is not None and held > self.cfg.spill.hold_max_rows
         self.check()
         self._check_writer()
         if over:
             raise SpillError(
                 f"spill tier of table {self.table!r}: Redis {self.url} is unreachable and {held} evicted rows "
-                f"and deletions are held in memory, more than StoreConfig.spill_hold_max_rows "
-                f"({self.cfg.spill_hold_max_rows}) allows (last error: {self._outage_cause}); they are not lost "
-                "while this process lives. Bring Redis back, or raise spill_hold_max_rows", transient=True)
+                f"and deletions are held in memory, more than store.spill.hold_max_rows "
+                f"({self.cfg.spill.hold_max_rows}) allows (last error: {self._outage_cause}); they are not lost "
+                "while this process lives. Bring Redis back, or raise store.spill.hold_max_rows", transient=True)
 
     def restored(self, keys: np.ndarray) -> None:
         """Note that the rows of ``keys`` are back in the table's memory: with
-        ``spill_delete_restored`` their copies are deleted (``forget``); else kept, unread while
+        ``spill.delete_restored`` their copies are deleted (``forget``); else kept, unread while
         the rows stay in memory and overwritten by their next ``put``."""
-        if self.cfg.spill_delete_restored:
+        if self.cfg.spill.delete_restored:
             self.forget(keys)
             return
         keys = as_keys(keys)
@@ -316,7 +316,7 @@ class SpillTier:
         """Return (found mask [N], the found rows in input order) of ``keys_N``; read-only.
 
         Raises ``SpillError`` if Redis cannot answer within the retry bound (``"hold"``:
-        within ``spill_hold_timeout_s`` of the outage's start), or lost a spilled row."""
+        within ``spill.hold_timeout_s`` of the outage's start), or lost a spilled row."""
         keys = as_keys(keys_N)
         n = keys.shape[0]
         found = np.zeros(n, dtype=bool)
@@ -444,8 +444,8 @@ class SpillTier:
             self._closing = True
             self._cond.notify_all()
         # a write in progress ends within its retry bound
-        self._writer.join(timeout=(self.cfg.spill_retries + 1) * (2 * self.cfg.spill_timeout_s)
-                          + self.cfg.spill_retry_budget_s() + 1)
+        self._writer.join(timeout=(self.cfg.spill.retries + 1) * (2 * self.cfg.spill.timeout_s)
+                          + self.cfg.spill.retry_budget_s() + 1)
         if self._own_client:
             self._client.close()
 
@@ -561,8 +561,8 @@ class SpillTier:
         raise SpillError(
             f"spill namespace {self.namespace!r} at Redis {self.url} belongs to another run "
             f"({describe_owner(theirs)}), not to this one ({describe_owner(owner)}): its rows are not this "
-            "run's. Leave store.spill_namespace empty (one namespace per run directory), choose another one, "
-            "or set store.spill_takeover = true to delete this job's rows in it and take it over"
+            "run's. Leave store.spill.namespace empty (one namespace per run directory), choose another one, "
+            "or set store.spill.takeover = true to delete this job's rows in it and take it over"
         )
 
     # ------------------------------------------------------------------ the index
@@ -580,7 +580,7 @@ class SpillTier:
         """Return the keys of this table's spilled rows in Redis (``owns``' keys only)."""
         match = _glob_escape(self.prefix) + "*"
         names = self._redis("SCAN of spilled keys",
-                            lambda: list(self._client.scan_iter(match=match, count=self.cfg.spill_batch_rows)))
+                            lambda: list(self._client.scan_iter(match=match, count=self.cfg.spill.batch_rows)))
         return self._owned(self._parse_names(names))
 
     def _refuse_leftovers(self, what: str) -> None:
@@ -659,7 +659,7 @@ class SpillTier:
                 f"spill tier of table {self.table!r} at {self.url}: the value under "
                 f"{spill_key(self.namespace, self.table, int(keys[bad]))} holds key "
                 f"{int(rec['key'][bad])}; the namespace {self.namespace!r} is shared with "
-                "something else: use a namespace of its own (StoreConfig.spill_namespace)"
+                "something else: use a namespace of its own (store.spill.namespace)"
             )
         states = {}
         for c in self._columns:
@@ -681,7 +681,7 @@ class SpillTier:
             f"{where} has format version {int(h['version'])}, {dtypes.get(int(h['dtype']), '?')}, "
             f"{opts.get(int(h['optimizer']), '?')}, dim {int(h['dim'])} ({len(value)} bytes); {expected}. "
             "Rows spilled by another configuration cannot be read: clear the namespace or use another one "
-            "(StoreConfig.spill_namespace)"
+            "(store.spill.namespace)"
         )
 
     def _from_arrow(self, rows: pa.Table) -> RowBlock:
@@ -707,7 +707,7 @@ class SpillTier:
 
     def _packed(self, command: bytes, keys: np.ndarray, values_NV: np.ndarray | None = None) -> list[bytes]:
         """Return ``spill_wire.pack`` of ``command`` over the names of ``keys`` (and values)."""
-        return spill_wire.pack(command, self._name_chars(keys), values_NV, self.cfg.spill_batch_rows)
+        return spill_wire.pack(command, self._name_chars(keys), values_NV, self.cfg.spill.batch_rows)
 
     def _parse_names(self, names: list[bytes]) -> np.ndarray:
         """Return the keys of the names that are this table's spill keys (others are skipped),
@@ -750,9 +750,9 @@ class SpillTier:
                 self._ahead.pop(k, None)
 
     def _redis(self, what: str, op):
-        """Return ``op()`` run by ``_retry``; with ``spill_outage = "hold"`` an outage is
-        waited out (tries every <= 1 s) until ``spill_hold_timeout_s`` after its start."""
-        delay = max(self.cfg.spill_backoff_s, 0.01)
+        """Return ``op()`` run by ``_retry``; with ``spill.outage = "hold"`` an outage is
+        waited out (tries every <= 1 s) until ``spill.hold_timeout_s`` after its start."""
+        delay = max(self.cfg.spill.backoff_s, 0.01)
         while True:
             try:
                 out = self._retry(what, op)
@@ -777,14 +777,14 @@ class SpillTier:
                 self._counters["spill_outages"] += 1
             cause = exc.__cause__ if exc.__cause__ is not None else exc
             self._outage_cause = f"{type(cause).__name__}: {str(cause).rstrip('.')}"
-            return self._outage_since + self.cfg.spill_hold_timeout_s
+            return self._outage_since + self.cfg.spill.hold_timeout_s
 
     def _end_outage(self) -> None:
         with self._cond:
             if self._outage_since is not None:
                 self._outage_since = None
                 self._retry_at = 0.0
-                self._writer_delay = max(self.cfg.spill_backoff_s, 0.01)
+                self._writer_delay = max(self.cfg.spill.backoff_s, 0.01)
                 self._cond.notify_all()
 
     def _hold_expired(self, what: str) -> SpillError:
@@ -794,16 +794,16 @@ class SpillTier:
             cause = self._outage_cause
         return SpillError(
             f"spill tier of table {self.table!r}: {what} at Redis {self.url}: Redis has been unreachable for "
-            f"{time.monotonic() - since:.1f}s, longer than StoreConfig.spill_hold_timeout_s "
-            f"({self.cfg.spill_hold_timeout_s:g}s) allows (spill_outage = 'hold'); last error: {cause}. No row was "
-            f"re-initialized; {held} evicted row(s) and deletions are still held in this process's memory",
+            f"{time.monotonic() - since:.1f}s, longer than store.spill.hold_timeout_s "
+            f"({self.cfg.spill.hold_timeout_s:g}s) allows (store.spill.outage = 'hold'); last error: {cause}. "
+            f"No row was re-initialized; {held} evicted row(s) and deletions are still held in this process's memory",
             transient=True,
         )
 
     def _retry(self, what: str, op):
         """Return ``op()``, retried on transient Redis errors with exponential backoff."""
-        delay = self.cfg.spill_backoff_s
-        attempts = self.cfg.spill_retries + 1
+        delay = self.cfg.spill.backoff_s
+        attempts = self.cfg.spill.retries + 1
         t0 = time.monotonic()
         for attempt in range(attempts):
             try:
@@ -826,8 +826,8 @@ class SpillTier:
             f"spill tier of table {self.table!r}: {what} at Redis {self.url} failed after {attempts} "
             f"attempt(s) in {elapsed:.2f}s: {type(exc).__name__}: {str(exc).rstrip('.')}. No row was re-initialized "
             "(rows not yet written stay buffered in this process). Check that Redis is up and reachable at "
-            "store.spill_url (or raise store.spill_retries / spill_backoff_s / spill_timeout_s, or set "
-            "store.spill_outage = 'hold' to train through an outage)"
+            "store.spill.url (or raise store.spill.retries / backoff_s / timeout_s, or set "
+            "store.spill.outage = 'hold' to train through an outage)"
         )
 
     def _check_writer(self) -> None:
@@ -837,7 +837,7 @@ class SpillTier:
     # ------------------------------------------------------------------ the writer
 
     def _write_loop(self) -> None:
-        round_rows = self.cfg.spill_batch_rows * _BATCHES_PER_ROUND
+        round_rows = self.cfg.spill.batch_rows * _BATCHES_PER_ROUND
         while True:
             with self._cond:
                 while True:
@@ -969,7 +969,7 @@ def _scan_namespace(tiers: list[SpillTier]) -> dict[SpillTier, np.ndarray]:
         t.flush()
     match = _glob_escape(f"{first.namespace}:spill:") + "*"
     names = first._redis("SCAN of spilled keys",
-                         lambda: list(first._client.scan_iter(match=match, count=first.cfg.spill_batch_rows)))
+                         lambda: list(first._client.scan_iter(match=match, count=first.cfg.spill.batch_rows)))
     by_prefix = {t._prefix_b: t for t in tiers}
     per_tier: dict[bytes, list[bytes]] = {}
     for name in names:

@@ -521,7 +521,7 @@ class KeyMap:
         self._drop_pool()
 
     def commit_pages(self) -> None:
-        """Back the per-slot array with memory now (see ``StoreConfig.prefault``); the
+        """Back the per-slot array with memory now (see ``store.host.prefault``); the
         buckets are written in full at construction already, and the free stack is
         backed as it fills."""
         commit_pages(self._rec)

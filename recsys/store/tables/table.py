@@ -37,7 +37,7 @@ not part of ``state_dict``: carry it with ``admission_state`` / ``load_admission
 the look-ahead lookup a resumed run redoes, or one withdrawn and redone
 (``arm_admission_replay``) — counts each key's sighting of that step once.
 
-Spill tier (``spill``, a ``recsys.store.spill.tier.SpillTier``; built from ``cfg.spill_url``
+Spill tier (``spill``, a ``recsys.store.spill.tier.SpillTier``; built from ``cfg.spill.url``
 unless given): evicted rows go to it with their optimizer state and last_seen, and a
 lookup's misses are asked of it before anything is initialized::
 
@@ -48,7 +48,7 @@ lookup's misses are asked of it before anything is initialized::
         last_seen becomes ``step``; evicted rows ─► spill.put (async)
       spill.restored(found keys): their Redis copies are kept, stale and never read while
         the rows are in memory, overwritten when they are evicted again (with
-        ``spill_delete_restored``: deleted, an async UNLINK each)
+        ``spill.delete_restored``: deleted, an async UNLINK each)
 
 A spilled key found in the tier is admitted whatever the sketch says (it had a row).
 ``apply_gradients`` brings back spilled rows of its keys the same way (with their own
@@ -144,7 +144,7 @@ class EmbeddingTable:
 
     ``on_evict`` receives the rows an LRU eviction removes (``state_dict`` columns), after
     the table is consistent again; without it (and without a spill tier) evicted rows are
-    dropped. ``spill``: the spill tier ("auto": one built from ``cfg.spill_url`` when set;
+    dropped. ``spill``: the spill tier ("auto": one built from ``cfg.spill.url`` when set;
     None: none). Not thread-safe: the store serializes calls.
     """
 
@@ -167,17 +167,17 @@ class EmbeddingTable:
         if self.capacity > MAX_CAPACITY:
             raise ValueError(f"table {name!r}: {self.capacity} rows in one shard, above the {MAX_CAPACITY} a shard holds; "
                              "lower the table's capacity or train on more ranks (each holds capacity / ranks)")
-        self._map = KeyMap(self.capacity, huge_pages=cfg.huge_pages)
+        self._map = KeyMap(self.capacity, huge_pages=cfg.host.huge_pages)
         self._np_dtype = np.dtype(cfg.dtype)
-        self.weights_CD = pages.zeros((self.capacity, self.dim), self._np_dtype, cfg.huge_pages)
+        self.weights_CD = pages.zeros((self.capacity, self.dim), self._np_dtype, cfg.host.huge_pages)
         self._w16 = self.weights_CD.view(np.uint16) if self._np_dtype == np.float16 else None
         self._columns = optim.state_columns(cfg.optimizer)
         self._state = {
-            c.name: pages.zeros((self.capacity, self.dim) if c.per_dim else self.capacity, c.dtype, cfg.huge_pages)
+            c.name: pages.zeros((self.capacity, self.dim) if c.per_dim else self.capacity, c.dtype, cfg.host.huge_pages)
             for c in self._columns
         }
         self._state_init = {c.name: optim.initial_state_value(cfg, c) for c in self._columns}
-        if cfg.prefault:
+        if cfg.host.prefault:
             for arr in (self.weights_CD, *self._state.values()):
                 commit_pages(arr)
             self._map.commit_pages()
@@ -195,7 +195,7 @@ class EmbeddingTable:
             if spill != "auto":
                 raise ValueError(f"spill must be a SpillTier, None or 'auto', found {spill!r}")
             spill = None
-            if cfg.spill_url:
+            if cfg.spill.url:
                 from recsys.store.spill.tier import SpillTier  # redis is only needed with a spill tier
 
                 spill = SpillTier(name, self.dim, cfg)
