@@ -144,8 +144,8 @@ class HostConfig:
     """Commit every table's memory (rows, optimizer state, key map) when the store is built,
     as fbgemm's TBE does when it initializes its weights, so that no training step pays the
     first-touch page faults of the rows it inserts: they are a sizeable share of a step,
-    and their price varies from host to host (docs/benchmarks-history.md, "Figures behind
-    the settings' defaults"). False: memory is committed as rows arrive (resident memory
+    and their price varies from host to host (docs/benchmarks-history.md,
+    "Figures from module docstrings"). False: memory is committed as rows arrive (resident memory
     grows with the rows held; build time is shorter)."""
     huge_pages: bool = True
     """Keep every table's large arrays (rows, optimizer state, key map) on the kernel's 2 MiB

@@ -118,8 +118,8 @@ class RuntimeConfig:
     elementwise, so any count gives the same numbers. It runs while the store's worker
     applies the sparse push on one of the cores, and a parallel region of ``threads``
     threads then waits for that core, which made the step several times slower with 2
-    threads on 2 cores than with 1 (docs/benchmarks-history.md, "Figures behind the
-    settings' defaults"). Raise it for a dense model whose step is large enough to pay for it."""
+    threads on 2 cores than with 1 (docs/benchmarks-history.md, "Figures
+    from module docstrings"). Raise it for a dense model whose step is large enough to pay for it."""
     idle_background: bool = True
     """On CPU, run the store's worker and the reader's threads under Linux's ``SCHED_IDLE``
     policy while the dense forward and backward run, so they take only the cores the
