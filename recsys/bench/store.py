@@ -567,8 +567,8 @@ def _dist_rank(rank: int, world: int, s: Settings) -> dict:
     solo_group = dist.new_group(ranks=[0], backend="gloo")
     # threads: the store's per-table threads as a 1-process job of 2 threads and a
     # 2-process job of 1 thread each would have them
-    store2 = ShardedEmbeddingStore(schema, dataclasses.replace(cfg, threads=1))  # its own gloo group of all ranks
-    store1 = (ShardedEmbeddingStore(schema, dataclasses.replace(cfg, threads=2), group=solo_group)
+    store2 = ShardedEmbeddingStore(schema, dataclasses.replace(cfg, host=dataclasses.replace(cfg.host, threads=1)))  # its own gloo group of all ranks
+    store1 = (ShardedEmbeddingStore(schema, dataclasses.replace(cfg, host=dataclasses.replace(cfg.host, threads=2)), group=solo_group)
               if rank == 0 else None)
     kjt_half = [_kjt(keys[b, :, rank * half : (rank + 1) * half]) for b in range(n_b)]
     kjt_full = [_kjt(keys[b]) for b in range(n_b)] if rank == 0 else None
