@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import time
@@ -47,6 +48,25 @@ log = logging.getLogger(__name__)
 
 class BackendUnavailable(RuntimeError):
     """The backend cannot answer now (the message says why); the service answers 503."""
+
+
+class _WrongType(Exception):
+    """Redis answered WRONGTYPE: the key holds another kind of value than the layout says."""
+
+
+_WRONGTYPE = b"\0wrongtype"
+"""Stands for a manifest key that holds no string (refused by its own message)."""
+
+MAX_BUCKETS = overlay.MAX_BUCKETS
+"""Buckets a row key can name (4 hex digits, ``recsys.redisio.published``)."""
+
+ON_DEMAND_REFRESH_S = 0.1
+"""While nothing is served, a request reads the alias itself at most this often (and at most
+every ``refresh_s``): a burst of requests is not a burst of Redis reads."""
+
+
+def _digest(text: bytes) -> bytes:
+    return hashlib.blake2b(text, digest_size=16).digest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,12 +193,22 @@ class RedisBackend:
         self._resp: RespPipeline | None = None  # row MGETs on a single node over plain TCP / Unix socket
         self._snap: Snapshot | None = None  # what requests are served: the version and its overlay
         self._base: Snapshot | None = None  # the published version alone
-        self._manifests: dict[str, Snapshot] = {}
         self._overlay: overlay.Overlay | None = None
-        self._live_seen: tuple | None = None  # (version, live manifest text) the overlay was built for
+        self._live_seen: tuple | None = None  # (version, its manifest digest, live manifest) of the overlay
         self._live_note = "" if not follow else f"live namespace {follow!r} not read yet"
         self._live_said: set[str] = set()  # reasons already logged
-        self._refused: dict[str, str] = {}  # version -> why its manifest cannot be served
+        self._base_digest = b""  # of the served version's manifest: a changed one is another version
+        self._refusal: tuple | None = None  # (current's raw value, manifest digest, shown, why): not served
+        self._waiting = ""  # current names a version not servable yet (no manifest; being deleted)
+        self._lost = ""  # why the version served until now is no longer served
+        self._registry_note = ""
+        self._bad: dict[str, tuple[int, str, str]] = {}  # "version 'v' table 't'" -> (values, why, fate)
+        self.bad_rows = 0  # published row values read that could not be served (wrong length, not finite)
+        self.bad_live_rows = 0  # live row values likewise (also a step that is not 16 hex digits)
+        self.refreshes = 0  # refreshes started
+        self.switched_at = 0  # the refresh that loaded the served version
+        self._refreshing = asyncio.Lock()
+        self._refreshed_at = -float("inf")
         self._last_error = "not connected yet"
         # calls overlap (the follower's refresh, requests): the outcome status() reports is that
         # of the latest-started call to have ended, so an older call that fails after a newer one
@@ -214,14 +244,14 @@ class RedisBackend:
 
     def status(self) -> tuple[bool, str]:
         """Return (ready, why): the latest-started Redis call to end got an answer (a refresh
-        or a request; see ``_settle``) and a version is loaded."""
-        refused = "".join(f"; refused version {v!r}: {why}" for v, why in self._refused.items())
+        or a request; see ``_settle``) and a version is loaded. The reason also names a refused
+        version, a current version not servable yet and row values that could not be served."""
         if self._last_error:
-            return False, self._last_error + refused
+            return False, self._last_error + self._notes()
         if self._snap is None:
-            return False, f"no version published under namespace {self.ns!r} at {redact(self.url)}{refused}"
+            return False, self._unready_reason()
         note = f"; {self._live_note}" if self._live_note else ""
-        return True, f"serving version {self._snap.version} from {redact(self.url)}{note}{refused}"
+        return True, f"serving version {self._snap.version} from {redact(self.url)}{note}{self._notes()}"
 
     async def _follow(self) -> None:
         while not self._closing:
@@ -258,13 +288,21 @@ class RedisBackend:
             if self._client is None:
                 self._client = await self._connect()
             result = await op(self._client)
+        except redis.ResponseError as exc:
+            if not str(exc).startswith("WRONGTYPE"):
+                raise self._failed(mine, what, exc) from None
+            self._settle(mine, "")  # Redis answered, about data: the caller says what it means
+            raise _WrongType(str(exc)) from None
         except (redis.RedisError, OSError, asyncio.TimeoutError) as exc:
-            self.errors += 1
-            why = f"Redis at {redact(self.url)} failed during {what}: {type(exc).__name__}: {exc}"
-            self._settle(mine, why)
-            raise BackendUnavailable(why) from None
+            raise self._failed(mine, what, exc) from None
         self._settle(mine, "")  # Redis answered: ready again as soon as it does
         return result
+
+    def _failed(self, mine: int, what: str, exc: BaseException) -> BackendUnavailable:
+        self.errors += 1
+        why = f"Redis at {redact(self.url)} failed during {what}: {type(exc).__name__}: {exc}"
+        self._settle(mine, why)
+        return BackendUnavailable(why)
 
     def _settle(self, call: int, error: str) -> None:
         """Record the outcome of call number ``call`` unless a call started after it has ended."""
@@ -276,70 +314,195 @@ class RedisBackend:
 
     async def refresh(self) -> Snapshot | None:
         """Read the alias now (and the live manifest when following); load the manifest of a
-        new version; return the served snapshot."""
-        base = await self._refresh_version()
-        if base is None:
-            self._snap = None
-            return None
-        live_now = await self._refresh_live(base) if self.follow else None
-        snap = self._snap
-        if snap is None or snap.version != base.version or snap.cache is not base.cache or snap.live is not live_now:
-            self._snap = dataclasses.replace(base, live=live_now)
-        return self._snap
+        new version; check that the served version is still there; return the served snapshot."""
+        async with self._refreshing:  # the follower and a request may both ask: one at a time
+            self.refreshes += 1
+            try:
+                base = await self._refresh_version()
+                if base is None:
+                    self._snap = None
+                    return None
+                live_now = await self._refresh_live(base) if self.follow else None
+                snap = self._snap
+                if (snap is None or snap.version != base.version or snap.cache is not base.cache
+                        or snap.live is not live_now):
+                    self._snap = dataclasses.replace(base, live=live_now)
+                return self._snap
+            finally:
+                self._refreshed_at = time.monotonic()
 
     async def _refresh_version(self) -> Snapshot | None:
-        """Read the alias; return the published version to serve (its snapshot without overlay)."""
-        raw = await self._call("read of the current version", lambda c: c.get(layout.current_key(self.ns)))
-        if raw is None:
-            self._base = None
-            return None
-        version = raw.decode()
-        if version in self._refused:  # keep serving what we serve (if anything)
-            return self._base
-        if self._base is None or self._base.version != version:
-            snap = self._manifests.get(version)
-            if snap is None:
-                text = await self._call("read of a manifest", lambda c: c.get(layout.manifest_key(self.ns, version)))
-                if text is None:
-                    self._last_error = f"version {version!r} has no manifest under namespace {self.ns!r}"
-                    raise BackendUnavailable(self._last_error)
-                try:
-                    manifest = json.loads(text)
-                    catalog = Catalog.from_manifest(manifest, f"manifest of version {version!r}")
-                    dtype, buckets = manifest["dtype"], int(manifest["buckets"])
-                    if dtype not in layout.DTYPES:
-                        raise ValueError(f"dtype {dtype!r}, this server decodes {sorted(layout.DTYPES)}")
-                except (ValueError, KeyError, TypeError) as exc:
-                    # a manifest this server cannot serve (another format, other hashing): keep
-                    # the version served now, say why in /readyz, do not try it again
-                    self._refused[version] = f"{type(exc).__name__}: {exc}"
-                    log.error("refusing version %s: %s", version, self._refused[version])
-                    return self._base
-                cache = CacheBudget(self.cache_bytes, {n: (t.rows, t.dim) for n, t in catalog.tables.items()})
-                snap = Snapshot(version=version, dtype=dtype, buckets=buckets, catalog=catalog, cache=cache)
-                self._manifests = {version: snap}  # only the served one is needed again
-            self._base = snap
-            log.info("serving version %s", version)
-        return self._base
+        """Read the alias; return the published version to serve (its snapshot without overlay).
+
+        What ``current`` names is served once its manifest validates (``_load``). A value that
+        is no version name, or a version whose manifest does not validate, is refused: the
+        version served until then stays, and /readyz names the refusal. A refusal holds for
+        that name and manifest only: the same name published again (another manifest) is
+        tried again. The served version itself is checked at every refresh (``_served_gone``):
+        once a gc starts deleting it, or its manifest is gone, it is no longer served."""
+        cur_key = layout.current_key(self.ns)
+        self._registry_note = ""
+        try:
+            raw = await self._call("read of the current version", lambda c: c.get(cur_key))
+        except _WrongType:
+            raw, name, shown = _WRONGTYPE, None, f"(no string in {cur_key})"
+            why = f"{cur_key} is not a string (WRONGTYPE): it should hold a version name"
+        else:
+            if raw is None:
+                self._base, self._refusal, self._waiting = None, None, ""
+                return None
+            name, why = self._version_name(raw, cur_key)
+            shown = repr(raw[:40]) if name is None else repr(name)
+        base = self._base
+        if base is not None:
+            gone = await self._served_gone(base, name)
+            if gone:
+                self._lost = (f"version {base.version!r} (served while {cur_key} named {shown}) {gone}: nothing "
+                              f"is served until {cur_key} names a version this server can serve")
+                log.error("%s", self._lost)
+                self._base = base = None
+        if why is not None:
+            self._refuse(raw, None, shown, why)
+            return base
+        if base is not None and base.version == name:
+            self._refusal, self._waiting = None, ""
+            return base
+        mkey = layout.manifest_key(self.ns, name)
+        try:
+            text = await self._call("read of a manifest", lambda c: c.get(mkey))
+        except _WrongType:
+            text = _WRONGTYPE  # refused below, by its own message
+        if text is None:
+            self._waiting = f"version {name!r} ({cur_key}) has no manifest ({mkey}): not served until it has one"
+            return base
+        digest = _digest(text)
+        if self._refusal is not None and self._refusal[:2] == (raw, digest):  # refused already: as it was
+            return base
+        going = await self._going(name, name)
+        if going:
+            self._waiting = f"version {name!r} ({cur_key}) is not served: {going}"
+            return base
+        try:
+            if text is _WRONGTYPE:
+                raise ValueError(f"{mkey} is not a string (WRONGTYPE): it should hold the version's manifest")
+            snap = self._load(name, text, mkey)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError, OverflowError, MemoryError) as exc:
+            # a manifest this server cannot serve (another format, other hashing, a bad field):
+            # keep the version served now, say why in /readyz, try again only if it changes
+            self._refuse(raw, digest, shown, f"{type(exc).__name__}: {exc}")
+            return base
+        self._base, self._base_digest = snap, digest
+        self._refusal, self._waiting, self._lost = None, "", ""
+        self._bad.clear()
+        self.switched_at = self.refreshes
+        log.info("serving version %s", name)
+        return snap
+
+    @staticmethod
+    def _version_name(raw: bytes, cur_key: str) -> tuple[str | None, str | None]:
+        """Return (the version name in ``raw``, None) or (the name or None, why it is none)."""
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None, f"{cur_key} is not UTF-8 text ({raw[:40]!r}): it should hold a version name"
+        if not layout.NAME.match(name):
+            return name, f"{cur_key} holds {name!r:.80}, not a version name (expected {layout.NAME.pattern})"
+        if name == live.VERSION:
+            return name, (f"{cur_key} names {name!r}, the name live rows use (recsys.redisio.live.VERSION): "
+                          "no published version is called so")
+        return name, None
+
+    def _refuse(self, raw: bytes, digest: bytes | None, shown: str, why: str) -> None:
+        """Record that what ``current`` names (``raw``; its manifest's ``digest``) is not served."""
+        if self._refusal is None or self._refusal[:2] != (raw, digest):
+            log.error("refusing version %s: %s", shown, why)
+        self._refusal = (raw, digest, shown, why)
+        self._waiting = ""
+
+    def _load(self, name: str, text: bytes, mkey: str) -> Snapshot:
+        """Return the snapshot of version ``name`` from its manifest ``text``, every field checked."""
+        where = f"manifest of version {name!r} ({mkey})"
+        try:
+            manifest = json.loads(text)
+        except RecursionError:
+            raise ValueError(f"{where}: nested too deep to be a manifest") from None
+        except ValueError as exc:  # UnicodeDecodeError included
+            raise ValueError(f"{where}: not JSON: {exc}") from None
+        catalog = Catalog.from_manifest(manifest, where)
+        dtype, buckets = manifest.get("dtype"), manifest.get("buckets")
+        if not isinstance(dtype, str) or dtype not in layout.DTYPES:
+            raise ValueError(f"{where}: dtype {dtype!r:.40}, this server decodes {sorted(layout.DTYPES)}")
+        if type(buckets) is not int or not 1 <= buckets <= MAX_BUCKETS:
+            raise ValueError(f"{where}: buckets must be an integer in [1, {MAX_BUCKETS}], found {buckets!r:.40}")
+        for field, expected in (("version", name), ("namespace", self.ns)):
+            if field in manifest and manifest[field] != expected:
+                raise ValueError(f"{where}: its {field} is {manifest[field]!r:.60}, expected {expected!r}: a manifest "
+                                 "copied under another name would find none of its rows")
+        cache = CacheBudget(self.cache_bytes, {n: (t.rows, t.dim) for n, t in catalog.tables.items()})
+        return Snapshot(version=name, dtype=dtype, buckets=buckets, catalog=catalog, cache=cache)
+
+    async def _served_gone(self, base: Snapshot, current: str | None) -> str:
+        """Return why the served version ``base`` can no longer be served ('' while it can)."""
+        mkey = layout.manifest_key(self.ns, base.version)
+        try:
+            text = await self._call("read of the served version's manifest", lambda c: c.get(mkey))
+        except _WrongType:
+            return f"is gone: its manifest key {mkey} no longer holds a manifest (WRONGTYPE)"
+        if text is None:
+            return f"is gone: its manifest {mkey} was deleted (by a gc, or by hand)"
+        if _digest(text) != self._base_digest:
+            return f"was replaced: its manifest {mkey} changed (deleted and published again under its name)"
+        going = await self._going(base.version, current)
+        return f"is no longer served: {going}" if going else ""
+
+    async def _going(self, version: str, current: str | None) -> str:
+        """Return why a gc deletes (or may be deleting) ``version`` by its registry entry ('' if
+        it does not). An entry this server cannot read is noted in /readyz, not acted on."""
+        rkey = layout.registry_key(self.ns)
+        try:
+            text = await self._call("read of the registry", lambda c: c.hget(rkey, version))
+        except _WrongType:
+            self._registry_note = f"{rkey} is not a hash (WRONGTYPE): the versions' states are unknown"
+            return ""
+        if text is None:  # not registered (published by hand): its manifest says it is there
+            return ""
+        try:
+            state = json.loads(text)["state"]
+            if not isinstance(state, str):
+                raise TypeError(f"state {state!r:.40}")
+        except (ValueError, KeyError, TypeError, RecursionError) as exc:
+            self._registry_note = (f"the registry entry of version {version!r} ({rkey}) is not a JSON object with a "
+                                   f"state ({type(exc).__name__}): its state is unknown")
+            return ""
+        if state == "deleting":
+            return f"a gc is deleting it (its registry state in {rkey} is 'deleting')"
+        if state == "failed" and version != current:
+            return f"its registry state in {rkey} is 'failed' and current does not name it: a gc deletes it at once"
+        return ""
 
     async def _refresh_live(self, base: Snapshot) -> overlay.Overlay | None:
         """Read the live manifest; return the overlay to serve on ``base`` (None: published only)."""
         key = live.manifest_key(self.follow)
-        text = await self._call("read of the live manifest", lambda c: c.get(key))
-        if self._live_seen == (base.version, text):
+        try:
+            text = await self._call("read of the live manifest", lambda c: c.get(key))
+        except _WrongType:
+            text = _WRONGTYPE  # not a live manifest: said below
+        if self._live_seen == (base.version, self._base_digest, text):
             return self._overlay
-        self._live_seen = (base.version, text)
+        self._live_seen = (base.version, self._base_digest, text)
         previous, self._overlay = self._overlay, None
         if text is None:
             self._live_note = f"live namespace {self.follow!r} has no manifest ({key}): serving published rows only"
             self._say(self._live_note, logging.INFO)
             return None
         try:
+            if text is _WRONGTYPE:
+                raise ValueError(f"{key}: not a live manifest: the key is not a string (WRONGTYPE)")
             manifest = live.parse_manifest(text, key)
             why = overlay.incompatibility(manifest, base.catalog)
         except ValueError as exc:  # not a live manifest (parse_manifest names the key)
             why = str(exc)
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError, RecursionError) as exc:
             why = f"{key}: not a live manifest: {type(exc).__name__}: {exc}"
         if why is not None:
             self._live_note = (f"live namespace {self.follow!r} not overlaid on version {base.version!r}, "
@@ -362,12 +525,36 @@ class RedisBackend:
         """Return the version to serve now (``BackendUnavailable`` if none can be)."""
         snap = self._snap
         if snap is None:
-            snap = await self.refresh()
+            if self._refreshing.locked():  # a refresh is under way: its outcome is the answer
+                async with self._refreshing:
+                    pass
+                snap = self._snap
+            elif time.monotonic() - self._refreshed_at >= min(self.refresh_s, ON_DEMAND_REFRESH_S):
+                snap = await self.refresh()
         if snap is None:
-            refused = "".join(f"; refused version {v!r}: {why}" for v, why in self._refused.items())
-            raise BackendUnavailable(f"no version published under namespace {self.ns!r} at {redact(self.url)} "
-                                     f"(run `recsys export`){refused}")
+            raise BackendUnavailable(self._unready_reason())
         return snap
+
+    def _unready_reason(self) -> str:
+        """Why no version is served (no Redis error): the lost version, or none published."""
+        if self._lost:
+            return self._lost + self._notes()
+        if self._refusal is not None or self._waiting:
+            return f"no version served under namespace {self.ns!r} at {redact(self.url)}{self._notes()}"
+        return f"no version published under namespace {self.ns!r} at {redact(self.url)} (run `recsys export`)"
+
+    def _notes(self) -> str:
+        """What /readyz adds: a refused or not yet servable current version, rows not served."""
+        out = ""
+        if self._refusal is not None:
+            out += f"; refused version {self._refusal[2]}: {self._refusal[3]}"
+        if self._waiting:
+            out += f"; {self._waiting}"
+        if self._registry_note:
+            out += f"; {self._registry_note}"
+        for where, (n, why, fate) in self._bad.items():
+            out += f"; {n} row value(s) of {where} {fate}: {why}"
+        return out
 
     # ------------------------------------------------------------------ rows
 
@@ -427,25 +614,54 @@ class RedisBackend:
             vals = values[start : start + miss.shape[0]]
             start += miss.shape[0]
             got = np.array([v is not None for v in vals], dtype=bool)
+            unusable = None
             if got.any():
-                vec[miss[got]] = layout.decode_rows([v for v in vals if v is not None], vec.shape[1], snap.dtype,
-                                                    f"version {snap.version!r} table {table!r}")
+                rows_, ok, why = decode_values([v for v in vals if v is not None], vec.shape[1], snap.dtype)
+                vec[miss[got]] = rows_
+                if why:  # served as unseen ids (found false), counted, named in /readyz; never cached
+                    bad = np.flatnonzero(got)[~ok]
+                    got[bad] = False
+                    unusable = miss[bad]
+                    self.bad_rows += bad.shape[0]
+                    self._note_bad(f"version {snap.version!r} table {table!r}", bad.shape[0], why,
+                                   "served as unseen ids (found false)")
             found[miss] = got
-            if cache is not None:
-                cache.put(keys, vec, found)  # no await since the get: see embedding_server.cache
+            if cache is not None:  # no await since the get: see embedding_server.cache
+                if unusable is None:
+                    cache.put(keys, vec, found)
+                else:
+                    keep = np.ones(keys.shape[0], dtype=bool)
+                    keep[unusable] = False
+                    cache.put(keys[keep], vec[keep], found[keep])
             if lplan is not None:
                 lmiss, (lrows, lfound, lsteps, lstamps), lcache = lplan
                 lvals = values[lstart : lstart + lmiss.shape[0]]
                 lstart += lmiss.shape[0]
                 lgot = np.array([v is not None for v in lvals], dtype=bool)
+                lbad = None
                 if lgot.any():
-                    where = f"live namespace {ov.ns!r} table {table!r}"
-                    lsteps[lmiss[lgot]], lrows[lmiss[lgot]] = live.decode([v for v in lvals if v is not None],
-                                                                          vec.shape[1], ov.dtype, where)
+                    steps_, rows_, ok, why = decode_live_values([v for v in lvals if v is not None], vec.shape[1],
+                                                                ov.dtype)
+                    lsteps[lmiss[lgot]], lrows[lmiss[lgot]] = steps_, rows_
+                    if why:  # as if the key had no live row: its published row is served
+                        bad = np.flatnonzero(lgot)[~ok]
+                        lgot[bad] = False
+                        lbad = lmiss[bad]
+                        lsteps[lbad] = -1
+                        self.bad_live_rows += bad.shape[0]
+                        self._note_bad(f"live namespace {ov.ns!r} table {table!r}", bad.shape[0], why,
+                                       "not overlaid (the published row served)")
                 lfound[lmiss] = lgot
                 lstamps[lmiss] = now
                 if lcache is not None:  # keeps a later step another request cached meanwhile
-                    lrows, lfound, lsteps, lstamps = lcache.put(keys, lrows, lfound, lsteps, lstamps)
+                    if lbad is None:
+                        lrows, lfound, lsteps, lstamps = lcache.put(keys, lrows, lfound, lsteps, lstamps)
+                    else:  # the unusable values are not cached: read (and counted) again
+                        keep = np.ones(keys.shape[0], dtype=bool)
+                        keep[lbad] = False
+                        kept = lcache.put(keys[keep], lrows[keep], lfound[keep], lsteps[keep], lstamps[keep])
+                        for full, part in zip((lrows, lfound, lsteps, lstamps), kept):
+                            full[keep] = part
                 if lfound.any():
                     vec[lfound] = lrows[lfound]
                     found |= lfound
@@ -454,6 +670,14 @@ class RedisBackend:
                     newest = step if newest is None else max(newest, step)
             out.append((vec, found))
         return out, newest
+
+    def _note_bad(self, where: str, n: int, why: str, fate: str) -> None:
+        """Count ``n`` row values of ``where`` that could not be served (``fate``: what was
+        served instead); log the first of each place."""
+        seen = self._bad.get(where, (0,))[0]
+        if not seen:
+            log.error("%s: %s; such values are %s", where, why, fate)
+        self._bad[where] = (seen + n, why, fate)
 
     async def _mget(self, names: list[bytes]) -> list[bytes | None]:
         if self._cluster:  # one MGET per hash slot, pipelined per node (redis-py)
@@ -480,6 +704,60 @@ class RedisBackend:
                 await c.connection_pool.release(conn)
 
         return await self._call("MGET of rows", packed)
+
+
+def decode_values(values: list[bytes], dim: int, dtype: str):
+    """Return (float32 [N, dim] rows, ok [N], why) of published row values read from Redis
+    (``dim`` numbers of ``dtype`` each). A value of another length, or with a number that is
+    not finite, is not ok (its row: zeros); ``why`` names the first such ('' when all are ok)."""
+    _raw, rows, ok, why = _decode(values, dim, dtype, 0)
+    return rows, ok, why
+
+
+def _decode(values: list[bytes], dim: int, dtype: str, prefix: int):
+    """``decode_values`` of values that start with ``prefix`` bytes; also returns uint8 [N, size]."""
+    dt = layout.DTYPES[dtype]
+    size = prefix + dim * dt.itemsize
+    n = len(values)
+    why = ""
+    if set(map(len, values)) == {size}:  # the common case: one join, one view
+        ok = np.ones(n, dtype=bool)
+        raw = np.frombuffer(b"".join(values), dtype=np.uint8).reshape(n, size)
+    else:
+        ok = np.fromiter((len(v) == size for v in values), dtype=bool, count=n)
+        raw = np.zeros((n, size), dtype=np.uint8)
+        if ok.any():
+            raw[ok] = np.frombuffer(b"".join(v for v, k in zip(values, ok) if k), dtype=np.uint8).reshape(-1, size)
+        bad = next(len(v) for v in values if len(v) != size)
+        why = f"a value of {bad} bytes, expected {size} ({f'{prefix} + ' if prefix else ''}{dim} x {dtype})"
+    rows = np.ascontiguousarray(raw[:, prefix:]).view(dt).astype(np.float32, copy=False)
+    finite = np.isfinite(rows).all(axis=1)
+    if not finite.all():
+        why = why or f"a value holds a number that is not finite (NaN or infinity) in {dim} x {dtype}"
+        ok &= finite
+    return raw, rows, ok, why
+
+
+_HEX = np.zeros(256, dtype=np.int16) - 1
+_HEX[np.frombuffer(b"0123456789", dtype=np.uint8)] = np.arange(10)
+_HEX[np.frombuffer(b"abcdef", dtype=np.uint8)] = np.arange(10, 16)
+_SHIFTS = np.arange(4 * (live.STEP_BYTES - 1), -1, -4, dtype=np.uint64)
+
+
+def decode_live_values(values: list[bytes], dim: int, dtype: str):
+    """Return (int64 [N] steps, float32 [N, dim] rows, ok [N], why) of live values
+    (``recsys.redisio.live``: 16 lowercase hex digits of the step, then the row): a value
+    whose row is not ok (``decode_values``) or whose step is not such digits, or past
+    ``live.MAX_STEP``, is not ok."""
+    raw, rows, ok, why = _decode(values, dim, dtype, live.STEP_BYTES)
+    digits = _HEX[raw[:, : live.STEP_BYTES]]  # a value of the wrong length: zeros here, not ok already
+    hex_ok = (digits >= 0).all(axis=1)
+    steps = (np.where(digits >= 0, digits, 0).astype(np.uint64) << _SHIFTS).sum(axis=1, dtype=np.uint64)
+    step_ok = hex_ok & (steps <= np.uint64(live.MAX_STEP))
+    if not step_ok[ok].all():
+        why = why or f"a value does not start with its step in {live.STEP_BYTES} lowercase hex digits <= {live.MAX_STEP}"
+    ok &= step_ok
+    return np.where(step_ok, steps, 0).astype(np.int64), rows, ok, why
 
 
 def backend_from_settings(settings) -> EmbeddedBackend | RedisBackend:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from recsys.features import hashing
+from recsys.redisio.published import NAME
 from recsys.store.tables.initial import init_vectors
 from recsys.store.tables.wide import wide_store_config, wide_table
 
@@ -178,21 +179,51 @@ class Catalog:
 
     @classmethod
     def from_manifest(cls, manifest: dict, where: str) -> "Catalog":
-        """Return the catalog in ``manifest`` (published by ``recsys export``), checked."""
-        if manifest.get("format") != MANIFEST_FORMAT:
-            raise ValueError(f"{where}: manifest format {manifest.get('format')!r}, expected {MANIFEST_FORMAT}")
-        salts = manifest["hashing"]["salts"]
+        """Return the catalog in ``manifest`` (published by ``recsys export``), every field the
+        service reads checked: ``ValueError`` naming ``where``, the field and what was expected.
+
+        A server refuses such a manifest rather than fail later, in a request: a wrong type,
+        a dim or bucket count below 1, a non-finite bound, an unknown id kind, a feature of a
+        table the version lacks, dense settings the transform cannot use, or salts its
+        hashing does not reproduce."""
+        m = _mapping(manifest, where, "the manifest")
+        if m.get("format") != MANIFEST_FORMAT:
+            raise ValueError(f"{where}: manifest format {m.get('format')!r}, expected {MANIFEST_FORMAT}")
+        hashing_ = _mapping(_field(m, "hashing", where), where, "hashing")
+        salts = _mapping(_field(hashing_, "salts", where, "hashing"), where, "hashing.salts")
+        raw_tables = _mapping(_field(m, "tables", where), where, "tables")
+        if not raw_tables:
+            raise ValueError(f"{where}: tables is empty, expected at least one table")
         tables = {}
-        for name, t in manifest["tables"].items():
-            salt = hashing.table_salt(t.get("wide_of") or name)
-            if int(salts[name], 16) != salt:
-                raise ValueError(f"{where}: table {name!r} was hashed with salt {salts[name]}, this server's "
-                                 f"recsys.features.hashing gives {salt:016x}: refusing to serve keys it cannot reproduce")
-            tables[name] = TableInfo(name=name, salt=salt, **t)
-        feats = {f["name"]: FeatureInfo(**f) for f in manifest["features"]}
-        return cls(tables=tables, features=feats, step=int(manifest.get("step", 0)),
-                   source=manifest.get("source_checkpoint", ""), dense=manifest.get("dense") or {},
-                   wide=bool(manifest.get("wide", False)))
+        for name, t in raw_tables.items():
+            tables[name] = _table_of(name, t, salts, where)
+        raw_feats = _field(m, "features", where)
+        if not isinstance(raw_feats, list):
+            raise ValueError(f"{where}: features must be a list, found {type(raw_feats).__name__}")
+        served = {t.hashed_as for t in tables.values()}
+        feats = {}
+        for i, f in enumerate(raw_feats):
+            feat = _feature_of(i, f, where)
+            if feat.table not in served:
+                raise ValueError(f"{where}: features[{i}] ({feat.name!r}) reads table {feat.table!r}, which the "
+                                 f"manifest does not hold (its tables: {sorted(tables)})")
+            feats[feat.name] = feat
+        step = _int(m.get("step", 0), where, "step", 0)
+        source = m.get("source_checkpoint", "")
+        if not isinstance(source, str):
+            raise ValueError(f"{where}: source_checkpoint must be a string, found {type(source).__name__}")
+        dense = m.get("dense") or {}
+        if not isinstance(dense, dict):
+            raise ValueError(f"{where}: dense must be an object, found {type(dense).__name__}")
+        if dense.get("columns"):  # checked now: /v1/dense must not fail on it later
+            try:
+                dense_transform_of(dense, where)
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                raise ValueError(f"{where}: dense settings unusable: {type(exc).__name__}: {exc}") from None
+        wide = m.get("wide", False)
+        if not isinstance(wide, bool):
+            raise ValueError(f"{where}: wide must be true or false, found {wide!r:.40}")
+        return cls(tables=tables, features=feats, step=step, source=source, dense=dense, wide=wide)
 
     # ------------------------------------------------------------------ serving
 
@@ -288,3 +319,89 @@ def dense_transform_of(settings: dict, where: str = "the served version"):
                     dense_fill_null=float(settings["fill_null"]))
     stats = settings.get("stats")
     return DenseTransform(schema, None if stats is None else DenseStats.from_json(stats, where), where)
+
+
+# --------------------------------------------------------------------------- manifest checks
+
+_TABLE_FIELDS = {f.name for f in dataclasses.fields(TableInfo)} - {"name", "salt"}
+_FEATURE_FIELDS = {f.name for f in dataclasses.fields(FeatureInfo)}
+POOLINGS = ("sum", "mean")
+MAX_ROW_BYTES = 512 << 20
+"""A Redis string holds at most 512 MiB: no served row (dim x 4 bytes of float32) is larger."""
+
+
+def _mapping(value, where: str, what: str) -> dict:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: {what} must be a JSON object, found {type(value).__name__}")
+    return value
+
+
+def _field(d: dict, key: str, where: str, inside: str = ""):
+    if key not in d:
+        raise ValueError(f"{where}: {inside + '.' if inside else ''}{key} is missing")
+    return d[key]
+
+
+def _int(value, where: str, what: str, lo: int, hi: int | None = None) -> int:
+    if type(value) is not int or value < lo or (hi is not None and value > hi):
+        bound = f"in [{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{where}: {what} must be an integer {bound}, found {value!r:.40}")
+    return value
+
+
+def _table_of(name, t, salts: dict, where: str) -> TableInfo:
+    if not isinstance(name, str) or not NAME.match(name):
+        raise ValueError(f"{where}: table name {name!r:.60} must match {NAME.pattern}")
+    what = f"tables.{name}"
+    t = _mapping(t, where, what)
+    unknown, missing = sorted(set(t) - _TABLE_FIELDS), sorted({"dim", "rows", "seed", "init_bound", "min_count"} - set(t))
+    if unknown or missing:
+        raise ValueError(f"{where}: {what}: " + (f"unknown fields {unknown}" if unknown else f"missing {missing}"))
+    dim = _int(t["dim"], where, f"{what}.dim", 1, MAX_ROW_BYTES // 4)
+    rows = _int(t["rows"], where, f"{what}.rows", 0)
+    seed = _int(t["seed"], where, f"{what}.seed", INT64_MIN, (1 << 64) - 1)
+    bound = t["init_bound"]
+    if type(bound) not in (int, float) or not (bound >= 0 and bound < float("inf")):
+        raise ValueError(f"{where}: {what}.init_bound must be a finite number >= 0, found {bound!r:.40}")
+    min_count = _int(t["min_count"], where, f"{what}.min_count", 1)
+    num_rows = t.get("num_rows")
+    if num_rows is not None:
+        _int(num_rows, where, f"{what}.num_rows", 1, INT64_MAX)
+    checksum = t.get("checksum", "")
+    if not isinstance(checksum, str):
+        raise ValueError(f"{where}: {what}.checksum must be a string, found {type(checksum).__name__}")
+    wide_of = t.get("wide_of", "")
+    if not isinstance(wide_of, str) or (wide_of and name != wide_table(wide_of)):
+        raise ValueError(f"{where}: {what}.wide_of must be '' or the embedding table whose weights {name!r} "
+                         f"holds ({name!r} = '<table>.wide'), found {wide_of!r:.60}")
+    salt = hashing.table_salt(wide_of or name)
+    given = salts.get(name)
+    try:
+        same = isinstance(given, str) and int(given, 16) == salt
+    except ValueError:
+        same = False
+    if not same:
+        raise ValueError(f"{where}: table {name!r} was hashed with salt {given!r:.40}, this server's "
+                         f"recsys.features.hashing gives {salt:016x}: refusing to serve keys it cannot reproduce")
+    return TableInfo(name=name, dim=dim, rows=rows, seed=seed, init_bound=float(bound), min_count=min_count,
+                     num_rows=num_rows, salt=salt, checksum=checksum, wide_of=wide_of)
+
+
+def _feature_of(i: int, f, where: str) -> FeatureInfo:
+    what = f"features[{i}]"
+    f = _mapping(f, where, what)
+    unknown, missing = sorted(set(f) - _FEATURE_FIELDS), sorted({"name", "table", "kind"} - set(f))
+    if unknown or missing:
+        raise ValueError(f"{where}: {what}: " + (f"unknown fields {unknown}" if unknown else f"missing {missing}"))
+    for key in ("name", "table"):
+        if not isinstance(f[key], str) or not f[key]:
+            raise ValueError(f"{where}: {what}.{key} must be a non-empty string, found {f[key]!r:.40}")
+    if f["kind"] not in ID_KINDS:
+        raise ValueError(f"{where}: {what}.kind must be one of {list(ID_KINDS)}, found {f['kind']!r:.40}")
+    multi_hot = f.get("multi_hot", False)
+    if not isinstance(multi_hot, bool):
+        raise ValueError(f"{where}: {what}.multi_hot must be true or false, found {multi_hot!r:.40}")
+    pooling = f.get("pooling", "sum")
+    if pooling not in POOLINGS:
+        raise ValueError(f"{where}: {what}.pooling must be one of {list(POOLINGS)}, found {pooling!r:.40}")
+    return FeatureInfo(name=f["name"], table=f["table"], kind=f["kind"], multi_hot=multi_hot, pooling=pooling)

@@ -7,6 +7,9 @@
     recsys_serve_cache_bytes                     bytes the cache holds now
     recsys_serve_backend_errors_total            requests answered 503 (backend unavailable)
     recsys_serve_version_info{version}           1 for the version served now
+    recsys_serve_bad_rows_total{source}          row values read from Redis that could not be
+                                                 served (wrong length, not finite; source
+                                                 "published" or "live"): served as unseen ids
 
 With ``--follow`` (live rows overlaid on the version):
 
@@ -60,7 +63,10 @@ class Metrics:
                                    registry=r)
         self.live_bytes = Gauge("recsys_serve_live_cache_bytes", "Bytes held by the live row cache", registry=r,
                                 multiprocess_mode="livesum")
+        self.bad_rows = Counter("recsys_serve_bad_rows", "Row values read from Redis that could not be served",
+                                ["source"], registry=r)
         self._version = None
+        self._bad_seen = (0, 0)
         self._seen = (0, 0)
         self._live_seen = (0, 0, 0)
         metrics = self
@@ -110,6 +116,10 @@ class Metrics:
         self.cache_misses.inc(misses - self._seen[1])
         self._seen = (hits, misses)
         self.cache_bytes.set(size)
+        bad = (getattr(backend, "bad_rows", 0), getattr(backend, "bad_live_rows", 0))
+        for source, now, seen in zip(("published", "live"), bad, self._bad_seen):
+            self.bad_rows.labels(source).inc(now - seen)
+        self._bad_seen = bad
         live = getattr(backend, "live_stats", lambda: None)()
         if live is None:
             return

@@ -24,6 +24,10 @@ from embedding_server.cache import CacheBudget
 from embedding_server.catalog import Catalog
 
 
+MAX_BUCKETS = 1 << 16
+"""Buckets a row key can name (4 hex digits, ``recsys.redisio.published``)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Overlay:
     """The live namespace a request overlays on its version (see the module doc)."""
@@ -47,9 +51,16 @@ class Overlay:
 
 
 def incompatibility(manifest: dict, catalog: Catalog) -> str | None:
-    """Return why ``manifest`` (a parsed live manifest) cannot overlay ``catalog``, or None."""
-    if int(manifest["buckets"]) < 1:
-        return f"buckets {manifest['buckets']!r}, expected >= 1"
+    """Return why ``manifest`` (a parsed live manifest) cannot overlay ``catalog``, or None.
+    Every field a request reads is checked here, so no request fails on it later."""
+    buckets = manifest["buckets"]
+    if type(buckets) is not int or not 1 <= buckets <= MAX_BUCKETS:
+        return f"buckets {buckets!r:.40}, expected an integer in [1, {MAX_BUCKETS}]"
+    if not isinstance(manifest["tables"], dict) or not manifest["tables"]:
+        return "the live manifest names no tables"
+    for name, table in manifest["tables"].items():
+        if not isinstance(table, dict) or type(table.get("dim")) is not int:
+            return f"live table {name!r:.60} has no integer dim"
     salts = manifest.get("salts")
     if not isinstance(salts, dict):
         return "the live manifest has no hashing salts"
