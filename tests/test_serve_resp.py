@@ -187,8 +187,25 @@ def test_an_error_reply_in_the_pipeline_fails_only_its_own_call(server):
     assert isinstance(wrong, redis.ResponseError) and "wrong number of arguments" in str(wrong)
 
 
-async def _unanswering_server(auth_delay_s: float):
-    """A server that answers AUTH with +OK after ``auth_delay_s`` and nothing else, ever."""
+class _MovableClockLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock a test moves forward (``jump``) on top of real time, so a
+    timeout is checked against the time the test says has passed, whatever the host's load."""
+
+    offset = 0.0
+
+    def time(self) -> float:
+        return super().time() + self.offset
+
+
+def _run_on_movable_clock(coro):
+    with asyncio.Runner(loop_factory=_MovableClockLoop) as runner:
+        return runner.run(coro)
+
+
+async def _gated_server():
+    """A server that answers AUTH with +OK once ``release`` is set, and nothing else, ever;
+    ``auth_seen`` / ``mget_seen``: it received an AUTH / an MGET."""
+    auth_seen, release, mget_seen = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def handle(reader, writer):
         parser = hiredis.Reader()
@@ -197,37 +214,52 @@ async def _unanswering_server(auth_delay_s: float):
                 parser.feed(data)
                 while (cmd := parser.gets()) is not False:
                     if cmd[0].upper() == b"AUTH":
-                        await asyncio.sleep(auth_delay_s)
+                        auth_seen.set()
+                        await release.wait()
                         writer.write(b"+OK\r\n")
+                    elif cmd[0].upper() == b"MGET":
+                        mget_seen.set()
         finally:
             writer.close()  # also when the test's loop ends and cancels this
 
     srv = await asyncio.start_server(handle, "127.0.0.1", 0)
-    return srv, srv.sockets[0].getsockname()[1]
+    return srv, srv.sockets[0].getsockname()[1], auth_seen, release, mget_seen
 
 
 def test_a_call_that_must_connect_first_waits_no_longer_than_the_timeout():
+    timeout = 100.0
+
     async def run():
-        srv, port = await _unanswering_server(auth_delay_s=0.8)
-        pool = RespPipeline(f"redis://:pw@127.0.0.1:{port}/0", timeout_s=1.0)
-        t0 = time.monotonic()
-        with pytest.raises(TimeoutError):
-            await pool.mget([b"k"])  # 0.8 s to connect, then a reply that never comes
-        waited = time.monotonic() - t0
+        loop = asyncio.get_running_loop()
+        srv, port, auth_seen, release, mget_seen = await _gated_server()
+        pool = RespPipeline(f"redis://:pw@127.0.0.1:{port}/0", timeout_s=timeout)
+        call = asyncio.ensure_future(pool.mget([b"k"]))
+        await auth_seen.wait()  # the open is under way, held at AUTH
+        loop.offset += 0.8 * timeout  # the open took 80 % of the timeout
+        release.set()
+        await mget_seen.wait()  # connected: the MGET went out, and is never answered
+        loop.offset += 0.1 * timeout  # 90 % since the call began
+        await asyncio.sleep(0.01)
+        pending_before_the_timeout = not call.done()
+        loop.offset += 0.2 * timeout  # 110 %: past one timeout, long before the open plus a timeout (180 %)
+        done, _ = await asyncio.wait([call], timeout=0.05 * timeout)
+        outcome = call.exception() if done else None
         pool.close()
         srv.close()
-        return waited
+        return pending_before_the_timeout, outcome
 
-    waited = asyncio.run(run())
-    assert 1.0 <= waited < 1.6  # the open and the reply share one timeout (apart they took 1.8 s)
+    pending_before_the_timeout, outcome = _run_on_movable_clock(run())
+    assert pending_before_the_timeout
+    assert isinstance(outcome, TimeoutError), outcome  # the open and the reply share one timeout
 
 
 def test_close_while_connecting_fails_the_waiting_calls_with_a_connection_error():
     async def run():
-        srv, port = await _unanswering_server(auth_delay_s=60)
+        srv, port, auth_seen, _release, _ = await _gated_server()
         pool = RespPipeline(f"redis://:pw@127.0.0.1:{port}/0", timeout_s=30)
         calls = [asyncio.ensure_future(pool.mget([b"k"])) for _ in range(2)]
-        await asyncio.sleep(0.1)  # both wait for the one open, stuck at AUTH
+        await auth_seen.wait()  # both wait for the one open, held at AUTH
+        await asyncio.sleep(0)
         pool.close()
         outcomes = await asyncio.gather(*calls, return_exceptions=True)
         with pytest.raises(redis.ConnectionError, match="closed"):

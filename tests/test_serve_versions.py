@@ -54,14 +54,17 @@ def test_version_switches_never_mix(tiny_run, redis_server, tmp_path):
                         for f in ("c1", "c3", "c12", "c16")]}
     publish.export(sources["a"], redis_server.url, publish.ExportSettings(version="a-0", keep=3), progress=False)
     app = create_app(ServeSettings(redis=redis_server.url, refresh_s=0.02))
+    backend = app.state.backend
+    clients = 3
     with LiveServer(app) as server:
         # the reference answer of each source (found rows scale with the factor, unseen ones do not)
         _, base = wire.decode(httpx.post(server.url + "/v1/lookup/batch", json=body,
                                          headers={"accept": wire.MEDIA_TYPE}).content)
         assert sum(int(found.sum()) for _, found in base) > 100
         responses, errors, stop = [], [], threading.Event()
+        seen = [set() for _ in range(clients)]  # the versions each client was answered from
 
-        def client():
+        def client(i: int):
             with httpx.Client(base_url=server.url, timeout=30) as c:
                 while not stop.is_set():
                     r = c.post("/v1/lookup/batch", json=body, headers={"accept": wire.MEDIA_TYPE})
@@ -69,25 +72,32 @@ def test_version_switches_never_mix(tiny_run, redis_server, tmp_path):
                         errors.append(r.text)
                     else:
                         responses.append(wire.decode(r.content))
+                        seen[i].add(responses[-1][0])
 
-        threads = [threading.Thread(target=client) for _ in range(3)]
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
         for t in threads:
             t.start()
+        published = ["a-0"]
         try:
+            wait_until(lambda: all("a-0" in v for v in seen), 30, "every client answered")
             for i in range(1, 7):  # six switches, alternating sources
                 name = "b" if i % 2 else "a"
-                before = len(responses)
                 publish.export(sources[name], redis_server.url, publish.ExportSettings(version=f"{name}-{i}", keep=3),
                                progress=False)
-                wait_until(lambda: any(v == f"{name}-{i}" for v, _ in responses[before:]), 30,
-                           f"a response from version {name}-{i}")
+                published.append(f"{name}-{i}")
+                flipped_at = backend.refreshes  # refreshes started by the time current names it
+                # every client is answered from the new version while the others keep asking: the
+                # switch happens under concurrent requests, whatever the host's speed
+                wait_until(lambda: all(f"{name}-{i}" in v for v in seen), 30, f"every client answered by {name}-{i}")
+                # picked up by the first refresh that began after the flip (or the one under way):
+                # within one --refresh-s, counted in refreshes rather than seconds
+                assert backend.switched_at <= flipped_at + 1, (backend.switched_at, flipped_at)
         finally:
             stop.set()
             for t in threads:
                 t.join()
     assert not errors, errors[:3]
-    versions = {v for v, _ in responses}
-    assert len(responses) >= 300 and len(versions) >= 6, (len(responses), sorted(versions))
+    assert {v for v, _ in responses} == set(published)
     for version, blocks in responses:
         factor = factors[version[0]]
         for (vec, found), (ref, ref_found) in zip(blocks, base):
