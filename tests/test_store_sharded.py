@@ -411,7 +411,7 @@ def test_a_failing_table_raises_as_in_table_order_with_threads(threaded):
             store.lookup(kjt, 0)
         messages[threads] = str(err.value)
         store.close()
-    assert "6 distinct keys" in messages[1], messages[1]
+    assert "table 'b': the batch of step 0 has 6 distinct ids" in messages[1], messages[1]
     assert messages[2] == messages[1] and messages[3] == messages[1]
 
 

@@ -18,7 +18,7 @@ from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
 from recsys.store.config import HostConfig, StoreConfig
 from recsys.store.tables.float16 import to_float16, to_float32
-from recsys.store.tables.table import COUNTERS, EmbeddingTable, init_vectors
+from recsys.store.tables.table import COUNTERS, CapacityError, EmbeddingTable, init_vectors
 
 MASK = (1 << 64) - 1
 I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
@@ -373,7 +373,7 @@ def test_overflow_with_admission_changes_nothing():
     keys = np.array([1, 2, 3], dtype=np.int64)
     t.lookup(keys, 0)  # counted once each, none admitted
     sketch, counters = t.admission_state(), t.counters()
-    with pytest.raises(ValueError, match="3 distinct keys but the map holds at most 2"):
+    with pytest.raises(CapacityError, match="table .t.: the batch of step 1 has 3 distinct ids, more than the 2 rows"):
         t.lookup(keys, 1)  # all three would be admitted: more than capacity
     assert (t.admission_state()["cells"] == sketch["cells"]).all() and t.counters() == counters
     assert t.lookup(keys[:2], 1).any(axis=1).all()  # second sighting: admitted now

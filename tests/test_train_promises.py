@@ -392,3 +392,42 @@ def test_a_decay_without_max_steps_decays_or_is_refused(tiny_data, tmp_path):
         assert trainer.sched.lr_lambdas[0](10**6) == pytest.approx(FLOOR)  # long past the last step
     finally:
         trainer.close()
+
+
+def _capacity_run(data: Path, tmp_path: Path, *launch: str) -> subprocess.CompletedProcess:
+    sets = [a for s in overrides(data, "schema.tables.c3.capacity=2", "train.runtime.collective_timeout_s=60")
+            for a in ("--set", s)]
+    return subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(JOB), *launch,
+                           "--run-dir", str(tmp_path / "run"), *sets],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def _capacity_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    assert "Traceback" not in out.stderr and "ChildFailedError" not in out.stderr, out.stderr[-3000:]
+    lines = [line for line in out.stderr.splitlines() if "error" in line.lower()]
+    assert len(lines) == 1 and lines[0].startswith("recsys train: error: "), out.stderr[-3000:]
+    return lines[0]
+
+
+def test_a_capacity_below_a_batchs_distinct_ids_is_one_line_naming_the_table(tiny_data, tmp_path):
+    """`--set schema.tables.c3.capacity=2`: the first batch brings more of c3's ids than the
+    table holds; one line names the table, the step, the batch's distinct ids, the capacity
+    and the setting; exit 2, no traceback, no checkpoint."""
+    import re
+
+    line = _capacity_line(_capacity_run(tiny_data, tmp_path))
+    m = re.fullmatch(r"recsys train: error: table 'c3': the batch of step 0 has (\d+) distinct ids, more than the 2 "
+                     r"rows the table holds; raise schema\.tables\.c3\.capacity to at least the distinct ids of one "
+                     r"batch or lower data\.train\.batch_size", line)
+    assert m is not None and int(m.group(1)) > 2, line
+    assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
+
+
+@pytest.mark.multiproc
+def test_a_capacity_below_a_batchs_distinct_ids_is_one_line_with_two_processes(tiny_data, tmp_path):
+    """The same under torchrun (`--nproc 2`): one line (not one per rank, no torchrun
+    summary) naming the table and this rank's shard of its capacity."""
+    line = _capacity_line(_capacity_run(tiny_data, tmp_path, "--nproc", "2"))
+    assert "table 'c3': the batch of step 0 has" in line, line
+    assert "shard of the table (capacity 2 over 2 ranks)" in line and "schema.tables.c3.capacity" in line, line

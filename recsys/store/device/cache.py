@@ -47,7 +47,7 @@ import torch
 from recsys.store.tables import optim
 from recsys.store.tables.keymap import KeyMap, as_keys, distinct
 from recsys.store.tables.rowblock import RowBlock
-from recsys.store.tables.table import EmbeddingTable, check_push
+from recsys.store.tables.table import CapacityError, EmbeddingTable, check_push
 
 __all__ = ["DeviceArena", "DeviceCache", "DeviceTier", "device_budget_rows", "CACHE_COUNTERS", "apply_update_torch"]
 
@@ -210,10 +210,8 @@ class DeviceCache(DeviceTier):
         keys = as_keys(keys_U)
         step = int(step)
         if keys.shape[0] > self.rows and (touched := distinct(keys).shape[0]) > self.rows:
-            raise ValueError(
-                f"table {self.name!r}: a call touches {touched} distinct keys but the "
-                f"device cache holds {self.rows} rows; raise store.device.cache_rows or send smaller batches"
-            )
+            raise CapacityError(self.name, step, touched, self.rows, holder="its device cache",
+                                fix="store.device.cache_rows (or store.device.memory_gb)")
         clock = self._map.clock
         if clock is not None and step < clock:
             raise ValueError(f"table {self.name!r}: lookup step {step} is before the previous lookup's step {clock}")

@@ -267,8 +267,19 @@ class ShardedEmbeddingStore:
             log.info("deleted %d spilled rows this shard left in namespace %r", n, tiers[0].namespace)
 
     def _explain(self, exc: BaseException) -> BaseException:
-        """Return ``exc``, or for a ``SpillError`` of a store with a run directory, the same
-        error naming the run's latest complete checkpoint (intact: it holds every row)."""
+        """Return ``exc``; for a ``CapacityError`` of a table sharded over several processes,
+        the same error naming this rank's shard (its capacity is a share of the job's); for a
+        ``SpillError`` of a store with a run directory, the same error naming the run's latest
+        complete checkpoint (intact: it holds every row)."""
+        table_mod = sys.modules.get("recsys.store.tables.table")
+        if (table_mod is not None and isinstance(exc, table_mod.CapacityError) and self.world_size > 1
+                and exc.holder == "the table" and exc.table in self.schema.tables):
+            full = self.schema.tables[exc.table].capacity
+            out = table_mod.CapacityError(
+                exc.table, exc.step, exc.distinct_ids, exc.capacity, fix=exc.fix,
+                holder=f"rank {self.rank}'s shard of the table (capacity {full} over {self.world_size} ranks)")
+            out.__cause__ = exc
+            return out
         spill_mod = sys.modules.get("recsys.store.spill.tier")
         if (spill_mod is None or not isinstance(exc, spill_mod.SpillError) or self.run_dir is None
                 or getattr(exc, "explained", False)):

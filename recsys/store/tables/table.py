@@ -68,6 +68,7 @@ import numpy as np
 import pyarrow as pa
 from numba import njit
 
+from recsys.errors import UserError
 from recsys.features.schema import TableSpec
 from recsys.store.tables import optim
 from recsys.store.host import pages
@@ -79,7 +80,25 @@ from recsys.store.tables.keymap import MAX_CAPACITY, FrequencySketch, KeyMap, as
 from recsys.store.host.prefetch import ROWS_AHEAD, prefetch
 from recsys.store.tables.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column
 
-__all__ = ["EmbeddingTable", "init_vectors", "COUNTERS"]
+__all__ = ["EmbeddingTable", "CapacityError", "init_vectors", "COUNTERS"]
+
+
+class CapacityError(UserError):
+    """A call brings more distinct ids than a table (or its device cache) holds: the job's
+    capacity or batch size is at fault, not the code, so commands print this one line
+    (``UserError``) and exit 2. The table is unchanged. ``holder``: what holds the rows
+    (default: the table; a store of several processes names this process's shard), ``fix``:
+    the setting to raise (default: the table's capacity)."""
+
+    def __init__(self, table: str, step: int, distinct_ids: int, capacity: int, *,
+                 holder: str = "", fix: str = "") -> None:
+        self.table, self.step, self.distinct_ids, self.capacity = table, int(step), int(distinct_ids), int(capacity)
+        self.holder = holder or "the table"
+        self.fix = fix or f"schema.tables.{table.removesuffix('.wide')}.capacity"
+        super().__init__(
+            f"table {table!r}: the batch of step {self.step} has {self.distinct_ids} distinct ids, more than the "
+            f"{self.capacity} rows {self.holder} holds; raise {self.fix} to at least the distinct ids of one batch "
+            "or lower data.train.batch_size")
 
 
 _SPILL_ROWS_PER_WRITE = 1 << 20
@@ -247,7 +266,7 @@ class EmbeddingTable:
 
         Absent keys are admitted (see module doc) and initialized, evicting least-recently
         used rows if the table is full; keys not admitted read zeros. ``step`` must not be
-        below an earlier lookup's. Raises ``ValueError`` (table unchanged) if the call's
+        below an earlier lookup's. Raises ``CapacityError`` (table unchanged) if the call's
         keys cannot all fit. Uniqueness is the caller's promise (not checked: hot path).
         """
         slots = self._touch(as_keys(keys_U), int(step))
@@ -309,6 +328,7 @@ class EmbeddingTable:
         if spill is not None:
             spill.check()
         if self._sketch is None and spill is None:
+            self._check_capacity(keys, step)
             upd = self._map.lookup(keys, step)
             slots = upd.slots_N
             n_miss = keys.shape[0] - upd.hits
@@ -328,7 +348,8 @@ class EmbeddingTable:
                 admit = in_spill | (~counted & (self._sketch.estimate_next(miss_keys) >= self.cfg.min_count))
             take = ~miss
             take[miss] = admit
-            upd = self._map.lookup(keys[take], step)  # raises before anything is recorded
+            self._check_capacity(keys[take], step)  # raises before anything is recorded
+            upd = self._map.lookup(keys[take], step)
             if self._sketch is not None:
                 self._record_sightings(miss_keys[~in_spill & ~counted], step)  # a spilled key had a row
             slots = np.full(keys.shape[0], -1, dtype=np.int64)
@@ -362,12 +383,14 @@ class EmbeddingTable:
             raise ValueError(
                 f"lookup step {step} is before the previous lookup's step {int(clock)}; steps must not decrease"
             )
-        if (self._sketch is None and keys.shape[0] > self.capacity
-                and (touched := distinct(keys).shape[0]) > self.capacity):
-            raise ValueError(
-                f"a call touches {touched} distinct keys but the map holds at most "
-                f"{self.capacity}; raise the table's capacity or send smaller batches"
-            )
+        if self._sketch is None:
+            self._check_capacity(keys, step)
+
+    def _check_capacity(self, keys: np.ndarray, step: int) -> None:
+        """Raise ``CapacityError`` if the call's distinct keys outnumber the slots (the map
+        would raise a ``ValueError`` naming no table); a comparison of two ints when they fit."""
+        if keys.shape[0] > self.capacity and (touched := distinct(keys).shape[0]) > self.capacity:
+            raise CapacityError(self.name, step, touched, self.capacity)
 
     # ------------------------------------------------------------------ updates
 
