@@ -180,3 +180,155 @@ def test_the_job_must_have_a_validation_split_and_a_metric(tiny_data, space, tmp
     sets = [s for s in job_sets(tiny_data) if not s.startswith("train.eval.keep_best")]
     with pytest.raises(UserError, match="train.eval.keep_best"):
         prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
+
+
+def test_best_toml_is_the_job_the_trial_trained_not_this_commands(tiny_data, space, tmp_path):
+    """A study continued with another --set: best.toml of an earlier trial is the job that
+    trial trained (saved in the study), not this command's job with the trial's values."""
+    from recsys.config import load_job
+    from recsys.tune.run import TuneOptions, tune
+
+    out = tmp_path / "tuned"
+    good = {"store.lr": 0.2, "train.optim.lr": 0.01, "model.top_mlp": "[64, 1]"}
+    opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=1,
+                       pruner="none", seed=0, progress=False, enqueue=[good])
+    assert tune(opts, log=lambda _: None)["best"]["number"] == 0
+    assert load_job(out / "best.toml").model.bottom_mlp == [64, 32, 16]
+    # continued with another --set and no new trial: trial 0 is still the best, as it trained
+    again = TuneOptions(**{**opts.__dict__, "trials": 0, "enqueue": [],
+                           "sets": [*job_sets(tiny_data), "model.bottom_mlp=[8]"]})
+    assert tune(again, log=lambda _: None)["best"]["number"] == 0
+    text = (out / "best.toml").read_text()
+    best = load_job(out / "best.toml")
+    assert best.model.bottom_mlp == [64, 32, 16] and best.store.lr == 0.2, text
+    assert "did not save its job" not in text and SECRET not in text
+
+
+def test_a_failed_trials_error_and_traceback_hold_no_password(tiny_data, space, tmp_path, monkeypatch):
+    """A trial failing with an error that quotes a Redis URL (not a UserError: its traceback
+    is kept): error.txt and the study's error attribute show the URL without its password."""
+    import optuna
+
+    from recsys.tune import run
+    from recsys.tune.run import TuneOptions, tune
+
+    def broken(ctx, trial, values, run_dir):
+        raise RuntimeError(f"lost redis://:{SECRET}@10.0.0.1:6379/0 mid-write")
+
+    monkeypatch.setattr(run, "_train", broken)
+    out = tmp_path / "tuned"
+    opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=1,
+                       pruner="none", seed=0, progress=False)
+    lines: list[str] = []
+    assert tune(opts, log=lines.append)["fail"] == 1
+    traceback_text = (out / "trials" / "0" / "error.txt").read_text()
+    assert "Traceback" in traceback_text and "redis://:***@10.0.0.1:6379/0 mid-write" in traceback_text
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study = optuna.load_study(study_name="synthetic_tiny", storage=run.open_storage("", out))
+    assert study.trials[0].user_attrs["error"] == "RuntimeError: lost redis://:***@10.0.0.1:6379/0 mid-write"
+    for path in [*out.rglob("*.txt"), *out.rglob("*.csv"), *out.rglob("*.json"), out / "study.journal"]:
+        assert SECRET not in path.read_text(errors="replace"), path
+    assert not any(SECRET in line for line in lines)
+
+
+def test_timeout_starts_no_trial_after_it_passes(tiny_data, space, tmp_path, monkeypatch):
+    """--timeout: no new trial starts once it has passed (a trial that runs past it ends)."""
+    import threading
+
+    from recsys.tune import run
+    from recsys.tune.run import TuneOptions, tune
+
+    gate = threading.Event()
+    started: list[int] = []
+
+    def slow(ctx, trial, values, run_dir):  # a trial longer than the timeout: waits for it to pass
+        started.append(trial.number)
+        gate.wait(5.0)  # not set: the timeout below has passed by the end (5 s > 0.5 s)
+        trial.report(0.6, 1)
+        return {"step": 4, "best": {"step": 4, "value": 0.6}}, 1
+
+    monkeypatch.setattr(run, "_train", slow)
+    opts = TuneOptions(config=str(JOB), out=str(tmp_path / "t"), space=str(space), sets=job_sets(tiny_data),
+                       trials=5, timeout_s=0.5, pruner="none", seed=0, progress=False)
+    summary = tune(opts, log=lambda _: None)
+    assert started == [0] and summary["trials"] == 1 and summary["complete"] == 1
+
+
+def _wait_running(out: Path, proc, what: str) -> None:
+    """Wait until trial 0 of the tune command ``proc`` has trained a logged step."""
+    import time
+
+    metrics = out / "trials" / "0" / "metrics.jsonl"
+    while not (metrics.exists() and '"loss/train"' in metrics.read_text()):
+        assert proc.poll() is None, f"{what}: tune ended first: {proc.stdout.read()}"
+        time.sleep(0.1)
+
+
+def _study_trials(out: Path):
+    import optuna
+
+    from recsys.tune.run import open_storage
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        return optuna.load_study(study_name="synthetic_tiny", storage=open_storage("", out)).trials
+
+
+def _long_tune(tiny_data, space, out: Path) -> subprocess.Popen:
+    sets = [a for s in [*job_sets(tiny_data), "train.max_steps=1000000", "train.epochs=100000", "train.log_every=1"]
+            for a in ("--set", s)]
+    return subprocess.Popen([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), *sets,
+                             "--space", str(space), "--out", str(out), "--pruner", "none", "--no-progress",
+                             "--trials", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_ctrl_c_marks_the_running_trial_failed_and_exits_130(tiny_data, space, tmp_path):
+    """SIGINT to `recsys tune` mid-trial: exit 130, the trial failed ("interrupted"), no other
+    trial started, the outputs written and the study kept."""
+    import signal
+
+    from optuna.trial import TrialState
+
+    out = tmp_path / "tuned"
+    proc = _long_tune(tiny_data, space, out)
+    try:
+        _wait_running(out, proc, "SIGINT")
+        proc.send_signal(signal.SIGINT)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert proc.returncode == 130, stdout
+    assert "interrupted: the study is kept" in stdout and "Traceback" not in stdout
+    trials = _study_trials(out)
+    assert [(t.number, t.state, t.user_attrs.get("error")) for t in trials] == [(0, TrialState.FAIL, "interrupted")]
+    assert (out / "trials.csv").exists() and (out / "summary.json").exists()
+
+
+def test_a_trial_killed_with_its_process_is_marked_failed_by_the_next_run(tiny_data, space, tmp_path):
+    """kill -9 of `recsys tune` mid-trial leaves the trial RUNNING in the journal; the next
+    command marks it failed (its process is gone) and says so."""
+    import signal
+
+    from optuna.trial import TrialState
+
+    from recsys.tune.run import TuneOptions, tune
+
+    out = tmp_path / "tuned"
+    proc = _long_tune(tiny_data, space, out)
+    try:
+        _wait_running(out, proc, "kill -9")
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert [t.state for t in _study_trials(out)] == [TrialState.RUNNING]
+    lines: list[str] = []
+    summary = tune(TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=0,
+                               progress=False), log=lines.append)
+    assert "trial 0: its process ended before it finished (marked failed)" in lines, lines
+    assert summary["fail"] == 1 and summary["running"] == 0
+    [t] = _study_trials(out)
+    assert t.state == TrialState.FAIL and t.user_attrs["error"] == "its process ended before it finished"

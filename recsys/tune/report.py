@@ -101,17 +101,24 @@ def write_outputs(ctx, log=print) -> dict:
 
 
 def write_best(ctx, best, path: Path) -> Path:
-    """Write the best trial's job as a TOML ``recsys train --config`` takes (no password in it:
-    ``recsys.config.dumps``)."""
+    """Write the best trial's job as a TOML ``recsys train --config`` takes: the job the trial
+    trained, as it saved it in the study (``job``; no password in it: ``recsys.config.dumps``).
+    A trial saved before trials kept their job gets this command's job with its values,
+    and the file says so."""
     from recsys.config import dumps
 
-    job = ctx.space.job(best.user_attrs.get("values", {}), f"trial {best.number}")
+    text = best.user_attrs.get("job")
+    note = ""
+    if not isinstance(text, str):
+        text = dumps(ctx.space.job(best.user_attrs.get("values", {}), f"trial {best.number}"))
+        note = ("# the trial did not save its job: this is this command's job (--config, --set) with its "
+                "values, which it may not have trained\n")
     shown = ", ".join(f"{k} = {v}" for k, v in best.params.items())
     head = (f"# recsys tune: the best trial of study {ctx.study.study_name!r}: trial {best.number}, validation "
             f"{ctx.metric} {best.value:.6f} (its best checkpoint: step {best.user_attrs.get('best_step')})\n"
             f"# its run: {best.user_attrs.get('run_dir')}; tuned: {shown}\n"
-            f"# train it: recsys train --config {path}\n")
-    _atomic(path, lambda fh: fh.write(head + dumps(job)))
+            f"{note}# train it: recsys train --config {path}\n")
+    _atomic(path, lambda fh: fh.write(head + text))
     return path
 
 

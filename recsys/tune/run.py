@@ -189,6 +189,9 @@ def objective(ctx: Context, trial) -> float:
     import optuna
     import psutil
 
+    from recsys.config import dumps
+    from recsys.redisio.redaction import redact_text
+
     run_dir = Path(ctx.opts.out) / "trials" / str(trial.number)
     if run_dir.exists() and any(run_dir.iterdir()):
         raise UserError(f"{run_dir} already holds a run (of another study in the same --out?)")
@@ -199,15 +202,20 @@ def objective(ctx: Context, trial) -> float:
     try:
         values = ctx.space.suggest(trial)
         trial.set_user_attr("values", values)
+        # the job this trial trains, as `best.toml` gives it (without a password: ``dumps``):
+        # a study continued with other --set's builds its later trials from another base
+        trial.set_user_attr("job", dumps(ctx.space.job(values, f"trial {trial.number}")))
         result, evaluations = _train(ctx, trial, values, run_dir)
     except KeyboardInterrupt:
         trial.set_user_attr("error", "interrupted")
         raise
     except Exception as exc:
-        message = user_message(exc) or f"{type(exc).__name__}: {exc}"
+        # a Redis URL quoted in an error (a spill or publish URL) loses its password: the
+        # message goes to the study's storage, the traceback to disk
+        message = user_message(exc) or redact_text(f"{type(exc).__name__}: {exc}")
         trial.set_user_attr("error", message)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "error.txt").write_text("".join(traceback.format_exception(exc)))
+        (run_dir / "error.txt").write_text(redact_text("".join(traceback.format_exception(exc))))
         raise
     best = result.get("best")
     trial.set_user_attr("steps", result["step"])
