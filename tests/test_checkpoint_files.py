@@ -218,3 +218,46 @@ def test_load_sparse_reads_a_table_when_it_is_asked_for(tmp_path, monkeypatch):
     assert read == [] and sorted(saved) == ["a", "b", "c"] and len(saved) == 3
     assert saved["b"].equals(tables["b"]) and read == ["b"]
     assert {n: t.num_rows for n, t in saved.items()} == {"a": 2, "b": 2, "c": 2} and read == ["b", "a", "b", "c"]
+
+
+def test_every_file_and_directory_is_on_disk_before_the_rename_and_the_pointer_after(tmp_path, monkeypatch):
+    """``save``'s fsync order: every file (the shards, dense.pt, meta.json, the marker) and
+    every directory of ``.tmp-step-*`` is flushed before the rename to ``step-*``; the root
+    after the rename and before ``latest`` moves; ``latest``'s temporary file before its
+    rename and the root again after it (a crash at any point leaves a complete checkpoint
+    or none, and ``latest`` naming one that is on disk)."""
+    import os
+    from pathlib import Path
+
+    from recsys.checkpoint import write as ckpt
+    from recsys.runtime import durable
+
+    root = tmp_path / "checkpoints"
+    _save(root, 1)  # a previous checkpoint: the second save also prunes and moves a pointer
+    events = []
+    real_file, real_dir, real_replace = durable.fsync_file, durable.fsync_dir, os.replace
+    record_file = lambda p: events.append(("fsync", Path(p))) or real_file(p)  # noqa: E731
+    record_dir = lambda p: events.append(("fsync dir", Path(p))) or real_dir(p)  # noqa: E731
+    monkeypatch.setattr(durable, "fsync_file", record_file)  # fsync_tree's own calls
+    monkeypatch.setattr(durable, "fsync_dir", record_dir)
+    monkeypatch.setattr(ckpt, "fsync_file", record_file)
+    monkeypatch.setattr(ckpt, "_fsync_dir", record_dir)
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("move", Path(a), Path(b))) or real_replace(a, b))
+    final = _save(root, 2)
+    tmp = root / ".tmp-step-00000002"
+    moves = {e[2].name: i for i, e in enumerate(events) if e[0] == "move"}
+    into_place, pointer = moves["step-00000002"], moves["latest"]
+    assert events[into_place][1] == tmp and into_place < pointer
+    files = sorted(p.relative_to(final) for p in final.rglob("*") if p.is_file())
+    dirs = sorted(p.relative_to(final) for p in final.rglob("*") if p.is_dir())
+    assert {str(f) for f in files} >= {"dense.pt", "meta.json", cf.MARKER, "sparse/t/rank-00000-of-00001.parquet"}
+    before = events[:into_place]
+    for f in files:
+        assert ("fsync", tmp / f) in before, f"{f} was renamed into place before it was flushed"
+    for d in [Path("."), *dirs]:
+        assert ("fsync dir", tmp / d) in before, f"directory {d} was renamed into place before it was flushed"
+    assert ("fsync dir", root) in events[into_place:pointer], "the rename was not flushed before latest moved"
+    assert ("fsync", root / ".latest.tmp") in events[into_place:pointer]
+    assert events[pointer][1] == root / ".latest.tmp"
+    assert ("fsync dir", root) in events[pointer:], "latest's rename was not flushed"
+    assert cf.latest(root) == final

@@ -169,3 +169,31 @@ def test_predictions_of_a_failed_eval_leave_the_previous_file_as_it_was(tiny_run
         run_eval(tiny_run, EvalOptions(data=[*map(str, good), str(bad)], predictions=out))
     assert out.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["pred.parquet", "zz-bad.parquet"]
+
+
+def test_predictions_of_an_interrupted_eval_leave_no_temporary_file(tiny_run, tmp_path, monkeypatch):
+    """Ctrl-C (a KeyboardInterrupt) while `recsys eval --predictions` streams its rows: the
+    hidden temporary file, which held the rows scored so far, is removed; the file there
+    before is untouched."""
+    from recsys.eval import scoring
+
+    out = tmp_path / "pred.parquet"
+    pq.write_table(pa.table({"row_id": [1], "label": pa.array([0], pa.int8()), "score": pa.array([0.5], pa.float32())}),
+                   out)
+    before = out.read_bytes()
+    real = scoring.iter_predictions
+    seen: list[list[str]] = []
+
+    def interrupted(*args, **kwargs):
+        for i, batch in enumerate(real(*args, **kwargs, batch_size=256)):
+            if i == 2:  # two batches written: the temporary file is there, the Ctrl-C comes now
+                seen.append(sorted(p.name for p in tmp_path.iterdir()))
+                raise KeyboardInterrupt
+            yield batch
+
+    monkeypatch.setattr(scoring, "iter_predictions", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["eval", "--checkpoint", str(tiny_run), "--predictions", str(out)])
+    assert len(seen) == 1 and seen[0][0].startswith(".pred.parquet.tmp-") and seen[0][1:] == ["pred.parquet"], seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pred.parquet"]
+    assert out.read_bytes() == before
