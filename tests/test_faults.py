@@ -338,23 +338,30 @@ def _save(root: Path, step: int, marker: float):
 
 def test_resaving_a_step_never_leaves_latest_naming_nothing(tmp_path, monkeypatch):
     """A crash in the middle of re-saving the step ``latest`` names (SIGTERM right after a
-    periodic save) must leave ``latest`` naming a complete checkpoint that loads."""
+    periodic save) must leave ``latest`` naming a complete checkpoint that loads: the re-save
+    never renames over it (the crash hook on that rename never fires). A save of the same
+    step over a leftover no pointer names does rename, and a crash there (the hook fires)
+    leaves ``latest`` naming the checkpoint it named."""
     from recsys.checkpoint import write as ckpt
 
     root = tmp_path / "checkpoints"
     _save(root, 10, 1.0)
     real_replace = os.replace
+    crashed: list[str] = []
 
     def crash_on_checkpoint_rename(src, dst):
         if Path(dst).name.startswith("step-"):
+            crashed.append(Path(dst).name)
             raise KeyboardInterrupt("killed between removing and renaming")  # not an Exception: a crash
         return real_replace(src, dst)
 
     monkeypatch.setattr(ckpt.os, "replace", crash_on_checkpoint_rename)
-    try:
-        _save(root, 10, 1.0)
-    except KeyboardInterrupt:
-        pass
+    _save(root, 10, 2.0)  # the step latest names: kept as it is, nothing renamed over it
+    assert crashed == []
+    (root / "step-00000011").mkdir()  # a leftover of step 11, no marker: the next save replaces it
+    with pytest.raises(KeyboardInterrupt):
+        _save(root, 11, 3.0)
+    assert crashed == ["step-00000011"], crashed
     monkeypatch.undo()
     found = ckpt.latest(root)
     assert found == root / "step-00000010"
