@@ -506,3 +506,51 @@ def test_close_interrupts_a_write_stuck_on_a_paused_redis(redis_server):
         assert pub.counters["pushes"] == 1
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("path", ["writers_keep_joining", "fence_refuses"])
+def test_a_fenced_write_that_gives_up_leaves_no_watch_on_its_pooled_connection(redis_server, path):
+    """The fenced transaction's two ways of giving up (the registry changed at each of its 3
+    reads; the fence says a newer row may be there) end with UNWATCH: the pooled connection
+    they return runs the next transaction as it is, whatever changed meanwhile."""
+    import redis
+
+    from recsys.redisio.live import fence_key, writers_key
+
+    ns = f"watch-{path}"
+    w = LiveWriter(redis_server.url, ns)
+    w.register()
+    other = redis.Redis.from_url(redis_server.url)
+    names = np.array([b"%s/k%03d" % (ns.encode(), i) for i in range(4)])
+    values = np.array([b"v%03d" % i for i in range(4)])
+    joined = []
+    if path == "writers_keep_joining":
+        real = w._exchange
+
+        def exchange(conn, packed):  # another group's writer joins after each registry read
+            replies = real(conn, packed)
+            if packed[0].startswith(b"*") and b"WATCH" in packed[0][:32] and b"UNWATCH" not in packed[0][:32]:
+                joined.append(f"other{len(joined)}/0")
+                other.sadd(writers_key(ns), joined[-1])
+            return replies
+
+        w._exchange = exchange
+        other.sadd(writers_key(ns), "first/0")  # the first read already finds a writer it did not know
+        step = 5
+    else:
+        other.set(fence_key(ns, w.name), b"%016x" % 9)  # this writer's fence is at step 9 already
+        step = 5
+    assert w._write_fenced(w.client, [(names, values)], b"%016x" % step) is None
+    assert (len(joined) == 3) == (path == "writers_keep_joining"), joined
+    pool = w.client.connection_pool
+    conn = pool.get_connection()  # the one the write used (the pool hands the last released back)
+    try:
+        other.sadd(writers_key(ns), "late/0")  # a watched key changes: a WATCH left open would abort
+        conn.send_command("MULTI")
+        conn.send_command("SET", f"{ns}/probe", "1")
+        conn.send_command("EXEC")
+        replies = [conn.read_response() for _ in range(3)]
+    finally:
+        pool.release(conn)
+    assert replies[-1] is not None and other.get(f"{ns}/probe") == b"1", "the pooled connection still watched a key"
+    w.close()
