@@ -248,6 +248,38 @@ def test_a_store_on_the_gpu_trains_as_the_cpu_store(tier):
         cpu.close()
 
 
+def _assert_same_checkpoint(a_run, b_run) -> None:
+    """The latest checkpoints of two runs hold the same step, the same rows (keys, weights,
+    optimizer state) and the same dense model and optimizer state, bit for bit."""
+    from recsys.checkpoint import read as cf
+
+    a, b = cf.latest(a_run / "checkpoints"), cf.latest(b_run / "checkpoints")
+    assert cf.load_meta(a)["step"] == cf.load_meta(b)["step"]
+    sa, sb = cf.load_sparse(a), cf.load_sparse(b)
+    assert sorted(sa) == sorted(sb)
+    for name in sa:
+        ta, tb = sa[name].sort_by("key"), sb[name].sort_by("key")
+        assert ta.num_rows > 0 and ta.equals(tb), name
+    da, db = cf.load_dense(a), cf.load_dense(b)
+
+    def same(x, y, where):
+        if isinstance(x, torch.Tensor):
+            assert isinstance(y, torch.Tensor) and torch.equal(x.cpu(), y.cpu()), where
+        elif isinstance(x, dict):
+            assert sorted(x, key=str) == sorted(y, key=str), where
+            for k in x:
+                same(x[k], y[k], f"{where}.{k}")
+        elif isinstance(x, (list, tuple)):
+            assert len(x) == len(y), where
+            for i, (u, v) in enumerate(zip(x, y)):
+                same(u, v, f"{where}[{i}]")
+        else:
+            assert x == y, where
+
+    same(da["model"], db["model"], "model")
+    same(da["optimizer"], db["optimizer"], "optimizer")
+
+
 def _train(data, run_dir, device: str, *extra: str, resume=None) -> dict:
     from recsys.config import load_job
     from recsys.train.loop import Trainer, setup_env
@@ -277,6 +309,12 @@ def test_training_on_the_gpu_evaluates_checkpoints_and_resumes_on_either_device(
     on_cpu = evaluate_checkpoint(tmp_path / "gpu", device="cpu")
     on_gpu = evaluate_checkpoint(tmp_path / "gpu", device="cuda")
     assert abs(on_cpu["auc"] - on_gpu["auc"]) < 1e-4 and abs(on_gpu["auc"] - gpu["auc"]) < 1e-4
+    # the CPU checkpoint crosses to the GPU exactly: resumed there with no step left to train,
+    # the run saves the same rows and dense state, bit for bit
+    crossed = _train(tiny_data, tmp_path / "crossed", "cuda", *extra[:-1], "train.max_steps=12",
+                     resume=str(tmp_path / "cpu" / "checkpoints" / "latest"))
+    assert crossed["step"] == 12
+    _assert_same_checkpoint(tmp_path / "cpu", tmp_path / "crossed")
     resumed = _train(tiny_data, tmp_path / "resumed", "cuda", *extra[:-1], "train.max_steps=16",
                      resume=str(tmp_path / "cpu" / "checkpoints" / "latest"))
     assert resumed["step"] == 16 and 0.5 < resumed["auc"] <= 1.0
