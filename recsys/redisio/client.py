@@ -8,7 +8,12 @@ No torch here.
   credential form redis-py accepts: ``user:password@`` / ``:password@`` in the netloc,
   ``?password=`` (and any other query key naming a password, e.g. ``ssl_password``), and
   whatever a stray ``#`` or ``?`` inside an unquoted password split off. The user name
-  stays. ``redact_text`` applies it to every Redis URL inside a text (the one-line user
+  stays (it is saved, as the resumed run needs it), but in an ``ambiguous`` URL (an ``@``
+  after a ``/``, ``?`` or ``#``: an unencoded password holding one) nothing between ``//``
+  and the last ``@`` is shown. ``check_url`` (every setting holding a URL) refuses such a
+  URL, and one with a ``#``, whitespace or a quote, naming the fixes: percent-encode the
+  password, or leave it out and give it in the ``*_password_file`` / ``$REDIS_PASSWORD``.
+  ``redact_text`` applies it to every Redis URL inside a text (the one-line user
   errors go through it: ``recsys.errors.user_message``). Both live in ``recsys.redisio.redaction``
   (which ``recsys.errors``, below this module, imports).
 - ``strip_password(url)`` is the URL as it may be saved (a run's ``config.toml``, every
@@ -28,9 +33,9 @@ import os
 import re
 
 from recsys.errors import UserError
-from recsys.redisio.redaction import has_password, redact, redact_text, strip_password
+from recsys.redisio.redaction import ambiguous, has_password, redact, redact_text, strip_password
 
-__all__ = ["redact", "redact_text", "strip_password", "has_password", "password_for", "client_options",
+__all__ = ["redact", "ambiguous", "redact_text", "strip_password", "has_password", "password_for", "client_options",
            "glob_escape", "check_url", "connect", "is_cluster_info", "PASSWORD_ENV"]
 
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
@@ -64,22 +69,38 @@ def client_options(url: str, password_file: str = "", where: str = "redis") -> d
     return {} if password is None else {"password": password}
 
 
+PASSWORD_SETTINGS = {"store.spill.url": "store.spill.password_file", "publish.redis": "publish.redis_password_file",
+                     "redis": "redis_password_file", "--redis": "--redis-password-file"}
+"""The setting that gives the password of each URL setting (by the ``where`` its checks name)."""
+
+
 def glob_escape(text: str) -> str:
     """Return ``text`` with Redis glob metacharacters escaped (for SCAN MATCH)."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def check_url(url: str, where: str) -> None:
-    """Raise ``ValueError`` naming ``where`` unless ``url`` is a Redis URL (the message shows it redacted)."""
+    """Raise ``ValueError`` naming ``where`` unless ``url`` is a Redis URL that every reader parses
+    alike (the message shows it redacted): one whose password could end up elsewhere (in the
+    host, the path or a fragment redis-py drops) is refused, naming the two fixes."""
     if not url.startswith(URL_SCHEMES):
         raise ValueError(f"{where}: expected a Redis URL starting with one of {list(URL_SCHEMES)}, "
                          f"found {redact(url)!r}")
+    setting = next((key for prefix, key in PASSWORD_SETTINGS.items() if where.startswith(prefix)), "")
+    fix = ("percent-encode the password (/ %2F, ? %3F, # %23, @ %40, space %20), or leave it out of the URL "
+           f"and give it in {setting + ' (a file holding it)' if setting else 'a password file'} or ${PASSWORD_ENV}")
+    if ambiguous(url):
+        raise ValueError(f"{where}: ambiguous Redis URL {redact(url)!r}: an '@' after a '/', '?' or '#' (redis-py "
+                         f"would read no password and another host or path); {fix}")
+    bad = sorted({ch for ch in url if ch.isspace() or ch in "#'\"<>\\"})
+    if bad:
+        raise ValueError(f"{where}: Redis URL {redact(url)!r} holds {' '.join(map(repr, bad))} (redis-py drops what "
+                         f"follows a '#', and messages could not quote it whole); {fix}")
     try:
         strip_password(url)
     except ValueError:  # redis-py could not parse it either; the parser's words may quote a password
         raise ValueError(f"{where}: not a valid Redis URL: {redact(url)!r} (expected a numeric port and a "
-                         "bracketed IPv6 address; a password with '#', '?', '/' or '@' must be percent-encoded)"
-                         ) from None
+                         f"bracketed IPv6 address); if the password holds ':' or '[', {fix}") from None
 
 
 def is_cluster_info(info: dict) -> bool:
