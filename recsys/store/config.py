@@ -78,10 +78,12 @@ class SpillConfig:
     def __post_init__(self) -> None:
         if self.url:
             check_url(self.url, "store.spill.url (or empty: no spill tier)")
-        if any(ch.isspace() for ch in self.namespace) or any(ch in self.namespace for ch in "*?[]\\"):
+        # braces: a Redis Cluster hash tag (every spilled row in one slot), and the published row
+        # keys' mark: a gc's pattern ns:{version:* could match a spill key
+        if any(ch.isspace() for ch in self.namespace) or any(ch in self.namespace for ch in "*?[]\\{}"):
             raise ValueError(
-                "namespace must have no whitespace and no glob characters (* ? [ ] \\), "
-                f"or be empty (one per run), found {self.namespace!r}"
+                "namespace must have no whitespace and no glob characters (* ? [ ] \\), no braces (Redis "
+                f"Cluster hash tags), or be empty (one per run), found {self.namespace!r}"
             )
         if self.outage not in SPILL_OUTAGE:
             raise ValueError(f"outage must be one of {list(SPILL_OUTAGE)}, found {self.outage!r}")
