@@ -77,7 +77,7 @@ class ExportSettings:
     def __post_init__(self) -> None:
         layout.check_name(self.namespace, "namespace")
         if self.version:
-            layout.check_name(self.version, "version")
+            layout.check_version(self.version, "version")
         if self.dtype not in layout.DTYPES:
             raise ValueError(f"dtype must be one of {list(layout.DTYPES)}, found {self.dtype!r}")
         if self.keep < 1:
@@ -94,9 +94,9 @@ class ExportError(RuntimeError):
     """The export could not complete; ``current`` still names the previous version."""
 
 
-def _registry(client, ns: str) -> dict[str, dict]:
-    raw = client.hgetall(layout.registry_key(ns))
-    return {k.decode(): json.loads(v) for k, v in raw.items()}
+class AfterFlipError(RuntimeError):
+    """Something failed once ``SET current`` was sent: the message says whether ``current``
+    names the new version (or that it could not be read back) and what is left to do."""
 
 
 _CAS = """
@@ -136,7 +136,9 @@ class _Entry:
     def set(self, state: str, **extra) -> None:
         """Move to ``state`` with a fresh heartbeat; ExportError if a gc took the version over."""
         new = {"state": state, "started": self.started, "heartbeat": self.clock(), **extra}
-        if not _swap(self.client, self.ns, self.version, self.text, new):
+        # a retried call (redis-py resends one whose reply was lost) finds its own write: that is no takeover
+        if not _swap(self.client, self.ns, self.version, self.text, new) and self.client.hget(
+                layout.registry_key(self.ns), self.version) != json.dumps(new).encode():
             raise ExportError(f"version {self.version!r}: a gc took it over (its heartbeat was older than the gc's "
                               "--grace-s: this export paused longer than that) and removes its rows; "
                               "export again")
@@ -147,11 +149,17 @@ class _Entry:
 
 
 def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = None, *,
-           progress: bool = True, fail_after_rows: int | None = None, clock=time.time) -> dict:
+           progress: bool = True, fail_after_rows: int | None = None, clock=time.time, password_file: str = "") -> dict:
     """Publish ``checkpoint``'s rows to the Redis at ``url`` as a new version; return a summary.
 
     ``fail_after_rows`` (tests): raise after writing that many rows, as a crash would.
     ``clock``: the time heartbeats and the superseded version's grace are counted in.
+    ``password_file``: the password of a ``url`` without one (else ``$REDIS_PASSWORD``).
+
+    Raises ``ExportError`` (or a Redis error) before the flip: ``current`` is unchanged;
+    ``AfterFlipError`` once ``SET current`` was sent. The new version is never marked
+    ``failed`` after that: if marking it ``ready`` fails it stays ``flipping`` (a gc never
+    removes the current version, and gives a superseded one its grace either way).
     """
     s = settings or ExportSettings()
     path = checkpoint_files.resolve(checkpoint)
@@ -160,7 +168,7 @@ def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = N
     rows = {name: sum(pq.ParquetFile(f).metadata.num_rows for f in fs) for name, fs in files.items()}
     catalog = Catalog.from_checkpoint(path, meta, rows, s.tables)
     version = s.version or f"s{meta['step']:08d}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
-    client = connect(url, timeout_s=s.timeout_s)
+    client = connect(url, timeout_s=s.timeout_s, password_file=password_file, where="--redis")
     ns = s.namespace
     try:
         entry = _Entry(client, ns, version, clock)
@@ -168,6 +176,7 @@ def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = N
             raise ExportError(f"version {version!r} already exists in namespace {ns!r} at {redact(url)}; "
                               "pick another --version (or remove it with --gc if it failed)")
         started = entry.started
+        sent_flip = False
         try:
             written, checksums, sample = _write_rows(client, ns, version, catalog, files, s, entry.beat, progress,
                                                      fail_after_rows)
@@ -184,29 +193,57 @@ def export(checkpoint: str | Path, url: str, settings: ExportSettings | None = N
             entry.set("flipping", rows=total)  # from here on no gc takes it: a gc that did fails this
             _recheck(client, ns, version, sample)
             previous = client.get(layout.current_key(ns))
+            sent_flip = True
             client.set(layout.current_key(ns), version)
             try:
                 entry.set("ready", rows=total)
             except ExportError:  # a gc took it between the two: serve the previous version again
                 if previous is not None:
                     client.eval(_UNFLIP, 1, layout.current_key(ns), version, previous)
+                sent_flip = False  # current names the previous version again (or the gc kept ours)
                 raise
-        except BaseException:
+        except BaseException as exc:
+            if sent_flip:  # current may name it: never mark it failed (the next export would delete it at once)
+                raise _after_flip(client, ns, version, url, "marking it ready", exc) from None
             try:
                 entry.set("failed")
             except Exception:  # noqa: BLE001 - Redis itself may be what failed, or a gc took it: gc handles both
                 log.warning("could not mark version %s failed; `recsys export --gc` removes it later", version)
             raise
-        if previous is not None and previous.decode() != version:
-            _supersede(client, ns, previous.decode(), clock())
-        elapsed = clock() - started
-        removed = gc(url, ns, keep=s.keep, superseded_grace_s=s.superseded_grace_s, client=client,
-                     clock=clock)["removed"]
+        try:
+            if previous is not None and previous != version.encode():
+                _supersede(client, ns, previous.decode("utf-8", "backslashreplace"), clock())
+            elapsed = clock() - started
+            result = gc(url, ns, keep=s.keep, superseded_grace_s=s.superseded_grace_s, client=client, clock=clock)
+        except Exception as exc:  # noqa: BLE001 - the flip happened: say so, whatever failed after it
+            raise _after_flip(client, ns, version, url, "removing old versions", exc) from None
+        removed = result["removed"]
+        for v, why in result["skipped"].items():
+            log.warning("gc: skipped registry entry %r of namespace %s: %s", v, ns, why)
     finally:
         client.close()
     return {"version": version, "namespace": ns, "checkpoint": str(path), "step": meta["step"], "rows": total,
             "tables": {n: t.rows for n, t in catalog.tables.items()}, "dtype": s.dtype, "seconds": elapsed,
             "rows_per_s": total / elapsed if elapsed > 0 else float("nan"), "removed_versions": removed}
+
+
+def _after_flip(client, ns: str, version: str, url: str, step: str, exc: BaseException) -> BaseException:
+    """Return the error to raise for ``exc``, raised by ``step`` once ``SET current`` was sent."""
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        return exc
+    why = f"{type(exc).__name__}: {exc}"
+    try:
+        now = client.get(layout.current_key(ns))
+    except Exception:  # noqa: BLE001 - Redis is what failed
+        now = None
+        said = f"`current` could not be read back (it names {version!r} or the previous version: `recsys export --list`)"
+    else:
+        said = (f"`current` -> {version} (flipped)" if now == version.encode()
+                else f"`current` names {now.decode('utf-8', 'backslashreplace') if now else None!r}, not {version!r}")
+    after = ("; its registry entry stays 'flipping' (never removed while current; `recsys export --gc` "
+             "finishes the rest)" if step == "marking it ready" else
+             "; `recsys export --gc` removes the old versions later")
+    return AfterFlipError(f"version {version!r} at {redact(url)}: {said}, but {step} failed: {why}{after}")
 
 
 def _write_rows(client, ns, version, catalog, files, s: ExportSettings, beat, progress, fail_after_rows):
@@ -303,58 +340,117 @@ def _supersede(client, ns: str, version: str, now: float) -> None:
     text = client.hget(layout.registry_key(ns), version)
     if text is None:
         return
-    state = json.loads(text)
-    if state.get("state") in ("ready", "flipping"):  # flipping: its export died between the flip and "ready"
-        _swap(client, ns, version, text.decode(), {**state, "state": "ready", "superseded_at": now})
+    try:
+        state = json.loads(text)
+    except ValueError:  # a malformed entry: the gc reports it
+        return
+    if isinstance(state, dict) and state.get("state") in ("ready", "flipping"):  # flipping: its export died
+        _swap(client, ns, version, text.decode(), {**state, "state": "ready", "superseded_at": now})  # after the flip
 
 
-def versions(url: str, namespace: str = "recsys", client=None) -> dict:
-    """Return ``{"current": version or None, "versions": {version: state}}``."""
+def versions(url: str, namespace: str = "recsys", client=None, password_file: str = "") -> dict:
+    """Return ``{"current": version or None, "versions": {version: state}}`` (a malformed
+    registry entry as ``{"malformed": why}``)."""
     own = client is None
-    client = client or connect(url)
+    client = client or connect(url, password_file=password_file, where="--redis")
     try:
         cur = client.get(layout.current_key(namespace))
-        return {"current": cur.decode() if cur else None, "versions": _registry(client, namespace)}
+        entries, bad = _read_registry(client, namespace)
+        return {"current": cur.decode("utf-8", "backslashreplace") if cur is not None else None,
+                "versions": {**{v: st for v, (_, st) in entries.items()}, **{v: {"malformed": why}
+                                                                             for v, why in bad.items()}}}
     finally:
         if own:
             client.close()
 
 
+STATES = ("writing", "flipping", "ready", "failed", "deleting")
+
+
+def _entry_problem(version: str, state) -> str | None:
+    """Return why a registry entry cannot be acted on (None: it can): every field a gc reads."""
+    try:
+        layout.check_version(version, "its name")
+    except ValueError as exc:
+        return str(exc)
+    if not isinstance(state, dict):
+        return f"expected a JSON object, found {type(state).__name__}"
+    if state.get("state") not in STATES:
+        return f"'state' must be one of {list(STATES)}, found {state.get('state')!r}"
+    for field in ("started", "heartbeat", "superseded_at"):
+        value = state.get(field, 0.0 if field == "superseded_at" else None)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            return f"{field!r} must be a number (seconds since the epoch), found {value!r}"
+    return None
+
+
+def _read_registry(client, ns: str) -> tuple[dict[str, tuple[str, dict]], dict[str, str]]:
+    """Return ({version: (its JSON text, its state)}, {entry: why it is malformed}) of ``ns``'s registry."""
+    entries, bad = {}, {}
+    for name, text in client.hgetall(layout.registry_key(ns)).items():
+        version = name.decode("utf-8", "backslashreplace")
+        try:
+            raw = text.decode()
+            state = json.loads(raw)
+        except ValueError as exc:  # not UTF-8, not JSON
+            bad[version] = f"not JSON: {type(exc).__name__}: {exc}"
+            continue
+        why = _entry_problem(version, state)
+        if why is None and version.encode() != name:
+            why = "its name is not UTF-8"
+        if why is not None:
+            bad[version] = why
+            continue
+        entries[version] = (raw, state)
+    return entries, bad
+
+
 def gc(url: str, namespace: str = "recsys", keep: int = 3, grace_s: float = 60.0, superseded_grace_s: float = 60.0,
-       client=None, clock=time.time) -> dict:
+       client=None, clock=time.time, password_file: str = "") -> dict:
     """Remove failed versions, ``writing`` ones whose heartbeat is older than ``grace_s``, and
     ready ones beyond the newest ``keep`` that ``current`` stopped naming ``superseded_grace_s``
-    ago or more; never the current one. Return what was removed.
+    ago or more; never the current one. Return what was removed, and the registry entries
+    skipped as malformed (with why; their rows are left alone).
 
     A ready version beyond ``keep`` with no ``superseded_at`` (its export died right after
-    the flip) gets one now. Each version is taken over (state ``deleting``, compare-and-set)
-    before its rows go, so an export that changed its entry meanwhile keeps it."""
+    the flip) gets one now; so does a ``flipping`` one whose heartbeat is older than
+    ``grace_s`` (its export died at the flip: it may have been current). Each version is
+    taken over (state ``deleting``, compare-and-set) before its rows go, so an export that
+    changed its entry meanwhile keeps it."""
     own = client is None
-    client = client or connect(url)
+    client = client or connect(url, password_file=password_file, where="--redis")
     try:
-        key = layout.registry_key(namespace)
-        raw = {k.decode(): v.decode() for k, v in client.hgetall(key).items()}
+        entries, skipped = _read_registry(client, namespace)
+        raw = {v: text for v, (text, _) in entries.items()}
+        states = {v: st for v, (_, st) in entries.items()}
         cur = client.get(layout.current_key(namespace))
-        current = cur.decode() if cur else None
-        states = {v: json.loads(t) for v, t in raw.items()}
+        current = cur.decode("utf-8", "backslashreplace") if cur is not None else None
+        if cur is not None and current not in states:
+            try:
+                layout.check_version(current, f"{layout.current_key(namespace)}")
+            except ValueError as exc:  # which version servers read is unknown: remove no ready one
+                raise ExportError(f"{exc}; set it to a published version before a gc "
+                                  f"(`recsys export --list` shows them)") from None
         now = clock()
         ready = sorted((v for v, st in states.items() if st["state"] == "ready"),
                        key=lambda v: states[v]["started"], reverse=True)
+        stale = [v for v, st in states.items() if st["state"] in ("writing", "flipping") and v != current
+                 and now - st["heartbeat"] > grace_s]
         doomed = []
-        for v in ready[keep:]:
+        for v in ready[keep:] + [v for v in stale if states[v]["state"] == "flipping"]:
             since = states[v].get("superseded_at")
             if v == current:
                 continue
             if since is None and _swap(client, namespace, v, raw[v], {**states[v], "superseded_at": now}):
-                since = now
+                since, states[v] = now, {**states[v], "superseded_at": now}
+                raw[v] = json.dumps(states[v])
             if since is not None and now - since >= superseded_grace_s:
                 doomed.append(v)
         if current in states and "superseded_at" in states[current]:  # current again (set by hand): its grace restarts
             _swap(client, namespace, current, raw[current],
                   {k: x for k, x in states[current].items() if k != "superseded_at"})
         doomed += [v for v, st in states.items() if v != current and (
-            st["state"] in ("failed", "deleting")
-            or (st["state"] in ("writing", "flipping") and now - st["heartbeat"] > grace_s))]
+            st["state"] in ("failed", "deleting") or (st["state"] == "writing" and v in stale))]
         removed = {}
         for v in doomed:
             taken = {**states[v], "state": "deleting"}
@@ -366,7 +462,8 @@ def gc(url: str, namespace: str = "recsys", keep: int = 3, grace_s: float = 60.0
             removed[v] = layout.unlink_version(client, namespace, v)
             client.delete(layout.manifest_key(namespace, v))
             _swap(client, namespace, v, json.dumps(taken), None)
-        return {"current": current, "removed": removed, "kept": sorted(set(states) - set(removed))}
+        return {"current": current, "removed": removed, "kept": sorted(set(states) - set(removed)),
+                "skipped": skipped}
     finally:
         if own:
             client.close()

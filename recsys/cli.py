@@ -163,18 +163,38 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
+    """Every mode (export, --gc, --list) answers a bad argument or a Redis failure in one line (exit 2)."""
     import redis
 
     from embedding_server import export as publish
-    from recsys.redisio.client import redact
+    from recsys.redisio.client import check_url, redact
 
-    if args.list or args.gc:
-        if args.gc:
-            result = publish.gc(args.redis, args.namespace, keep=args.keep, grace_s=args.grace_s,
-                                superseded_grace_s=args.superseded_grace_s)
-            print(f"removed {len(result['removed'])} version(s) from {redact(args.redis)}: "
-                  + (", ".join(f"{v} ({n} rows)" for v, n in result["removed"].items()) or "none"))
-        print(json.dumps(publish.versions(args.redis, args.namespace), indent=2))
+    mode = "--gc" if args.gc else "--list" if args.list else ""
+    at = f"export{' ' + mode if mode else ''}"
+    try:
+        check_url(args.redis, "--redis")
+        if mode and args.keep < 1:
+            raise ValueError(f"--keep must be >= 1 (the newest version is kept), found {args.keep}")
+        for name, value in (("--grace-s", args.grace_s), ("--superseded-grace-s", args.superseded_grace_s)):
+            if not value >= 0:
+                raise ValueError(f"{name} must be a number >= 0, found {value}")
+    except ValueError as exc:
+        raise UserError(f"{at}: {exc}") from None
+    password_file = str(args.redis_password_file or "")
+    if mode:
+        try:
+            if args.gc:
+                result = publish.gc(args.redis, args.namespace, keep=args.keep, grace_s=args.grace_s,
+                                    superseded_grace_s=args.superseded_grace_s, password_file=password_file)
+                print(f"removed {len(result['removed'])} version(s) from {redact(args.redis)}: "
+                      + (", ".join(f"{v} ({n} rows)" for v, n in result["removed"].items()) or "none"))
+                for v, why in result["skipped"].items():
+                    print(f"skipped the malformed registry entry {v!r} (its rows are left alone): {why}")
+            print(json.dumps(publish.versions(args.redis, args.namespace, password_file=password_file), indent=2))
+        except redis.RedisError as exc:
+            raise UserError(f"{at}: Redis at {redact(args.redis)} failed: {type(exc).__name__}: {exc}") from None
+        except (publish.ExportError, ValueError) as exc:
+            raise UserError(f"{at}: {exc}") from None
         return 0
     if args.checkpoint is None:
         raise UserError("export: give --checkpoint (or --gc / --list)")
@@ -186,9 +206,12 @@ def _cmd_export(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(f"export: {exc}") from None
     try:
-        result = publish.export(args.checkpoint, args.redis, settings, progress=not args.no_progress)
-    except (publish.ExportError, ValueError) as exc:
-        raise UserError(f"{exc}; `current` is unchanged") from None
+        result = publish.export(args.checkpoint, args.redis, settings, progress=not args.no_progress,
+                                password_file=password_file)
+    except publish.AfterFlipError as exc:
+        raise UserError(str(exc)) from None
+    except (publish.ExportError, ValueError, OSError) as exc:
+        raise UserError(f"{user_message(exc) or exc}; `current` is unchanged") from None
     except redis.RedisError as exc:
         raise UserError(f"Redis at {redact(args.redis)} failed: {type(exc).__name__}: {exc}; "
                         "`current` is unchanged (`recsys export --gc` removes the partial version)") from None
@@ -409,7 +432,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path,
                    help="a checkpoint directory, a run directory, a checkpoints/ directory or its latest file")
     p.add_argument("--redis", required=True, help="redis://[:password@]host:port/db, rediss:// for TLS; "
-                   "any node of a Redis Cluster; a URL without a password takes $REDIS_PASSWORD")
+                   "any node of a Redis Cluster; a URL without a password takes --redis-password-file's, else "
+                   "$REDIS_PASSWORD")
+    p.add_argument("--redis-password-file", type=Path,
+                   help="file holding the Redis password, for a --redis URL without one (else $REDIS_PASSWORD)")
     p.add_argument("--version", help="version name (default: s<step>-<UTC time>)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="storage type in Redis (float16: half the memory, rows rounded)")

@@ -46,10 +46,27 @@ NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
 
+RESERVED_VERSIONS = {"live": "the version component of live rows (recsys.redisio.live.VERSION): a version "
+                               "named so would share its row keys with the live rows of a namespace of that name"}
+"""Names no published version may have, and why: every other key of the two layouts has a
+fixed word (``current``, ``versions``, ``manifest``, ``live``) before any version name, and
+names hold no ``:``, so only the version part of a row key can collide."""
+
+
 def check_name(value: str, what: str) -> str:
     """Return ``value`` if it is a valid namespace or version name, else raise ``ValueError``."""
     if not isinstance(value, str) or not NAME.match(value):
         raise ValueError(f"{what} must match {NAME.pattern} (letters, digits, '_', '.', '-'), found {value!r}")
+    return value
+
+
+def check_version(value: str, what: str) -> str:
+    """Return ``value`` if it may name a published version (``check_name``, and not one of
+    ``RESERVED_VERSIONS``), else raise ``ValueError`` naming ``what``. The export and the gc
+    check every version name with it; the lookup service may check ``current`` with it too."""
+    check_name(value, what)
+    if value in RESERVED_VERSIONS:
+        raise ValueError(f"{what} {value!r} is reserved ({RESERVED_VERSIONS[value]}); pick another name")
     return value
 
 
