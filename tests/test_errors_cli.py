@@ -237,14 +237,14 @@ def test_sigterm_to_the_launcher_checkpoints_and_the_same_command_resumes_exactl
     try:
         wait_until(lambda: len(steps()) >= 10 or proc.poll() is not None, 180, "10 training steps")
         assert proc.poll() is None, "the job ended before SIGTERM:\n" + _log(run_dir)[-4000:]
-        sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        code = _finish(proc, run_dir, tag, timeout=60)
+        code = _finish(proc, run_dir, tag, timeout=240)  # a bound for a hung job, not a figure to meet
     finally:
         proc.kill()
-    took = time.monotonic() - sent
+    # the states, not a clock: the launcher says "every worker saved a checkpoint" (and exits 0)
+    # only when every worker wrote its stopped marker, which a worker writes after its
+    # checkpoint; one the agent killed at its shutdown timeout before that leaves none
     assert code == 0, _log(run_dir)[-4000:]
-    assert took < 30, f"{took:.1f}s from SIGTERM to exit"  # the agent kills workers after 30 s
     assert not tagged(tag), "processes outlived the launcher"
     assert "every worker saved a checkpoint" in _log(run_dir)
     stopped_at = max(steps())
