@@ -132,26 +132,29 @@ def _train_watching(data, run_dir, *extra) -> tuple[list[dict[str, int]], list[i
 
     from recsys.store.sharded.store import ShardedEmbeddingStore
 
-    trainer = build(data, run_dir, *extra)
-    forward = trainer.ddp.forward
     in_forward, in_push = [], []
-
-    def watched_forward(*args, **kwargs):
-        in_forward.append({t.name: policy_of(t) for t in priority.STORE.members() + priority.READER.members()})
-        return forward(*args, **kwargs)
-
     real_push = ShardedEmbeddingStore._do_push
 
     def watched_push(self, *args, **kwargs):
         in_push.append(policy_of(threading.current_thread()))
         return real_push(self, *args, **kwargs)
 
-    trainer.ddp.forward = watched_forward
+    # patched before the store is built: the store hands its schedule its bound work
     ShardedEmbeddingStore._do_push = watched_push
+    try:
+        trainer = build(data, run_dir, *extra)
+    finally:
+        ShardedEmbeddingStore._do_push = real_push
+    forward = trainer.ddp.forward
+
+    def watched_forward(*args, **kwargs):
+        in_forward.append({t.name: policy_of(t) for t in priority.STORE.members() + priority.READER.members()})
+        return forward(*args, **kwargs)
+
+    trainer.ddp.forward = watched_forward
     try:
         trainer.train()
     finally:
-        ShardedEmbeddingStore._do_push = real_push
         trainer.close()
     return in_forward, in_push
 
