@@ -14,7 +14,7 @@ RUN_DIR ?= runs/make-train-$(shell date +%Y%m%d-%H%M%S)
 # job's `recsys train` alone: README). The job's batch is per process: NPROC=1 trains 2048 rows a step.
 NPROC ?= $(shell [ "$$(nproc 2>/dev/null || echo 1)" -ge 2 ] && echo 2 || echo 1)
 
-.PHONY: venv venv-cuda redis-server train serve test test-all data data-tiny bench-quick gpu-wheels gpu-check clean
+.PHONY: venv venv-cuda redis-server train serve test test-slow test-all data data-tiny bench-quick gpu-wheels gpu-check clean
 
 venv: $(STAMP)
 
@@ -81,6 +81,11 @@ serve: venv data
 
 test: venv redis-server
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The tests marked slow (long fault and elastic runs, the quick benches end to end): what
+# `make test` leaves out; CI (.ci/run) runs both. `make test-all` is both in one pytest.
+test-slow: venv redis-server
+	$(PY) -m pytest -m slow $(PYTEST_ARGS)
 
 test-all: venv redis-server
 	$(PY) -m pytest $(PYTEST_ARGS)
