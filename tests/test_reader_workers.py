@@ -18,6 +18,7 @@ import pytest
 from recsys.io import reader as reader_module
 from recsys.io import reader_workers
 from recsys.io.reader import ParquetReader
+from conftest import wait_until
 from reader_data import ids_of, make_schema, write_dataset
 
 pytestmark = pytest.mark.multiproc
@@ -168,17 +169,47 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_forkserver_workers_wait_for_a_slow_consumer_and_between_epochs(data):
+class CountingRing(reader_workers._Ring):
+    """A worker's ring that counts, in shared memory, the times the worker asked whether its
+    reader is gone (``orphaned``: while it waits for a credit, and while idle between runs).
+    Pickled by reference, so a forkserver worker imports this module to run it."""
+
+    def __init__(self, mp_context, slots: int, slot_bytes: int) -> None:
+        super().__init__(mp_context, slots, slot_bytes)
+        self.checks = mp_context.RawValue("i", 0)
+
+    def orphaned(self) -> bool:
+        self.checks.value += 1
+        return super().orphaned()
+
+
+def rings(r: ParquetReader) -> list:
+    return [w.ring for w in r._pool._workers.values()]
+
+
+def wait_full(r: ParquetReader) -> None:
+    """Wait until every worker holds all its credits: each then waits for one."""
+    wait_until(lambda: all(ring.free.get_value() == 0 for ring in rings(r)), 60, "the workers to fill their credits")
+
+
+def test_forkserver_workers_wait_for_a_slow_consumer_and_between_epochs(data, monkeypatch):
     """A forkserver worker's parent is the server, not the reader's process: a worker must
     not take that for its reader being gone, while it waits for a credit or for a plan."""
+    monkeypatch.setattr(reader_workers, "_Ring", CountingRing)
     with ParquetReader(data.config(num_workers=2, batch_size=4, prefetch=1, start_method="forkserver"),
                        make_schema()) as r:
         it = iter(r)
         seen = ids_of([next(it)])
-        time.sleep(1.5)  # both workers wait for a credit meanwhile
+        wait_full(r)  # both workers wait for a credit...
+        before = [ring.checks.value for ring in rings(r)]
+        wait_until(lambda: all(ring.checks.value >= n + 2 for ring, n in zip(rings(r), before)), 60,
+                   "each waiting worker to check for its reader twice")  # ...and found it there
         seen += ids_of(list(it))
         pids = worker_pids()
-        time.sleep(1.5)  # idle between epochs
+        before = [ring.checks.value for ring in rings(r)]  # idle between epochs
+        wait_until(lambda: all(ring.checks.value >= n + 2 for ring, n in zip(rings(r), before)), 60,
+                   "each idle worker to check for its reader twice")
+        assert worker_pids() == pids and all(w.proc.is_alive() for w in r._pool._workers.values())
         assert sorted(seen) == data.row_ids
         assert sorted(ids_of(list(r))) == data.row_ids
         assert worker_pids() == pids
@@ -191,7 +222,7 @@ def test_an_interrupted_drain_leaves_no_stale_batches(data, monkeypatch):
     with ParquetReader(data.config(num_workers=2, batch_size=4, prefetch=1), make_schema()) as r:
         it = iter(r)
         seen = ids_of([next(it), next(it)])
-        time.sleep(0.3)  # the workers fill their credits
+        wait_full(r)  # the drain has items to take from every worker
         calls["armed"] = True
         with pytest.raises(KeyboardInterrupt):
             it.close()

@@ -399,16 +399,41 @@ def test_rows_beyond_capacity_replace_held_spilled_and_buffered_copies(redis_ser
     order = np.lexsort((keys.view(np.uint64), saved.column("last_seen").to_numpy()))
     beyond = set(keys[order[:-5]].tolist())  # the rows that do not fit
     before = row_map(t.state_dict())
-    # an older copy of some of these keys waits in the write buffer while they are inserted
-    t.spill._write_gate = lambda: time.sleep(0.2)
+    # an older copy of some of these keys waits in the write buffer while they are inserted:
+    # the writer, holding the evicted rows, waits until the insert's flush waits for it (the
+    # flush is what keeps that older copy from landing after the inserted rows); without a
+    # flush it waits until the insert returned, and the older copy lands last
+    taken, release = threading.Event(), threading.Event()
+
+    def gate():
+        taken.set()
+        release.wait(30)
+
+    flush = t.spill.flush
+
+    def flush_releasing():
+        release.set()
+        flush()
+
+    t.spill._write_gate = gate
+    t.spill.flush = flush_releasing
+    held_before = set(t._map.items()[0].tolist())
     new = np.array([1000, 1001], dtype=np.int64)
-    t.lookup(new, 50)  # evicts 2 held rows: buffered, not yet written
-    held = set(t._map.items()[0].tolist())
-    assert held & beyond and (set(before) - held) & beyond
-    assert t.counters()["spill_pending"] > 0
-    evictions = t.counters()["evictions"]
-    t.insert_rows(saved)
-    t.spill._write_gate = None
+    try:
+        t.lookup(new, 50)  # evicts 2 held rows: buffered, taken by the writer and held there
+        assert taken.wait(10), "the writer never took the evicted rows"
+        held = set(t._map.items()[0].tolist())
+        evicted = held_before - held
+        assert len(evicted) == 2 and evicted <= beyond  # their inserted rows go straight to Redis
+        assert held & beyond and (set(before) - held) & beyond
+        assert t.counters()["spill_pending"] == 2
+        evictions = t.counters()["evictions"]
+        t.insert_rows(saved)
+    finally:
+        release.set()
+        t.spill._write_gate = None
+        del t.spill.flush
+    t.flush()
     assert t.counters()["evictions"] - evictions <= 5 < len(beyond)  # the rows beyond went straight to Redis
     ref = EmbeddingTable("t", TableSpec(dim=D, capacity=1000), cfg_for(dtype=dtype))
     ref.load_state_dict(saved)  # the same rounding to float16 as the table's own
