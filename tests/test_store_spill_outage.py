@@ -315,6 +315,32 @@ def assert_rows_equal(got, want) -> None:
             assert got[name][k].tobytes() == v.tobytes(), f"table {name}, key {k}"
 
 
+# ``python -m recsys.train`` whose first checkpoint save, once written, waits for the file
+# ``argv[2]`` (after writing ``argv[1]``): the test stops Redis while the job has its first
+# checkpoint and steps left to train, however fast or slow the host
+PAUSED_AFTER_FIRST_CHECKPOINT = """
+import sys, time
+from pathlib import Path
+from recsys.checkpoint import write
+from recsys.train.__main__ import main
+
+saved, go = Path(sys.argv[1]), Path(sys.argv[2])
+save = write.save
+
+def save_then_wait(*args, **kwargs):
+    path = save(*args, **kwargs)
+    if not saved.exists():
+        saved.write_text(str(path))
+        deadline = time.monotonic() + 180
+        while not go.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    return path
+
+write.save = save_then_wait
+sys.exit(main(sys.argv[3:]))
+"""
+
+
 def test_training_job_fails_in_one_line_and_resumes_exactly_from_the_intact_checkpoint(
         tiny_data, tmp_path, reference_run):
     """store.spill.outage = "fail": Redis stopped mid-run; the job retries, then exits 2 with one
@@ -322,17 +348,20 @@ def test_training_job_fails_in_one_line_and_resumes_exactly_from_the_intact_chec
     resume after Redis returns (empty: no persistence) ends with the uninterrupted rows."""
     server = start_redis(tmp_path / "redis")
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "recsys.train", "--config", str(tt.JOB), "--run-dir", str(run_dir)]
+    saved, go = tmp_path / "first-checkpoint", tmp_path / "go"
+    cmd = [sys.executable, "-c", PAUSED_AFTER_FIRST_CHECKPOINT, str(saved), str(go),
+           "--config", str(tt.JOB), "--run-dir", str(run_dir)]
     for o in tt.overrides(tiny_data, *job_args(server.url, "train.checkpoint.every_steps=2")):
         cmd += ["--set", o]
     proc = subprocess.Popen(cmd, cwd=tt.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     from recsys.checkpoint import read as checkpoint_files
 
     try:
-        wait_until(lambda: checkpoint_files.latest(run_dir / "checkpoints") is not None or proc.poll() is not None,
-                   180, "the first checkpoint")
+        wait_until(lambda: saved.exists() or proc.poll() is not None, 180, "the first checkpoint")
+        assert proc.poll() is None, "the job ended before its first checkpoint"
         server.stop()
         stopped = time.monotonic()
+        go.touch()  # the job goes on from its first checkpoint, Redis gone
         out, err = proc.communicate(timeout=180)
         exit_s = time.monotonic() - stopped
     finally:
