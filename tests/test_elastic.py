@@ -127,11 +127,14 @@ def _report(name: str, **figures) -> None:
     print(f"\nFIGURES {name}: " + json.dumps(figures), flush=True)
 
 
-def _assert_same_training(reference: Path, run_dir: Path) -> None:
-    """The same loss at every step of the final trajectory, the same final evaluation and rows."""
+def _assert_same_training(reference: Path, run_dir: Path, log_every: int = 1) -> None:
+    """The same loss at every logged step of the final trajectory (every step unless the job
+    logs every ``log_every``), the same final evaluation and rows."""
     a, b = losses(reference), losses(run_dir)  # a rolled-back step is logged again: the last one stays
     final_step = json.loads((run_dir / "result.json").read_text())["step"]
-    assert sorted(b) == list(range(1, final_step + 1)) and sorted(a) == sorted(b), (len(a), len(b), final_step)
+    if log_every == 1:
+        assert sorted(b) == list(range(1, final_step + 1)), (len(b), final_step)
+    assert b and sorted(a) == sorted(b), (len(a), len(b), final_step)
     different = {s: (a[s], b[s]) for s in a if a[s] != b[s]}
     assert not different, f"{len(different)} step(s) with another loss, first: {min(different.items())}"
     assert_same_end(reference, run_dir)
@@ -142,19 +145,22 @@ def _assert_same_training(reference: Path, run_dir: Path) -> None:
 
 @pytest.mark.multiproc
 def test_a_node_leaves_and_one_joins_rows_exactly_once(tiny_data, tmp_path):
-    """Fast variant: one leave and one join in a one-epoch job."""
+    """Fast variant: one leave and one join in a one-epoch job, compared with clean stages."""
     run_dir = tmp_path / "elastic"
     # few periodic checkpoints (each writes every table): the one to resume from is enough.
-    # Batch 8: enough steps that the epoch outlasts a join (~16 s) on a fast host; at batch 16
-    # a job on an AVX-512 host ended before the new node joined
-    sets = _sets(tiny_data, "data.train.batch_size=8", "train.epochs=1", "train.log_every=2",
+    # The epoch's length is no race with the join: node a waits for the new node (Nodes.join)
+    sets = _sets(tiny_data, "data.train.batch_size=16", "train.epochs=1", "train.log_every=2",
                  "train.checkpoint.every_steps=25")
     figures = leave_and_join(run_dir, sets, 1)
     worlds = [w for _, w in figures["trajectory"]]
     assert worlds in ([2, 1, 2], [1, 2, 1, 2]), figures  # a may train alone until b joins
     report = assert_exactly_once(run_dir, tiny_data, epochs=1)
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["epoch"] == 1 and 0.5 < result["auc"] <= 1.0, result
+    assert json.loads((run_dir / "result.json").read_text())["epoch"] == 1
+    # rows moved to their new owners, optimizer state and reader position carried exactly: the
+    # same training as the clean stages (a shrink that kept only the rows a rank owned before
+    # ends within 0.005 AUC of the right result, which no floor tells apart)
+    staged_reference(tmp_path / "reference", sets, figures["trajectory"])
+    _assert_same_training(tmp_path / "reference", run_dir, log_every=2)
     _report("leave-and-join", **figures, rows=report["epochs"])
 
 
@@ -183,9 +189,8 @@ def _wait_training(nodes: Nodes, what: str, *names: str) -> None:
 
 
 def _one_epoch_nodes(data: Path, run_dir: Path) -> Nodes:
-    # batch 8: the epoch outlasts a node's join on a fast host (at 16, node a finished it alone
-    # before node c joined, on this AVX-512 host on 2026-11-28, with and without that day's store)
-    return Nodes(run_dir, _sets(data, "data.train.batch_size=8", "train.epochs=1", "train.log_every=2",
+    # a node joining one that trains alone is waited for (Nodes.join): the epoch's length is no race
+    return Nodes(run_dir, _sets(data, "data.train.batch_size=16", "train.epochs=1", "train.log_every=2",
                                 "train.checkpoint.every_steps=25"))
 
 
@@ -263,7 +268,7 @@ def test_sigterm_to_one_node_is_a_graceful_leave_and_to_every_node_a_stop(tiny_d
         assert left["saved_world_size"] == 2 and nodes.world_sizes() == [1], (left, nodes.workers())
         assert left["step"] == max(checkpoints_before(run_dir, left)), left  # the stop's checkpoint
 
-        nodes.start("c")
+        nodes.join("c", "a")  # a waits for it: the epoch cannot end before it joins
         _wait_training(nodes, "node c to join", "a", "c")
         for name in ("a", "c"):  # together, as a scheduler does
             nodes.procs[name].send_signal(signal.SIGTERM)
@@ -285,17 +290,20 @@ def test_sigterm_to_one_node_is_a_graceful_leave_and_to_every_node_a_stop(tiny_d
 
 
 @pytest.mark.multiproc
-@pytest.mark.slow  # 53 s; make test keeps the node-leaves-and-joins resize and the SIGTERM resume
+@pytest.mark.slow  # make test keeps the node-leaves-and-joins resize and the SIGTERM resume
 def test_two_then_one_then_three_workers_by_stop_and_resume(tiny_data, tmp_path):
     run_dir = tmp_path / "resized"
     # no periodic checkpoints: SIGTERM makes the ones to resume from
     sets = _sets(tiny_data, "data.train.batch_size=32", "train.epochs=1", "train.log_every=2",
                  "train.checkpoint.every_steps=0")
     figures = stop_and_resume(run_dir, sets, [2, 1, 3], 12)
-    assert [w for _, w in figures["trajectory"]] == [2, 1, 3], figures
+    segments = figures["trajectory"]
+    assert [w for _, w in segments] == [2, 1, 3], figures
     report = assert_exactly_once(run_dir, tiny_data, epochs=1)
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["epoch"] == 1 and 0.5 < result["auc"] <= 1.0, result
+    assert json.loads((run_dir / "result.json").read_text())["epoch"] == 1
+    # resumed from SIGTERM checkpoints only: the same training as the clean stages
+    staged_reference(tmp_path / "reference", sets, segments)
+    _assert_same_training(tmp_path / "reference", run_dir, log_every=2)
     _report("stop-and-resume-2-1-3", **figures, rows=report["epochs"])
 
 

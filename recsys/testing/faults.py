@@ -10,6 +10,7 @@ loopback), staged reference runs, runs compared and the row audit. A job's proce
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -150,10 +151,12 @@ class Nodes:
         kill_tagged(self.jobs[name].tag)
         self.jobs[name].proc.wait()
 
-    def workers(self) -> dict[int, dict[str, str]]:
-        """{pid: environment} of the live training workers of every node."""
+    def workers(self, *names: str) -> dict[int, dict[str, str]]:
+        """{pid: environment} of the live training workers of the nodes ``names`` (all if none)."""
         out = {}
-        for job in self.jobs.values():
+        for name, job in self.jobs.items():
+            if names and name not in names:
+                continue
             for pid in tagged(job.tag):
                 try:
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -163,6 +166,25 @@ class Nodes:
                 if b"recsys.train" in cmdline and "RANK" in env:
                     out[pid] = env
         return out
+
+    def join(self, new: str, running: str) -> None:
+        """Start node ``new`` beside node ``running``, which trains alone, so that the job
+        cannot end before ``new`` joins however slowly this host starts it: ``running``'s
+        workers are stopped (SIGSTOP to their process groups, where torchrun starts each
+        worker with its reader processes) until its agent has asked them to stop for the
+        new node (SIGTERM pending, what torchrun does to admit a node), or either node ended;
+        then they go on (SIGCONT) and handle that SIGTERM as usual."""
+        held = list(self.workers(running))
+        require(held, lambda: f"node {running} has no training worker to hold:\n{self.logs()}")
+        for pid in held:
+            _signal_group(pid, signal.SIGSTOP)
+        try:
+            self.start(new)
+            wait_for(lambda: all(_sigterm_pending(pid) for pid in held) or not self.alive(running)
+                     or not self.alive(new), DEADLINE_S, f"node {running}'s agent to admit node {new}")
+        finally:
+            for pid in held:
+                _signal_group(pid, signal.SIGCONT)
 
     def world_sizes(self) -> list[int]:
         return sorted(int(env["WORLD_SIZE"]) for env in self.workers().values())
@@ -192,6 +214,27 @@ class Nodes:
     def close(self) -> None:
         for job in self.jobs.values():
             job.kill()
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    """Send ``sig`` to the process group ``pid`` leads (a torchrun worker's), else to ``pid``."""
+    try:
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _sigterm_pending(pid: int) -> bool:
+    """Whether SIGTERM waits for delivery to the (stopped) process ``pid``; True once it is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return True
+    masks = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in masks)
 
 
 def staged_reference(run_dir: Path, overrides: list[str], segments: list[tuple[int, int]]) -> None:
@@ -250,7 +293,7 @@ def leave_and_join(run_dir: Path, overrides: list[str], cycles: int) -> dict:
 
             second = f"n{cycle}"
             t_join = time.monotonic()
-            nodes.start(second)
+            nodes.join(second, "a")  # a waits for it: the epoch cannot end before it joins
             wait_for(lambda: stepped_after_resume(run_dir, n + 1) or not nodes.alive("a"), DEADLINE_S,
                      f"cycle {cycle}: node {second} to join")
             figures["resume_after_join_s"].append(round(time.monotonic() - t_join, 1))
