@@ -9,7 +9,7 @@ once it is first in line; only its row reads wait for the pushes.
 pushes received and not yet applied, the steps whose push is still owed and the first
 failure. It knows nothing of tables: the store hands it its work as functions
 (``StoreWork``) and calls it through ``submit_lookup``, ``push``, ``cancel``, ``call``,
-``submit_call``, ``flush`` and ``close``.
+``submit_call``, ``flush``, ``stop`` and ``apply_remaining``.
 """
 
 from __future__ import annotations
