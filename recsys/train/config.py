@@ -263,3 +263,53 @@ class PublishConfig:
     @property
     def enabled(self) -> bool:
         return bool(self.redis)
+
+
+EARLY_STOPPING_DEFAULTS: dict[str, object] = {
+    "train.eval.keep_best": "auc",
+    "train.eval.validation_fraction": 0.1,
+    "train.eval.every_epochs": 1,
+    "train.eval.early_stopping_patience": 3,
+    "train.epochs": 20,
+}
+"""What ``recsys tune`` and ``recsys train --early-stopping`` supply when the job does not say
+(``early_stopping_defaults``): the objective, a validation split of the training files (seeded
+by ``data.train.holdout_seed``), an evaluation every epoch, early stopping and an epoch cap."""
+
+
+def early_stopping_defaults(data: dict) -> tuple[dict, dict[str, object]]:
+    """Return the job ``data`` (plain data, ``--set`` applied) with ``EARLY_STOPPING_DEFAULTS``
+    set where the job says nothing, and those it set. What the job or a ``--set`` says wins:
+    a validation split when it has none (no ``data.validation.paths``, no held-out fraction),
+    an evaluation every epoch when it has no periodic one, the epoch cap when it sets neither
+    ``train.epochs`` nor ``train.max_steps``."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    train = out["train"] = dict(out.get("train") or {})
+    ev = train["eval"] = dict(train.get("eval") or {})
+    data_sec = out.get("data") or {}
+    chosen: dict[str, object] = {}
+
+    def supply(section: dict, key: str, full: str) -> None:
+        section[key] = chosen[full] = EARLY_STOPPING_DEFAULTS[full]
+
+    if "keep_best" not in ev:
+        supply(ev, "keep_best", "train.eval.keep_best")
+    validation = (data_sec.get("validation") or {}).get("paths")
+    holdout = (data_sec.get("train") or {}).get("holdout_fraction")
+    if "validation_fraction" not in ev and not validation and not holdout:
+        supply(ev, "validation_fraction", "train.eval.validation_fraction")
+    if not (ev.get("every") or ev.get("every_epochs")) and "every_epochs" not in ev:
+        supply(ev, "every_epochs", "train.eval.every_epochs")
+    if "early_stopping_patience" not in ev:
+        supply(ev, "early_stopping_patience", "train.eval.early_stopping_patience")
+    if "epochs" not in train and "max_steps" not in train:
+        supply(train, "epochs", "train.epochs")
+    return out, chosen
+
+
+def describe_defaults(chosen: dict[str, object], by: str) -> str:
+    """One line: what ``by`` chose (``early_stopping_defaults``) and how to say otherwise."""
+    if not chosen:
+        return f"{by}: the job sets its objective, validation split, evaluations, early stopping and epochs"
+    shown = ", ".join(f"{k} = {v!r}" if isinstance(v, str) else f"{k} = {v}" for k, v in chosen.items())
+    return f"{by}: the job does not say, so: {shown} (set them in the job or with --set to choose otherwise)"

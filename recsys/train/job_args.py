@@ -27,6 +27,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-dir", type=Path, help="run directory (default: a new one under runs/)")
     parser.add_argument("--resume", type=Path, help="checkpoint to start from: a step directory, run directory, checkpoints/ directory or its latest file (default: the run's latest)")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="shortcut for --set train.device=...")
+    parser.add_argument("--early-stopping", action="store_true",
+                        help="what the job does not say, as `recsys tune` chooses it: a validation split (10%% of "
+                             "the training row groups), an evaluation every epoch, the best checkpoint by AUC, "
+                             "early stopping and an epoch cap")
 
 
 def new_run_dir(name: str) -> Path:
@@ -47,15 +51,25 @@ def run_dir_for(job, run_dir: Path | None, env) -> Path:
     return Path(choice[0])
 
 
-def load_job_args(args: argparse.Namespace):
-    """Return the job of ``--config`` with ``--set`` and ``--device`` applied.
+def load_job_args(args: argparse.Namespace, log=None):
+    """Return the job of ``--config`` with ``--set`` and ``--device`` applied, and with
+    ``--early-stopping`` what the job does not say of its evaluations as ``recsys tune``
+    chooses it (``recsys.train.config.early_stopping_defaults``; ``log`` gets the line
+    saying what).
 
     A job file that cannot be read as UTF-8 text (a directory, no permission, binary) is a
     ``ConfigError`` naming it."""
-    from recsys.config import ConfigError, load_job
+    from recsys.config import ConfigError, JobConfig, apply_overrides, from_dict, load_job, read_toml
 
     overrides = list(args.set) + ([f"train.device={args.device!r}"] if args.device else [])
     try:
+        if getattr(args, "early_stopping", False):
+            from recsys.train.config import describe_defaults, early_stopping_defaults
+
+            data, chosen = early_stopping_defaults(apply_overrides(read_toml(args.config), overrides, JobConfig))
+            if log is not None:
+                log(describe_defaults(chosen, "train --early-stopping"))
+            return from_dict(JobConfig, data, str(args.config))
         return load_job(args.config, overrides)
     except ConfigError:
         raise

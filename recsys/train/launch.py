@@ -220,7 +220,7 @@ def launch(args: argparse.Namespace) -> int:
         raise UserError(f"train: need --nproc >= 1 and --max-restarts >= 0, found {args.nproc} and {args.max_restarts}")
     rendezvous = multinode_args(args)  # before reading anything: the flags themselves
     verbose = bool(getattr(args, "verbose", False))
-    job = load_job_args(args)
+    job = load_job_args(args, log=print)
     run_dir = args.run_dir or new_run_dir(job.name)
     check_devices(job.train.device, args.nproc)
     preflight(job, args.resume, run_dir)  # fail fast, before any process starts
@@ -231,6 +231,8 @@ def launch(args: argparse.Namespace) -> int:
         forwarded += ["--resume", str(args.resume)]
     if args.device:
         forwarded += ["--device", args.device]
+    if getattr(args, "early_stopping", False):
+        forwarded.append("--early-stopping")
     if verbose:
         forwarded.append("--verbose")
     if args.nproc == 1 and args.max_restarts == 0 and rendezvous is None:
