@@ -113,7 +113,7 @@ def _cmd_tune(args: argparse.Namespace) -> int:
                                sets=args.set, trials=args.trials, timeout_s=args.timeout, jobs=args.jobs,
                                storage=args.storage or "", study=args.study or "", pruner=args.pruner,
                                prune_startup=args.prune_startup, prune_warmup=args.prune_warmup, seed=args.seed,
-                               progress=not args.no_progress))
+                               progress=not args.no_progress, given_first=not args.no_given_trial))
     return 130 if summary.get("interrupted") else 0
 
 
@@ -382,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a trial's first N validation evaluations are never pruned (default 1)")
     p.add_argument("--seed", type=int, help="seed of the sampler (one worker: the same trials every time)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the per-trial lines stay)")
+    p.add_argument("--no-given-trial", action="store_true",
+                   help="do not train the job as given as the study's first trial (the one to beat)")
     p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser(

@@ -54,7 +54,8 @@ def test_a_bad_trial_is_pruned_and_a_restart_continues_the_study(tiny_data, spac
     good = {"store.lr": 0.2, "train.optim.lr": 0.01, "model.top_mlp": "[64, 1]"}
     bad = {"store.lr": 0.01, "train.optim.lr": 1e-4, "model.top_mlp": "[64, 1]"}
     opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=2,
-                       prune_startup=1, prune_warmup=0, seed=0, progress=False, enqueue=[good, bad])
+                       prune_startup=1, prune_warmup=0, seed=0, progress=False, enqueue=[good, bad],
+                       given_first=False)
     lines: list[str] = []
     summary = tune(opts, log=lines.append)
     assert (summary["complete"], summary["pruned"]) == (1, 1), lines
@@ -115,7 +116,7 @@ def test_two_processes_share_one_study_through_redis(tiny_data, space, tmp_path,
     assert len({t.user_attrs["pid"] for t in study.trials}) == 2  # one trial in each worker
     assert sorted(p.name for p in (out / "trials").iterdir()) == ["0", "1"]
     assert f"trial {study.best_trial.number}, validation auc" in (out / "best.toml").read_text()
-    assert "trial 0 complete" in proc.stdout and "trial 1 complete" in proc.stdout
+    assert "trial 0 (the job as given) complete" in proc.stdout and "trial 1 complete" in proc.stdout
     assert redis_server.url in proc.stdout and SECRET not in proc.stdout
 
 
@@ -171,13 +172,14 @@ def test_the_default_space_fits_a_job_that_tunes_its_wide_arm(tiny_data):
 
 
 def test_the_job_must_have_a_validation_split_and_a_metric(tiny_data, space, tmp_path):
+    """A job that says it has none (tune supplies them only where the job says nothing)."""
     from recsys.errors import UserError
     from recsys.tune.run import TuneOptions, prepare
 
-    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.eval.validation_fraction")]
+    sets = [*job_sets(tiny_data), "train.eval.validation_fraction=0"]
     with pytest.raises(UserError, match="no validation split"):
         prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
-    sets = [s for s in job_sets(tiny_data) if not s.startswith("train.eval.keep_best")]
+    sets = [*job_sets(tiny_data), "train.eval.keep_best=''"]
     with pytest.raises(UserError, match="train.eval.keep_best"):
         prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
 
@@ -191,7 +193,7 @@ def test_best_toml_is_the_job_the_trial_trained_not_this_commands(tiny_data, spa
     out = tmp_path / "tuned"
     good = {"store.lr": 0.2, "train.optim.lr": 0.01, "model.top_mlp": "[64, 1]"}
     opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=1,
-                       pruner="none", seed=0, progress=False, enqueue=[good])
+                       pruner="none", seed=0, progress=False, enqueue=[good], given_first=False)
     assert tune(opts, log=lambda _: None)["best"]["number"] == 0
     assert load_job(out / "best.toml").model.bottom_mlp == [64, 32, 16]
     # continued with another --set and no new trial: trial 0 is still the best, as it trained

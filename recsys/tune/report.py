@@ -57,14 +57,15 @@ def describe(t, metric: str) -> str:
     attrs = t.user_attrs
     seconds = f" in {t.duration.total_seconds():.1f} s" if t.duration is not None else ""
     state = t.state.name.lower()
+    given = " (the job as given)" if attrs.get("given") else ""
     if state == "complete":
-        return (f"trial {t.number} complete: validation {metric} {t.value:.5f} (best at step {attrs.get('best_step')}"
+        return (f"trial {t.number}{given} complete: validation {metric} {t.value:.5f} (best at step {attrs.get('best_step')}"
                 f" of {attrs.get('steps')}, {attrs.get('evaluations')} evaluations){seconds}")
     if state == "pruned":
         last = t.intermediate_values[max(t.intermediate_values)] if t.intermediate_values else float("nan")
-        return (f"trial {t.number} pruned at evaluation {attrs.get('evaluations')} (step {attrs.get('steps')}): "
+        return (f"trial {t.number}{given} pruned at evaluation {attrs.get('evaluations')} (step {attrs.get('steps')}): "
                 f"validation {metric} {last:.5f}{seconds}")
-    return f"trial {t.number} {state}: {attrs.get('error', 'interrupted')}{seconds}"
+    return f"trial {t.number}{given} {state}: {attrs.get('error', 'interrupted')}{seconds}"
 
 
 def write_outputs(ctx, log=print) -> dict:
@@ -90,7 +91,7 @@ def write_outputs(ctx, log=print) -> dict:
         path = write_best(ctx, best, out / "best.toml")
         files.append(path)
         summary["best"] = {"number": best.number, "value": best.value, "params": best.params,
-                           "run_dir": best.user_attrs.get("run_dir")}
+                           "run_dir": best.user_attrs.get("run_dir"), "given": bool(best.user_attrs.get("given"))}
         log(f"best: trial {best.number}, validation {ctx.metric} {best.value:.5f}; "
             f"train it: recsys train --config {path}")
     files += write_plots(ctx.study, out, log, f"validation {ctx.metric}")
@@ -114,6 +115,8 @@ def write_best(ctx, best, path: Path) -> Path:
         note = ("# the trial did not save its job: this is this command's job (--config, --set) with its "
                 "values, which it may not have trained\n")
     shown = ", ".join(f"{k} = {v}" for k, v in best.params.items())
+    if best.user_attrs.get("given"):  # nothing beat it: the job as given
+        shown = "nothing: the job as given (no trial did better on validation)"
     head = (f"# recsys tune: the best trial of study {ctx.study.study_name!r}: trial {best.number}, validation "
             f"{ctx.metric} {best.value:.6f} (its best checkpoint: step {best.user_attrs.get('best_step')})\n"
             f"# its run: {best.user_attrs.get('run_dir')}; tuned: {shown}\n"

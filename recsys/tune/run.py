@@ -67,6 +67,8 @@ class TuneOptions:
     progress: bool = True
     enqueue: list[dict] = dataclasses.field(default_factory=list)
     """Parameter values to try first (Optuna's ``enqueue_trial``; the API and tests only)."""
+    given_first: bool = True
+    """The study's first trial trains the job as given (``enqueue_given``)."""
 
 
 # --------------------------------------------------------------------------- set-up
@@ -82,6 +84,8 @@ class Context:
     storage: object
     study: object
     run_id: str
+    chosen: dict = dataclasses.field(default_factory=dict)
+    """What tune supplied because the job did not say (``early_stopping_defaults``)."""
 
 
 def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
@@ -89,6 +93,7 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
     import optuna
 
     from recsys.config import JobConfig, apply_overrides, from_dict, read_toml
+    from recsys.train.config import early_stopping_defaults
     from recsys.tune.space import load_space
 
     if opts.trials < 0 or opts.jobs < 1 or opts.timeout_s < 0:
@@ -96,6 +101,7 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
     if opts.pruner not in ("median", "none"):
         raise UserError(f"tune: --pruner must be median or none, found {opts.pruner!r}")
     base = apply_overrides(read_toml(opts.config), list(opts.sets), JobConfig)
+    base, chosen = early_stopping_defaults(base)  # what the job and --set say win
     job = from_dict(JobConfig, base, str(opts.config))
     metric = check_job(job, opts.config)
     if os.environ.get(WORKER_ENV) is None:  # what `recsys train` checks first: the data, the output directory
@@ -122,7 +128,7 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
                         f"this job's train.eval.keep_best is {metric!r}: give another --study")
     if known is None:
         study.set_user_attr("metric", metric)
-    return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12])
+    return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12], chosen)
 
 
 def check_job(job, where) -> str:
@@ -200,7 +206,14 @@ def objective(ctx: Context, trial) -> float:
                        ("tune_run", ctx.run_id), ("run_dir", str(run_dir))):
         trial.set_user_attr(key, value)
     try:
-        values = ctx.space.suggest(trial)
+        if trial.user_attrs.get("given"):  # the job unchanged; its own values of the space recorded
+            values = {}
+            own = ctx.space.given()
+            for param in ctx.space.params:
+                if param.name in own:
+                    param.suggest(trial)
+        else:
+            values = ctx.space.suggest(trial)
         trial.set_user_attr("values", values)
         # the job this trial trains, as `best.toml` gives it (without a password: ``dumps``):
         # a study continued with other --set's builds its later trials from another base
@@ -264,6 +277,18 @@ def _train(ctx: Context, trial, values: dict, run_dir: Path) -> tuple[dict, int]
 
 
 # --------------------------------------------------------------------------- workers
+
+
+def enqueue_given(ctx: Context) -> int | None:
+    """Make the job as given (with what tune supplied) the study's next trial, unless the
+    study has one: tuning then never ends worse, on validation, than the job it was given.
+    It trains the job unchanged; its parameters are the job's own values where the space
+    has them (``Space.given``), so the sampler learns from it. Returns the trial's number, or None."""
+    if any(t.user_attrs.get("given") for t in ctx.study.get_trials(deepcopy=False)):
+        return None
+    ctx.study.enqueue_trial(ctx.space.given(), user_attrs={"given": True}, skip_if_exists=True)
+    queued = [t.number for t in ctx.study.get_trials(deepcopy=False) if t.user_attrs.get("given")]
+    return queued[0] if queued else None
 
 
 def fail_dead_trials(ctx: Context) -> list[int]:
@@ -337,17 +362,22 @@ def worker_main() -> int:
 
 def tune(opts: TuneOptions, log=print) -> dict:
     """Run ``recsys tune``; return the summary (also written as ``DIR/summary.json``)."""
+    from recsys.train.config import describe_defaults
     from recsys.tune import report
 
     out = Path(opts.out)
     ctx = prepare(opts)
     out.mkdir(parents=True, exist_ok=True)
     _write_record(opts, ctx)
+    log(describe_defaults(ctx.chosen, "tune"))
     for number in fail_dead_trials(ctx):
         log(f"trial {number}: its process ended before it finished (marked failed)")
     before = len(ctx.study.trials)
+    given = enqueue_given(ctx) if opts.given_first and opts.trials else None
     log(f"study {ctx.study.study_name!r} in {_where(opts)}: {before} earlier trial(s); running {opts.trials} more "
         f"({opts.jobs} at a time); objective: validation {ctx.metric} ({ctx.study.direction.name.lower()})")
+    if given is not None:
+        log(f"trial {given} trains the job as given: the one to beat")
     bar = report.ProgressBar(ctx, opts.trials, enabled=opts.progress, log=log)
     interrupted, error = False, None
     # SIGTERM as Ctrl-C (a running trial's trainer takes it first: it checkpoints and stops)
@@ -383,7 +413,7 @@ def _write_record(opts: TuneOptions, ctx: Context) -> None:
 
     record = {"config": str(Path(opts.config).resolve()), "space": str(Path(opts.space).resolve()),
               "set": list(opts.sets), "study": ctx.study.study_name, "storage": _where(opts), "metric": ctx.metric,
-              "direction": ctx.study.direction.name.lower()}
+              "direction": ctx.study.direction.name.lower(), "chosen": ctx.chosen}
     # an override may quote a Redis URL too (the job's spill or publish URL)
     (Path(opts.out) / "tune.json").write_text(redact_text(json.dumps(record, indent=1)) + "\n")
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from recsys.config import ConfigError, JobConfig, apply_overrides, from_dict, read_toml
+from recsys.config import ConfigError, JobConfig, apply_overrides, from_dict, read_toml, to_dict
 from recsys.model.config import WIDE_SETTINGS
 
 RANGE_KEYS = ("low", "high", "log", "step")
@@ -63,6 +63,16 @@ class Param:
             value = trial.suggest_int(self.name, int(self.low), int(self.high), log=self.log, step=int(self.step or 1))
         return {key: value for key in self.keys}
 
+    def contains(self, value: Any) -> bool:
+        """Whether a range draws ``value`` (a number inside it, on its step)."""
+        kinds = (int,) if self.kind == "int" else (int, float)
+        if isinstance(value, bool) or not isinstance(value, kinds) or not self.low <= value <= self.high:
+            return False
+        if self.step is None:
+            return True
+        ratio = (value - self.low) / self.step
+        return abs(ratio - round(ratio)) < 1e-9
+
 
 @dataclass
 class Space:
@@ -78,6 +88,27 @@ class Space:
         out: dict[str, Any] = {}
         for param in self.params:
             out.update(param.suggest(trial))
+        return out
+
+    def given(self) -> dict[str, Any]:
+        """Return the Optuna parameters of the base job itself: each parameter whose keys have,
+        in the job (its own value or the library's default), one of the space's values (a
+        range's value inside it, a choice's every key as the job has it). A parameter the job
+        sits outside of (a weight decay of 0 under a log range) is left out: the job's trial
+        trains the job unchanged all the same (``recsys.tune.run``)."""
+        job = to_dict(from_dict(JobConfig, self.base, "job"))
+        out: dict[str, Any] = {}
+        for param in self.params:
+            if param.kind == "choice":
+                for label, keys in param.choices.items():
+                    if all(_get(job, k.split(".")) == v for k, v in keys.items()):
+                        out[param.name] = label
+                        break
+                continue
+            values = {_get(job, k.split(".")) for k in param.keys}
+            value = values.pop() if len(values) == 1 else None
+            if param.contains(value):
+                out[param.name] = value
         return out
 
     def job_data(self, values: dict[str, Any]) -> dict:
