@@ -69,9 +69,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
         schema = job.schema
         passthrough = list(dict.fromkeys([*job.data.train.passthrough, *job.data.eval.passthrough]))
     try:
+        split = dict(_split_arg(text) for text in args.split)
         opts = ConvertOptions(fmt=args.fmt, preset=args.preset or "", header=not args.no_header,
-                              rows_per_file=args.rows_per_file, row_group_rows=args.row_group_rows,
-                              bad_rows=args.bad_rows)
+                              rows_per_file=args.rows_per_file, row_group_rows=args.row_group_rows or 131_072,
+                              bad_rows=args.bad_rows, split=split,
+                              fit_row_groups=args.infer and args.row_group_rows is None)
     except ValueError as exc:
         raise UserError(f"convert: {exc}") from None
     r = convert(args.inputs, args.out, opts, schema=schema, passthrough=passthrough, infer=args.infer,
@@ -82,6 +84,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.infer:
         print(f"proposed job: {r['proposed_job']} (edit it, then `recsys inspect --config {r['proposed_job']}`)")
     return 0
+
+
+def _split_arg(text: str) -> tuple[str, str]:
+    column, sep, value = text.partition("=")
+    if not sep or not column or not value:
+        raise UserError(f"convert: --split {text!r}: expected COLUMN=SEPARATOR, e.g. --split tags='|'")
+    return column, value
 
 
 def _print_dense_stats(args: argparse.Namespace, job, paths: list[str]) -> None:
@@ -334,7 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "fields, tab-separated, no header")
     p.add_argument("--no-header", action="store_true", help="CSV/TSV without a header line (fields named f0, f1, ...)")
     p.add_argument("--rows-per-file", type=int, default=4_194_304, help="rows per output file (default 4194304)")
-    p.add_argument("--row-group-rows", type=int, default=131_072, help="rows per row group (default 131072)")
+    p.add_argument("--row-group-rows", type=int, help="rows per row group (default 131072; with --infer fewer "
+                   "for a small input, so that a validation split of a tenth of the row groups is a tenth of the rows)")
+    p.add_argument("--split", action="append", default=[], metavar="COLUMN=SEP",
+                   help="CSV/TSV: split this string column at SEP into a list (a multi-hot feature); --infer finds them")
     p.add_argument("--bad-rows", choices=("error", "skip"), default="error",
                    help="a bad row stops the conversion (default) or is skipped, counted and listed")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

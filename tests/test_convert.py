@@ -256,3 +256,80 @@ def test_cli_convert_and_one_line_errors(criteo, tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"{truncated}: near line" in err and "compressed data" in err
     assert not (tmp_path / "y").exists() or not list((tmp_path / "y").glob("part-*"))
+
+
+def _clicks_csv(path: Path, rows: int = 60_000) -> None:
+    """A CSV shaped like a click log: integer user and item ids (the items about 19 k distinct,
+    fewer than half the rows), an integer category, a price, an integer age in days, and tags
+    joined by '|' (one to three of twelve, some rows none)."""
+    rng = np.random.default_rng(0)
+    vocab = [f"t{j}" for j in range(12)]
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["clicked", "user", "item", "category", "price", "age_days", "tags"])
+        for i in range(rows):
+            tags = "" if i % 10 == 0 else "|".join(rng.choice(vocab, size=rng.integers(1, 4), replace=False))
+            w.writerow([int(rng.random() < 0.3), int(rng.integers(0, 5000)), int(rng.integers(0, 21_000)),
+                        int(rng.integers(0, 40)), f"{rng.random() * 100:.2f}", int(rng.integers(0, 3650)), tags])
+
+
+def test_infer_on_a_click_log_proposes_ids_lists_and_a_validation_split(tmp_path):
+    """`recsys convert --infer` on a 60 k-row CSV: the integer `item` (many distinct values,
+    named like ids) and `category` are sparse, each with the reason in a comment; `tags`
+    (`a|b`) is split into a list column and proposed as a multi-hot feature; `age_days` and
+    `price` stay dense; the proposal has a validation split (a tenth of the row groups, which
+    the small input gets enough of) with early stopping, and `recsys train` runs it."""
+    import subprocess
+    import sys
+
+    from recsys.io.reader import describe
+
+    path = tmp_path / "clicks.csv"
+    _clicks_csv(path)
+    out = tmp_path / "out"
+    assert main(["convert", "--from", "csv", str(path), "--out", str(out), "--infer", "--no-progress"]) == 0
+    proposed = out / "_job.toml"
+    text = proposed.read_text()
+    job = load_job(proposed)
+    assert job.schema.label == "clicked" and job.schema.dense == ["price", "age_days"]
+    sparse = {f.name: (f.kind, f.multi_hot) for f in job.schema.sparse}
+    assert sparse == {"user": ("int64", False), "item": ("int64", False), "category": ("int64", False),
+                      "tags": ("string", True)}
+    assert "# item: an integer column (no fractional part) named like ids ('item'), 19," in text, text
+    assert "split at '|' into a list: a multi-hot feature" in text
+    ev = job.train.eval
+    assert (ev.validation_fraction, ev.every_epochs, ev.keep_best, ev.early_stopping_patience) == (0.1, 1, "auc", 3)
+    assert job.train.epochs == 20
+    files = sorted(out.glob("part-*.parquet"))
+    assert sum(pq.ParquetFile(f).num_row_groups for f in files) >= 40  # a tenth of them: a tenth of the rows
+    got = _read_dir(out)
+    assert got.schema.field("tags").type == pa.list_(pa.string()) and got.schema.field("item").type == pa.int64()
+    with open(path, newline="") as f:
+        first = list(csv.DictReader(f))[:11]
+    assert got.column("tags").to_pylist()[:11] == [r["tags"].split("|") if r["tags"] else None for r in first]
+    described = describe(job.data.train.paths, job.schema)
+    assert "MISSING" not in described and "WRONG TYPE" not in described
+
+    # trained as proposed (one epoch): an evaluation on the validation split a user can judge
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "recsys.cli", "train", "--config", str(proposed), "--run-dir",
+                           str(run_dir), "--set", "train.epochs=1", "--set", "train.progress='none'"],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("event") == "eval" and r.get("split") == "validation" and "auc" in r for r in records)
+
+
+def test_split_reads_a_delimited_csv_column_as_a_list_with_a_jobs_schema(tmp_path):
+    """`--split tags='|'` with --schema: a CSV string field becomes the job's multi-hot list
+    (pieces trimmed, empty ones dropped, an empty field a null); without it CSV is refused."""
+    schema = Schema(label="label", sparse=[FeatureSpec(name="tags", kind="int64", multi_hot=True)],
+                    tables={"tags": TableSpec(dim=4, capacity=100)})
+    path = tmp_path / "in.csv"
+    path.write_text('label,tags\n1,3|4\n0, 5 ||6\n1,\n0,7\n')
+    with pytest.raises(ConvertError, match="hold lists"):
+        convert([str(path)], tmp_path / "refused", ConvertOptions(fmt="csv"), schema=schema)
+    out = tmp_path / "out"
+    report = convert([str(path)], out, ConvertOptions(fmt="csv", split={"tags": "|"}), schema=schema)
+    assert report["columns"]["tags"] == "list<item: int64>"
+    assert _read_dir(out).column("tags").to_pylist() == [[3, 4], [5, 6], None, [7]]

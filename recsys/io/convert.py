@@ -46,16 +46,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pa_csv
 import pyarrow.fs as pafs
 import pyarrow.json as pa_json
+import pyarrow.parquet as pq
 
 from recsys.errors import UserError
-from recsys.io.convert_job import propose_job
-from recsys.io.convert_options import (CRITEO_COLUMNS, Column, ConvertError, ConvertOptions, criteo_columns,
-                                       job_columns)
+from recsys.io.convert_job import find_lists, propose_job
+from recsys.io.convert_options import (CRITEO_COLUMNS, FIT_ROW_GROUPS, Column, ConvertError, ConvertOptions,
+                                       criteo_columns, job_columns)
 from recsys.io.convert_output import fault, finish_interrupted, hold, move_in, refuse_parts, remove_abandoned
 from recsys.io.parquet_out import SplitWriter
 from recsys.features.schema import Schema
@@ -555,10 +557,19 @@ def convert(
                                 if c.name not in inferred.names:
                                     raise ConvertError(f"{inp.display}: expected a field {c.name!r}, found none "
                                                        f"in lines {first}..")
-                                c.type = _widen(inferred.field(c.name).type)
+                                c.type = pa.string() if c.split else _widen(inferred.field(c.name).type)
                     table = _parse_block(parser, block, first, inp.display, opts, stats, bad_kept)
                     if infer and sample is None:
+                        if schema is None and not opts.preset and opts.fmt != "jsonl":
+                            found = find_lists(table.slice(0, opts.infer_rows), parser.columns)
+                            for c in parser.columns:
+                                if c.name in found:
+                                    c.split = found[c.name]
+                            table = _split_lists(table, [c for c in parser.columns if c.name in found])
                         sample = table.slice(0, opts.infer_rows)
+                        if opts.fit_row_groups:
+                            writer.row_group_size = _fit_row_groups(table.num_rows, src.raw_pos(),
+                                                                    sum(f.size for f in files), opts)
                     stats["rows"] += table.num_rows
                     if pending is not None:
                         pending.result()
@@ -607,11 +618,12 @@ def convert(
         "input_bytes": stats["input_bytes"],
         "row_group_rows": opts.row_group_rows,
         "rows_per_file": opts.rows_per_file,
-        "columns": {c.name: str(c.type) for c in columns},
+        "columns": {c.name: str(c.out_type) for c in columns},
     }
     try:
         if infer:
-            (tmp / PROPOSED_JOB).write_text(propose_job(sample, columns, out))
+            groups = sum(pq.ParquetFile(p).num_row_groups for p in writer.paths)
+            (tmp / PROPOSED_JOB).write_text(propose_job(sample, columns, out, groups))
             report["proposed_job"] = str(out / PROPOSED_JOB)
             moved.append(PROPOSED_JOB)
         (tmp / REPORT).write_text(json.dumps(report, indent=2) + "\n")
@@ -631,13 +643,17 @@ def _plan(opts: ConvertOptions, schema: Schema | None, passthrough, names, displ
             columns = [c for c in columns if c.name in wanted]
             _check_plan(job_columns(schema, list(passthrough)), CRITEO_COLUMNS, display, opts)
         return columns
+    unknown = sorted(set(opts.split) - set(names or []))
+    if unknown:
+        raise ConvertError(f"{display}: line 1: expected the columns to split {unknown}, found a header without "
+                           f"them ({', '.join((names or [])[:40])})")
     if schema is not None:
-        columns = job_columns(schema, list(passthrough))
+        columns = job_columns(schema, list(passthrough), opts.split)
         _check_plan(columns, names, display, opts)
         return columns
     if names is None:  # JSON without a job: every field, typed from the first block
         return []
-    return [Column(n, pa.null()) for n in names]
+    return [Column(n, pa.null(), split=opts.split.get(n, "")) for n in names]
 
 
 def _widen(t: pa.DataType) -> pa.DataType:
@@ -686,5 +702,35 @@ def _parse_block(parser: _Parser, block: bytes, first: int, display: str, opts: 
                                f"nothing was written")
         room = BAD_ROWS_KEPT - len(bad_kept)
         bad_kept.extend(rows[: max(room, 0)])
-    return table.select([c.name for c in parser.columns])
+    return _split_lists(table.select([c.name for c in parser.columns]), parser.columns)
+
+
+def _split_lists(table: pa.Table, columns: list[Column]) -> pa.Table:
+    """Return ``table`` with each column that has a ``split`` separator split into a list of
+    its ``list_type`` (pieces trimmed, empty ones dropped; a null field stays null)."""
+    for c in columns:
+        if not c.split:
+            continue
+        i = table.column_names.index(c.name)
+        lists = pc.split_pattern(table.column(c.name).combine_chunks(), pattern=c.split)
+        pieces = pc.utf8_trim_whitespace(lists.values)
+        keep = pc.fill_null(pc.not_equal(pieces, ""), False).to_numpy(zero_copy_only=False)
+        ends = np.concatenate([[0], np.cumsum(keep)]).astype(np.int32)
+        offsets = pa.array(ends[lists.offsets.to_numpy()])
+        try:
+            values = pc.cast(pieces.filter(pa.array(keep)), c.list_type)
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            raise ConvertError(f"column {c.name!r}: expected {c.list_type} values between {c.split!r}, found {exc}") \
+                from None
+        split = pa.ListArray.from_arrays(offsets, values, mask=lists.is_null())
+        table = table.set_column(i, pa.field(c.name, split.type), split)
+    return table
+
+
+def _fit_row_groups(rows: int, read_bytes: int, total_bytes: int, opts: ConvertOptions) -> int:
+    """Return the rows per row group that give a small input ``FIT_ROW_GROUPS``' row groups
+    (its rows estimated from the first block's), never more than ``opts.row_group_rows``."""
+    groups, least = FIT_ROW_GROUPS
+    estimate = rows * total_bytes / max(read_bytes, 1)
+    return int(min(opts.row_group_rows, max(least, math.ceil(estimate / groups))))
 

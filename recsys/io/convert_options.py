@@ -6,7 +6,7 @@ columns a job reads).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import pyarrow as pa
@@ -15,6 +15,8 @@ from recsys.errors import UserError
 from recsys.features.schema import Schema
 
 FORMATS = ("csv", "tsv", "jsonl")
+FIT_ROW_GROUPS = (40, 1024)
+"""``fit_row_groups``: at least this many row groups, of at least this many rows each."""
 CRITEO_DENSE = [f"i{j}" for j in range(1, 14)]
 CRITEO_SPARSE = [f"c{j}" for j in range(1, 27)]
 CRITEO_COLUMNS = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
@@ -46,6 +48,13 @@ class ConvertOptions:
     """Input bytes parsed at once."""
     infer_rows: int = 100_000
     """Rows of the first block looked at to infer types and propose a job (``--infer``)."""
+    split: dict[str, str] = field(default_factory=dict)
+    """CSV/TSV: column -> separator: the string field is split there into a list (a multi-hot
+    feature; ``--split tags='|'``). ``--infer`` finds such columns itself."""
+    fit_row_groups: bool = False
+    """With ``--infer``: row groups of fewer rows when the input is small (``FIT_ROW_GROUPS``),
+    so that the proposed job's validation split, a tenth of the row groups, is a tenth of
+    the rows. Off when ``--row-group-rows`` is given."""
 
     def __post_init__(self) -> None:
         if self.fmt not in FORMATS:
@@ -62,6 +71,9 @@ class ConvertOptions:
             raise ValueError(f"row_group_rows must be >= 1, found {self.row_group_rows}")
         if self.rows_per_file < self.row_group_rows:
             raise ValueError(f"rows_per_file ({self.rows_per_file}) must be >= row_group_rows ({self.row_group_rows})")
+        for column, sep in self.split.items():
+            if not sep or self.fmt == "jsonl":
+                raise ValueError(f"split {column}: needs a separator and a CSV/TSV input (JSON has its own arrays)")
         if self.block_bytes < 1024:
             raise ValueError(f"block_bytes must be >= 1024, found {self.block_bytes}")
 
@@ -76,6 +88,15 @@ class Column:
     name: str
     type: pa.DataType
     role: Literal["label", "label_probability", "dense", "id", "weight", "other"] = "other"
+    split: str = ""
+    """A CSV/TSV string field split at this separator into a list of ``list_type`` (``type``
+    is the field's: a string)."""
+    list_type: pa.DataType = field(default_factory=pa.string)
+
+    @property
+    def out_type(self) -> pa.DataType:
+        """The column's type in the Parquet files."""
+        return pa.list_(self.list_type) if self.split else self.type
 
 
 def criteo_columns() -> list[Column]:
@@ -84,13 +105,17 @@ def criteo_columns() -> list[Column]:
             + [Column(c, pa.string(), "id") for c in CRITEO_SPARSE])
 
 
-def job_columns(schema: Schema, passthrough: list[str]) -> list[Column]:
-    """Return the columns a job reads, typed for it (passthrough columns typed by the data)."""
+def job_columns(schema: Schema, passthrough: list[str], split: dict[str, str] | None = None) -> list[Column]:
+    """Return the columns a job reads, typed for it (passthrough columns typed by the data); a
+    multi-hot column in ``split`` is read as a string and split there."""
     label = (Column(schema.label, pa.int8(), "label") if schema.label_kind == "binary"
              else Column(schema.label, pa.float32(), "label_probability"))
     out = [label] + [Column(c, pa.float32(), "dense") for c in schema.dense]
     for f in schema.sparse:
         value = pa.int64() if f.kind == "int64" else pa.string()
+        if f.multi_hot and split and f.column in split:
+            out.append(Column(f.column, pa.string(), "id", split=split[f.column], list_type=value))
+            continue
         if f.multi_hot:
             value = pa.list_(value)
         out.append(Column(f.column, value, "id"))
