@@ -16,7 +16,7 @@ from recsys.config import ConfigError
 from recsys.errors import UserError, user_message
 
 BENCH_TARGETS = ("reader", "hashing", "store", "train", "serve", "faults", "live", "convert", "quality", "scale",
-                 "defaults")
+                 "defaults", "step")
 
 
 def _cmd_gen_synthetic(args: argparse.Namespace) -> int:
@@ -284,6 +284,11 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         options = {"tuned": args.tuned, "splits": args.splits}
     elif target == "defaults":
         options = {"splits": args.splits}
+    step_only = {"config": args.config, "batch_size": args.batch_size, "steps": args.steps}
+    if target == "step":
+        options = step_only
+    elif any(v is not None for v in step_only.values()):
+        raise UserError(f"bench {target}: --config, --batch-size and --steps are for `recsys bench step` only")
     result = run(target, json_out=args.json, quick=args.quick, data=args.data, **options)
     return 0 if result.get("passed", True) else 1  # a scenario bench (faults) fails when one scenario does
 
@@ -517,6 +522,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--splits", type=int, metavar="N",
                    help="quality and defaults: random splits for sets with under 10 k eval rows "
                         "(quality: default 10, --quick 0; defaults: default 5)")
+    p.add_argument("--config", help="step only: the job whose schema and store it runs "
+                                    "(default jobs/synthetic_small.toml)")
+    p.add_argument("--batch-size", type=int, help="step only: rows per step (default 16384, --quick 1024)")
+    p.add_argument("--steps", type=int, help="step only: steps counted, and as many timed (default 20, --quick 4)")
     p.set_defaults(func=_cmd_bench)
     return parser
 
