@@ -124,6 +124,8 @@ class OpCounts:
     """``Tensor.to(device)`` of such a tensor: a copy to the device on a GPU (one that waits
     for the stream unless ``non_blocking`` from pinned memory; on the CPU device no call
     shows which)."""
+    op_s: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    """Seconds inside each op (``time_ops``): on the CPU device, where the device's work goes."""
     wall_s: float = 0.0
     in_ops_s: float = 0.0
 
@@ -145,6 +147,7 @@ class OpCounts:
             "compute_ops": each(self.compute), "view_ops": each(self.view),
             "counted_wall_ms": round(1e3 * self.wall_s / steps, 3),
             "in_ops_ms": round(1e3 * self.in_ops_s / steps, 3),
+            "op_ms": {k: round(1e3 * v / steps, 3) for k, v in self.op_s.most_common(8)},
         }
 
 
@@ -228,7 +231,9 @@ class OpCounter(TorchDispatchMode):
         try:
             return func(*args, **kwargs)
         finally:
-            self.counts.in_ops_s += time.perf_counter() - t
+            t = time.perf_counter() - t
+            self.counts.in_ops_s += t
+            self.counts.op_s[name] += t
 
 
 def _site() -> str:
@@ -588,6 +593,9 @@ def report(arms: dict) -> list[str]:
                      f"{p['view']:g} + sync-forcing {p['sync_forcing']:g}; to numpy {p['to_host']:g}, "
                      f"from numpy {p['from_host']:g}; host ms/step: CPU {arm['cpu_ms_per_step']:.3f} "
                      f"(outside torch ops {arm['outside_ops_ms']:.3f}); uploads {p['uploads']:g}")
+        if p["op_ms"]:
+            lines.append("  most time inside (CPU device, ms/step): "
+                         + ", ".join(f"{k} {v:.1f}" for k, v in list(p["op_ms"].items())[:4]))
         if p["sync_ops"]:
             lines.append(f"  sync-forcing per step: " + ", ".join(f"{k} {v:g}" for k, v in p["sync_ops"].items()))
         for kind in ("to_host_calls", "upload_calls"):
