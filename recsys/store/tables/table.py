@@ -80,7 +80,7 @@ from recsys.store.tables.keymap import MAX_CAPACITY, FrequencySketch, KeyMap, as
 from recsys.store.host.prefetch import ROWS_AHEAD, prefetch
 from recsys.store.tables.rowblock import RowBlock, fixed_list, int64_column, matrix_column, vector_column
 
-__all__ = ["EmbeddingTable", "CapacityError", "init_vectors", "COUNTERS"]
+__all__ = ["EmbeddingTable", "CapacityError", "init_vectors", "COUNTERS", "arrow_schema"]
 
 
 class CapacityError(UserError):
@@ -153,6 +153,20 @@ def check_push(name: str, dim: int, keys: np.ndarray, grads_shape: tuple, step: 
         raise ValueError(
             f"table {name!r}: gradients of step {step} arrive before its lookup (latest lookup step: {clock})"
         )
+
+
+def arrow_schema(name: str, dim: int, cfg: StoreConfig) -> pa.Schema:
+    """Return the Arrow schema of table ``name``'s rows (``EmbeddingTable.state_dict``)."""
+    emb_type = pa.float32() if np.dtype(cfg.dtype) == np.float32 else pa.float16()
+    fields = [pa.field("key", pa.int64(), nullable=False),
+              pa.field("embedding", pa.list_(emb_type, dim), nullable=False)]
+    for c in optim.state_columns(cfg.optimizer):
+        t = pa.from_numpy_dtype(c.dtype)
+        fields.append(pa.field(c.name, pa.list_(t, dim) if c.per_dim else t, nullable=False))
+    fields.append(pa.field("last_seen", pa.int64(), nullable=False))
+    meta = {"recsys.table": name, "recsys.optimizer": cfg.optimizer,
+            "recsys.dim": str(dim), "recsys.dtype": cfg.dtype}
+    return pa.schema(fields, metadata=meta)
 
 
 # --------------------------------------------------------------------------- the table
@@ -671,16 +685,7 @@ class EmbeddingTable:
         return pa.Table.from_arrays(cols, schema=self.schema)
 
     def _arrow_schema(self) -> pa.Schema:
-        emb_type = pa.float32() if self._np_dtype == np.float32 else pa.float16()
-        fields = [pa.field("key", pa.int64(), nullable=False),
-                  pa.field("embedding", pa.list_(emb_type, self.dim), nullable=False)]
-        for c in self._columns:
-            t = pa.from_numpy_dtype(c.dtype)
-            fields.append(pa.field(c.name, pa.list_(t, self.dim) if c.per_dim else t, nullable=False))
-        fields.append(pa.field("last_seen", pa.int64(), nullable=False))
-        meta = {"recsys.table": self.name, "recsys.optimizer": self.cfg.optimizer,
-                "recsys.dim": str(self.dim), "recsys.dtype": self.cfg.dtype}
-        return pa.schema(fields, metadata=meta)
+        return arrow_schema(self.name, self.dim, self.cfg)
 
     def _rows_table(self, keys_N: np.ndarray, slots_N: np.ndarray, steps_N: np.ndarray) -> pa.Table:
         return self._block_table(self._block(keys_N, slots_N, steps_N))
