@@ -201,6 +201,8 @@ class DeviceSparse:
         self._zero2 = torch.zeros((1, 2), dtype=torch.int64, device=dev)
         self._true1 = torch.ones(1, dtype=torch.bool, device=dev)
         self._ar = torch.arange(0, dtype=torch.int64, device=dev)
+        self._k = {v: torch.tensor(v, dtype=torch.int64, device=dev) for v in (0, -1, X, S)}
+        self._one = torch.tensor(1.0, dtype=torch.float32, device=dev)
         self._bags: dict[int, tuple] = {}
         self._step: int | None = None
         self._pending: _Step | None = None
@@ -283,6 +285,7 @@ class DeviceSparse:
         evict_ops = self._may_evict(N)
         bag_table, bag_mean = self._bag_static(B)
         ar = self._arange(N)
+        k = self._k
         keys = keys.to(self.device)
         lengths = lengths.to(self.device, torch.int64)
         csum = torch.cumsum(lengths, 0)
@@ -297,13 +300,13 @@ class DeviceSparse:
         sk = sk1.index_select(0, p2)
         kt = torch.stack([sk, st], 1)
         first = torch.cat([self._true1, (kt[1:] != kt[:-1]).any(1)])
-        rep = torch.where(first, ar, 0).cummax(0).values  # sorted position of each group's first
+        rep = torch.where(first, ar, k[0]).cummax(0).values  # sorted position of each group's first
         inv = torch.empty_like(ar).index_put_((perm,), rep)
         # index lookup
         base, cells, bw = self._cells_of(sk, st)
         g = self.index[cells]  # [N, 2W, 2]
         match = (g == kt.unsqueeze(1)).all(2)
-        slot = torch.where(match, cells, -1).amax(1)
+        slot = torch.where(match, cells, k[-1]).amax(1)
         found = slot >= 0
         foundf = found & first
         new = first & ~found
@@ -321,7 +324,7 @@ class DeviceSparse:
         l2 = (x2 @ self._M2).to(torch.int64)
         pu = l2[:, 0:4].index_select(0, st)  # avail, off + kept, found base, new base
         rk = zq[:-1] - pu[:, 2:4]  # rank among found / new keys of the entry's table
-        hm = torch.where(foundf, slot, X)
+        hm = torch.where(foundf, slot, k[X])
         self.last_step.index_fill_(0, hm, step)
         if evict_ops:
             self._compact(l2[:, 4:7], step)
@@ -330,12 +333,12 @@ class DeviceSparse:
         # new keys: the emptier bucket, the rank-th empty way among the step's new keys there
         empty = (g[:, :, 1] < 0).view(N, 2, W).sum(2)
         cw = torch.where(empty[:, 1] > empty[:, 0], bw[:, 1], bw[:, 0])
-        sv, sp = torch.sort(torch.where(ins, cw, X), stable=True)
+        sv, sp = torch.sort(torch.where(ins, cw, k[X]), stable=True)
         grank = torch.empty_like(ar).index_put_((sp,), ar - torch.searchsorted(sv, sv))
         free = self.index[:, 1][cw.unsqueeze(1) + self._arW] < 0
         way = (free.cumsum(1) <= grank.unsqueeze(1)).sum(1)
         place = ins & (way < W)
-        tgt = torch.where(place, cw + way, X)
+        tgt = torch.where(place, cw + way, k[X])
         self._placed += place.sum()
         self.index.index_put_((tgt,), kt)
         self.last_step.index_fill_(0, tgt, step)
@@ -345,12 +348,12 @@ class DeviceSparse:
         upd = torch.where(place, tgt, hm)
         if evict_ops:  # append the step's keys (sorted by key) after the table's untouched ones
             held = foundf | place
-            pos = torch.where(held, rk[:, 0] + torch.minimum(rk[:, 1], pu[:, 0]) + pu[:, 1], S)
+            pos = torch.where(held, rk[:, 0] + torch.minimum(rk[:, 1], pu[:, 0]) + pu[:, 1], k[S])
             self.order.index_put_((pos,), upd)
         rows = self.w.index_select(0, upd).requires_grad_(True)
         psw = weights.to(self.device, torch.float32) if weights is not None else None
         if self._any_mean:
-            scale = torch.where(bag_mean, 1.0 / lengths.clamp(min=1), 1.0).index_select(0, bag)
+            scale = torch.where(bag_mean, 1.0 / lengths.clamp(min=1), self._one).index_select(0, bag)
             psw = scale if psw is None else psw * scale
         pooled = torch.nn.functional.embedding_bag(inv, rows, offsets, mode="sum", per_sample_weights=psw)
         self._step = step
@@ -369,8 +372,9 @@ class DeviceSparse:
         ev = unt & (r1 <= p[:, 1])
         keep = unt ^ ev
         new_order = torch.full_like(self.order, X)
-        new_order.index_put_((torch.where(keep, r1 + p[:, 2], S),), order)
-        self.index[:, 1].index_fill_(0, torch.where(ev, order, X), -1)
+        k = self._k
+        new_order.index_put_((torch.where(keep, r1 + p[:, 2], k[S]),), order)
+        self.index[:, 1].index_fill_(0, torch.where(ev, order, k[X]), -1)
         self.order = new_order
 
     def _may_evict(self, n: int) -> bool:
@@ -431,7 +435,7 @@ class DeviceSparse:
     def _lookup(self, table: str, keys: np.ndarray) -> torch.Tensor:
         """Return the cell of each key of ``table`` (-1: absent)."""
         t = self.names.index(table)
-        k = torch.as_tensor(np.ascontiguousarray(keys, dtype=np.int64).view(np.int64), device=self.device) ^ _MIN
+        k = _tensor(keys, self.device) ^ _MIN
         tid = torch.full_like(k, t)
         _, cells, _ = self._cells_of(k, tid)
         match = (self.index[cells] == torch.stack([k, tid], 1).unsqueeze(1)).all(2)
@@ -538,17 +542,17 @@ class DeviceSparse:
             self.acc[t, 3] += over
             self.acc[t, 4] -= over
         if n_new:
-            kf = torch.as_tensor(keys[~present], device=dev) ^ _MIN
+            kf = _tensor(keys[~present], dev) ^ _MIN
             tid = torch.full_like(kf, t)
             placed = self._place(kf, tid)
             cells[~present] = placed.cpu().numpy()
             self.index.index_put_((placed,), torch.stack([kf, tid], 1))
             self.acc[t, 4] += n_new
         c = torch.as_tensor(cells, device=dev)
-        self.w.index_put_((c,), torch.as_tensor(emb, device=dev))
+        self.w.index_put_((c,), _tensor(emb, dev))
         for col in self._columns:
-            self.state[col.name].index_put_((c,), torch.as_tensor(states[col.name], device=dev))
-        self.last_step.index_put_((c,), torch.as_tensor(last, device=dev))
+            self.state[col.name].index_put_((c,), _tensor(states[col.name], dev))
+        self.last_step.index_put_((c,), _tensor(last, dev))
         self._host["rows_in"][t] += keys.shape[0]
 
     def _place(self, kf: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
@@ -578,6 +582,11 @@ class DeviceSparse:
         order[pos] = cells
         self.order = torch.as_tensor(order, device=self.device)
         self._order_valid = True
+
+
+def _tensor(a: np.ndarray, device) -> torch.Tensor:
+    """Return a device copy of the host array ``a`` (which may be read-only, as Arrow's are)."""
+    return torch.from_numpy(np.array(a, copy=True)).to(device)
 
 
 def _as_keys(keys) -> np.ndarray:
