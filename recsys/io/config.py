@@ -49,6 +49,9 @@ class ReaderConfig:
     """With ``holdout_fraction``: read every row group but the held-out ones, or only them."""
     holdout_seed: int = 0
     """Seed of the held-out choice."""
+    holdout_fold: int = 0
+    """Hold out the fold-th slice of that hash order instead of the first (``recsys tune
+    --cv K``: fraction 1/K, folds 0..K-1 hold out every row group exactly once)."""
     start_method: Literal["fork", "forkserver", "spawn"] = "fork"
     """How worker processes start (``num_workers > 0``). fork starts at once; forkserver and
     spawn re-import torch (far slower to start) but are safer if other threads of the process
@@ -68,5 +71,8 @@ class ReaderConfig:
             raise ValueError(f"nice must be in 0..19, found {self.nice}")
         if not 0.0 <= self.holdout_fraction < 1.0:
             raise ValueError(f"holdout_fraction must be in [0, 1), found {self.holdout_fraction}")
+        if self.holdout_fold < 0 or (self.holdout_fold and self.holdout_fold * self.holdout_fraction >= 1 - 1e-9):
+            raise ValueError(f"holdout_fold must be >= 0 and fold × holdout_fraction < 1, found fold "
+                             f"{self.holdout_fold} of fraction {self.holdout_fraction}")
         if self.prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, found {self.prefetch}")

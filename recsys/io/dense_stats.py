@@ -62,7 +62,7 @@ def unit_sketches(cfg: ReaderConfig, schema: Schema, rank: int = 0, world_size: 
     files = expand_paths(cfg.paths, filesystem)
     table = build_units(files, schema, list(cfg.passthrough), cfg.on_bad_file)
     if cfg.holdout_fraction:
-        table, _ = hold_out(table, cfg.holdout_fraction, cfg.holdout_seed, cfg.holdout)
+        table, _ = hold_out(table, cfg.holdout_fraction, cfg.holdout_seed, cfg.holdout, cfg.holdout_fold)
     chosen = sampled_units(table.unit_rows, schema.dense_stats_rows)
     out = []
     for u in chosen[rank::world_size]:

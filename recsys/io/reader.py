@@ -78,7 +78,8 @@ class ParquetReader:
         table = build_units(files, schema, list(cfg.passthrough), cfg.on_bad_file)
         row0 = _row0(table)  # row numbers within the files, before any unit is held out
         if cfg.holdout_fraction:
-            table, kept = hold_out(table, cfg.holdout_fraction, cfg.holdout_seed, cfg.holdout)
+            table, kept = hold_out(table, cfg.holdout_fraction, cfg.holdout_seed, cfg.holdout,
+                                    cfg.holdout_fold)
             row0 = row0[kept]
         self._table = table
         self._rows = table.unit_rows

@@ -521,28 +521,36 @@ def build_units(
     )
 
 
-def held_out(unit_keys: list[str], fraction: float, seed: int) -> np.ndarray:
+def held_out(unit_keys: list[str], fraction: float, seed: int, fold: int = 0) -> np.ndarray:
     """Return a bool mask of the units held out: the ``round(fraction * U)`` (at least one)
     with the smallest stable hash of (seed, unit key): whole row groups, the same choice on
-    every host, world size and run."""
+    every host, world size and run. ``fold`` j holds out the j-th such slice of the hash
+    order instead (units ``bound(j)`` to ``bound(j + 1)``, ``bound(i) = round(i * fraction * U)``,
+    at least 1 for ``i >= 1``): with ``fraction = 1 / k`` folds 0..k-1 hold out every unit
+    exactly once (k-fold cross-validation, ``recsys tune --cv``)."""
     if not fraction or not unit_keys:
         return np.zeros(len(unit_keys), dtype=bool)
     digests = np.array([int.from_bytes(hashlib.blake2b(f"{seed}:{k}".encode(), digest_size=8).digest(), "little")
                         for k in unit_keys], dtype=np.uint64)
-    count = max(1, round(fraction * len(unit_keys)))
-    mask = np.zeros(len(unit_keys), dtype=bool)
-    mask[np.argsort(digests, kind="stable")[:count]] = True
+    n = len(unit_keys)
+
+    def bound(i: int) -> int:
+        return 0 if i == 0 else min(n, max(1, round(i * fraction * n)))
+
+    mask = np.zeros(n, dtype=bool)
+    mask[np.argsort(digests, kind="stable")[bound(fold):bound(fold + 1)]] = True
     return mask
 
 
-def hold_out(table: UnitTable, fraction: float, seed: int, side: str) -> tuple[UnitTable, np.ndarray]:
+def hold_out(table: UnitTable, fraction: float, seed: int, side: str, fold: int = 0) -> tuple[UnitTable, np.ndarray]:
     """Return ``table`` with only the units on ``side`` ("exclude": all but the held-out
-    ones; "only": just them) and the indices of the units kept. Raises ``ReadError`` when a
-    side would be empty."""
-    mask = held_out(table.unit_keys, fraction, seed)
-    if mask.all():
+    ones; "only": just them; ``held_out``'s ``fold``) and the indices of the units kept.
+    Raises ``ReadError`` when a side would be empty."""
+    mask = held_out(table.unit_keys, fraction, seed, fold)
+    if mask.all() or (fraction and not mask.any()):
         raise ReadError(file=_common_display(table.files), expected=f"more than one row group to hold out "
-                        f"a fraction {fraction} for validation", found=f"{table.num_units} row group(s)")
+                        f"a fraction {fraction} for validation" + (f" (fold {fold})" if fold else ""),
+                        found=f"{table.num_units} row group(s)")
     keep = mask if side == "only" else ~mask
     idx = np.flatnonzero(keep)
     return dataclasses.replace(table, unit_file=table.unit_file[idx], unit_rg=table.unit_rg[idx],

@@ -166,7 +166,8 @@ def read_splits(job):
     the job has none; periodic evaluations then read the eval split).
 
     With ``train.eval.validation_fraction`` both read the training files: training all row groups
-    but the held-out ones, validation only them, with ``data.validation``'s read settings."""
+    but the held-out ones, validation only them (``data.train.holdout_seed`` and ``holdout_fold``
+    choose which), with ``data.validation``'s read settings."""
     from recsys.config import ConfigError
 
     data, fraction = job.data, job.train.eval.validation_fraction
@@ -177,7 +178,7 @@ def read_splits(job):
                           "remove data.validation.paths, or set train.eval.validation_fraction = 0")
     if data.train.holdout_fraction:
         raise ConfigError("set train.eval.validation_fraction or data.train.holdout_fraction, not both")
-    held = dict(holdout_fraction=fraction, holdout_seed=data.train.holdout_seed)
+    held = dict(holdout_fraction=fraction, holdout_seed=data.train.holdout_seed, holdout_fold=data.train.holdout_fold)
     validation = dataclasses.replace(data.validation, paths=list(data.train.paths), on_bad_file=data.train.on_bad_file,
                                      holdout="only", **held)
     return dataclasses.replace(data.train, holdout="exclude", **held), validation
@@ -190,10 +191,10 @@ def record_validation_split(cfg, schema, run_dir: Path) -> None:
     from recsys.io.units import build_units, expand_paths, hold_out
 
     table, _ = hold_out(build_units(expand_paths(cfg.paths), schema, list(cfg.passthrough), cfg.on_bad_file),
-                        cfg.holdout_fraction, cfg.holdout_seed, "only")
+                        cfg.holdout_fraction, cfg.holdout_seed, "only", cfg.holdout_fold)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "validation.json").write_text(json.dumps({
-        "fraction": cfg.holdout_fraction, "seed": cfg.holdout_seed, "paths": list(cfg.paths),
+        "fraction": cfg.holdout_fraction, "seed": cfg.holdout_seed, "fold": cfg.holdout_fold, "paths": list(cfg.paths),
         "rows": int(table.unit_rows.sum()), "row_groups": table.unit_keys}, indent=1) + "\n")
 
 
