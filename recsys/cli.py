@@ -119,11 +119,21 @@ def _cmd_tune(args: argparse.Namespace) -> int:
     from recsys.tune.run import DEFAULT_SPACE, TuneOptions, tune
 
     summary = tune(TuneOptions(config=str(args.config), out=str(args.out), space=str(args.space or DEFAULT_SPACE),
-                               sets=args.set, trials=args.trials, timeout_s=args.timeout, jobs=args.jobs,
-                               storage=args.storage or "", study=args.study or "", pruner=args.pruner,
+                               sets=args.set, trials=args.trials, timeout_s=args.timeout, jobs=_tune_jobs(args.jobs),
+                               storage=args.storage or "", study=args.study or "", pruner=args.pruner, cv=args.cv,
                                prune_startup=args.prune_startup, prune_warmup=args.prune_warmup, seed=args.seed,
                                progress=not args.no_progress, given_first=not args.no_given_trial))
     return 130 if summary.get("interrupted") else 0
+
+
+def _tune_jobs(value: str) -> int:
+    from recsys.tune.run import auto_jobs
+
+    if value == "auto":
+        return auto_jobs()
+    if not value.isdigit() or int(value) < 1:
+        raise UserError(f"tune: --jobs must be a number >= 1 or auto, found {value!r}")
+    return int(value)
 
 
 def _read_oracle(path: Path) -> dict:
@@ -388,12 +398,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, type=Path, help="output directory: trials/<number>/, best.toml, ...")
     p.add_argument("--trials", type=int, default=20, help="trials this command runs (default 20)")
     p.add_argument("--timeout", type=float, default=0.0, help="start no trial after this many seconds (0: none)")
-    p.add_argument("--jobs", type=int, default=1, help="trials at once on this machine (worker processes; default 1)")
+    p.add_argument("--jobs", default="1", metavar="K|auto",
+                   help="trials at once on this machine (worker processes, each with cores / K torch threads; "
+                   "default 1); auto: one per core, at most 8")
     p.add_argument("--storage", help="the study's storage shared by machines: redis://... (a journal; password "
                    "from the URL or $REDIS_PASSWORD, never written) or a database URL (sqlite:///..., "
                    "postgresql://...); default: DIR/study.journal")
     p.add_argument("--study", help="study name (default: the job's name)")
-    p.add_argument("--pruner", choices=("median", "none"), default="median", help="default median")
+    p.add_argument("--pruner", choices=("median", "hyperband", "halving", "none"), default="median",
+                   help="median (default), hyperband or halving (successive halving: a third goes on at "
+                   "evaluations m, 3m, 9m...), none")
+    p.add_argument("--cv", default="auto", metavar="auto|off|K",
+                   help="score each trial by K-fold cross-validation over the training rows; auto (default): "
+                   "5 folds when the validation split has under 20,000 rows")
     p.add_argument("--prune-startup", type=int, default=3, help="complete trials before any pruning (default 3)")
     p.add_argument("--prune-warmup", type=int, default=1,
                    help="a trial's first N validation evaluations are never pruned (default 1)")

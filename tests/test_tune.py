@@ -53,7 +53,7 @@ def test_a_bad_trial_is_pruned_and_a_restart_continues_the_study(tiny_data, spac
     out = tmp_path / "tuned"
     good = {"store.lr": 0.2, "train.optim.lr": 0.01, "model.top_mlp": "[64, 1]"}
     bad = {"store.lr": 0.01, "train.optim.lr": 1e-4, "model.top_mlp": "[64, 1]"}
-    opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=2,
+    opts = TuneOptions(config=str(JOB), cv="off", out=str(out), space=str(space), sets=job_sets(tiny_data), trials=2,
                        prune_startup=1, prune_warmup=0, seed=0, progress=False, enqueue=[good, bad],
                        given_first=False)
     lines: list[str] = []
@@ -101,7 +101,7 @@ def test_two_processes_share_one_study_through_redis(tiny_data, space, tmp_path,
 
     out = tmp_path / "tuned"
     sets = [a for s in job_sets(tiny_data) for a in ("--set", s)]
-    proc = subprocess.run([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), *sets,
+    proc = subprocess.run([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), "--cv", "off", *sets,
                            "--space", str(space), "--out", str(out), "--storage", redis_server.url,
                            "--study", "shared", "--pruner", "none", "--no-progress", "--trials", "2", "--jobs", "2"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
@@ -178,10 +178,10 @@ def test_the_job_must_have_a_validation_split_and_a_metric(tiny_data, space, tmp
 
     sets = [*job_sets(tiny_data), "train.eval.validation_fraction=0"]
     with pytest.raises(UserError, match="no validation split"):
-        prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
+        prepare(TuneOptions(config=str(JOB), cv="off", out=str(tmp_path / "o"), space=str(space), sets=sets))
     sets = [*job_sets(tiny_data), "train.eval.keep_best=''"]
     with pytest.raises(UserError, match="train.eval.keep_best"):
-        prepare(TuneOptions(config=str(JOB), out=str(tmp_path / "o"), space=str(space), sets=sets))
+        prepare(TuneOptions(config=str(JOB), cv="off", out=str(tmp_path / "o"), space=str(space), sets=sets))
 
 
 def test_best_toml_is_the_job_the_trial_trained_not_this_commands(tiny_data, space, tmp_path):
@@ -192,7 +192,7 @@ def test_best_toml_is_the_job_the_trial_trained_not_this_commands(tiny_data, spa
 
     out = tmp_path / "tuned"
     good = {"store.lr": 0.2, "train.optim.lr": 0.01, "model.top_mlp": "[64, 1]"}
-    opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=1,
+    opts = TuneOptions(config=str(JOB), cv="off", out=str(out), space=str(space), sets=job_sets(tiny_data), trials=1,
                        pruner="none", seed=0, progress=False, enqueue=[good], given_first=False)
     assert tune(opts, log=lambda _: None)["best"]["number"] == 0
     assert load_job(out / "best.toml").model.bottom_mlp == [64, 32, 16]
@@ -219,7 +219,7 @@ def test_a_failed_trials_error_and_traceback_hold_no_password(tiny_data, space, 
 
     monkeypatch.setattr(run, "_train", broken)
     out = tmp_path / "tuned"
-    opts = TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=1,
+    opts = TuneOptions(config=str(JOB), cv="off", out=str(out), space=str(space), sets=job_sets(tiny_data), trials=1,
                        pruner="none", seed=0, progress=False)
     lines: list[str] = []
     assert tune(opts, log=lines.append)["fail"] == 1
@@ -251,7 +251,7 @@ def test_timeout_starts_no_trial_after_it_passes(tiny_data, space, tmp_path, mon
         return {"step": 4, "best": {"step": 4, "value": 0.6}}, 1
 
     monkeypatch.setattr(run, "_train", slow)
-    opts = TuneOptions(config=str(JOB), out=str(tmp_path / "t"), space=str(space), sets=job_sets(tiny_data),
+    opts = TuneOptions(config=str(JOB), cv="off", out=str(tmp_path / "t"), space=str(space), sets=job_sets(tiny_data),
                        trials=5, timeout_s=0.5, pruner="none", seed=0, progress=False)
     summary = tune(opts, log=lambda _: None)
     assert started == [0] and summary["trials"] == 1 and summary["complete"] == 1
@@ -280,7 +280,7 @@ def _study_trials(out: Path):
 def _long_tune(tiny_data, space, out: Path) -> subprocess.Popen:
     sets = [a for s in [*job_sets(tiny_data), "train.max_steps=1000000", "train.epochs=100000", "train.log_every=1"]
             for a in ("--set", s)]
-    return subprocess.Popen([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), *sets,
+    return subprocess.Popen([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), "--cv", "off", *sets,
                              "--space", str(space), "--out", str(out), "--pruner", "none", "--no-progress",
                              "--trials", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -328,7 +328,7 @@ def test_a_trial_killed_with_its_process_is_marked_failed_by_the_next_run(tiny_d
         proc.stdout.close()
     assert [t.state for t in _study_trials(out)] == [TrialState.RUNNING]
     lines: list[str] = []
-    summary = tune(TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=job_sets(tiny_data), trials=0,
+    summary = tune(TuneOptions(config=str(JOB), cv="off", out=str(out), space=str(space), sets=job_sets(tiny_data), trials=0,
                                progress=False), log=lines.append)
     assert "trial 0: its process ended before it finished (marked failed)" in lines, lines
     assert summary["fail"] == 1 and summary["running"] == 0

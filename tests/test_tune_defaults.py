@@ -79,7 +79,7 @@ def test_tune_runs_a_job_as_written_and_its_first_trial_is_that_job(tiny_data, t
 
     cwd = _in_data_dir(tiny_data, tmp_path)
     proc = subprocess.run([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), "--out", "tuned",
-                           "--trials", "2", "--no-progress", "--seed", "0"], cwd=cwd,
+                           "--trials", "2", "--no-progress", "--seed", "0", "--cv", "off"], cwd=cwd,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout
     first = proc.stdout.splitlines()[0]
@@ -121,7 +121,7 @@ def test_best_toml_is_the_given_job_when_no_trial_beat_it(tiny_data, tmp_path, m
     sets = [f"data.train.paths=['{tiny_data / 'train'}']", f"data.eval.paths=['{tiny_data / 'eval'}']"]
     out = tmp_path / "tuned"
     summary = tune(TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=sets, trials=3, seed=0,
-                               pruner="none", progress=False), log=lambda _: None)
+                               pruner="none", cv="off", progress=False), log=lambda _: None)
     assert summary["complete"] == 3 and summary["best"]["number"] == 0 and summary["best"]["given"]
     text = (out / "best.toml").read_text()
     assert "the job as given" in text

@@ -58,6 +58,14 @@ def describe(t, metric: str) -> str:
     seconds = f" in {t.duration.total_seconds():.1f} s" if t.duration is not None else ""
     state = t.state.name.lower()
     given = " (the job as given)" if attrs.get("given") else ""
+    cv = attrs.get("cv")
+    if cv and state == "complete":
+        return (f"trial {t.number}{given} complete: validation {metric} {t.value:.5f} ± {_num(cv.get('std'))} "
+                f"(mean ± std over {cv['folds']} folds, stderr {_num(cv.get('stderr'))}; best epochs "
+                f"{_epochs(cv['best_epochs'])}: best.toml trains {cv.get('epochs')}){seconds}")
+    if cv and state == "pruned":
+        return (f"trial {t.number}{given} pruned after fold {cv['done']} of {cv['folds']}: validation {metric} "
+                f"{cv['mean']:.5f} (running mean){seconds}")
     if state == "complete":
         return (f"trial {t.number}{given} complete: validation {metric} {t.value:.5f} (best at step {attrs.get('best_step')}"
                 f" of {attrs.get('steps')}, {attrs.get('evaluations')} evaluations){seconds}")
@@ -66,6 +74,20 @@ def describe(t, metric: str) -> str:
         return (f"trial {t.number}{given} pruned at evaluation {attrs.get('evaluations')} (step {attrs.get('steps')}): "
                 f"validation {metric} {last:.5f}{seconds}")
     return f"trial {t.number}{given} {state}: {attrs.get('error', 'interrupted')}{seconds}"
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.5f}"
+
+
+def _epochs(values) -> str:
+    return "[" + ", ".join(f"{v:g}" if float(v).is_integer() else f"{v:.2f}" for v in values) + "]"
+
+
+def cv_summary(t) -> dict | None:
+    """A trial's cross-validation (``recsys.tune.run._cross_validate``): its folds' values, mean,
+    std (over folds, n - 1), stderr (std / sqrt(folds)), best epochs and the epochs chosen."""
+    return t.user_attrs.get("cv")
 
 
 def write_outputs(ctx, log=print) -> dict:
@@ -77,21 +99,25 @@ def write_outputs(ctx, log=print) -> dict:
     names = [p.name for p in ctx.space.params]
     names += sorted({n for t in trials for n in t.params} - set(names))  # a space changed between runs
     rows = [_row(t, names) for t in trials]
-    header = ["number", "state", "value", "best_step", "steps", "evaluations", "seconds", *names, "run_dir", "error"]
+    header = ["number", "state", "value", "std", "stderr", "folds", "epochs", "best_step", "steps", "evaluations",
+              "seconds", *names, "run_dir", "error"]
     _atomic(out / "trials.csv", lambda fh: _csv(fh, header, rows))
     files = [out / "trials.csv"]
     counts = {s: sum(r["state"] == s for r in rows) for s in ("complete", "pruned", "fail", "running")}
     log(f"study {ctx.study.study_name!r}: {len(rows)} trial(s): " + ", ".join(f"{n} {s}" for s, n in counts.items()
                                                                               if n))
     if rows:
-        log(format_table(rows, ["number", "state", "value", "steps", "seconds", *names]))
+        shown = ["std", "epochs"] if getattr(ctx, "folds", 0) else ["steps"]
+        log(format_table(rows, ["number", "state", "value", *shown, "seconds", *names]))
     best = best_trial(ctx.study)
-    summary = {"study": ctx.study.study_name, "metric": ctx.metric, "trials": len(rows), **counts, "best": None}
+    summary = {"study": ctx.study.study_name, "metric": ctx.metric, "cv_folds": getattr(ctx, "folds", 0),
+               "trials": len(rows), **counts, "best": None}
     if best is not None:
         path = write_best(ctx, best, out / "best.toml")
         files.append(path)
         summary["best"] = {"number": best.number, "value": best.value, "params": best.params,
-                           "run_dir": best.user_attrs.get("run_dir"), "given": bool(best.user_attrs.get("given"))}
+                           "run_dir": best.user_attrs.get("run_dir"), "given": bool(best.user_attrs.get("given")),
+                           "cv": cv_summary(best)}
         log(f"best: trial {best.number}, validation {ctx.metric} {best.value:.5f}; "
             f"train it: recsys train --config {path}")
     files += write_plots(ctx.study, out, log, f"validation {ctx.metric}")
@@ -117,8 +143,12 @@ def write_best(ctx, best, path: Path) -> Path:
     shown = ", ".join(f"{k} = {v}" for k, v in best.params.items())
     if best.user_attrs.get("given"):  # nothing beat it: the job as given
         shown = "nothing: the job as given (no trial did better on validation)"
+    cv = cv_summary(best)
+    where = (f"mean over {cv['folds']} folds, std {_num(cv.get('std'))}; it trains on every training row for "
+             f"{cv.get('epochs')} epochs, the folds' mean best epochs {_epochs(cv['best_epochs'])} rounded, with no "
+             "validation split" if cv else f"its best checkpoint: step {best.user_attrs.get('best_step')}")
     head = (f"# recsys tune: the best trial of study {ctx.study.study_name!r}: trial {best.number}, validation "
-            f"{ctx.metric} {best.value:.6f} (its best checkpoint: step {best.user_attrs.get('best_step')})\n"
+            f"{ctx.metric} {best.value:.6f} ({where})\n"
             f"# its run: {best.user_attrs.get('run_dir')}; tuned: {shown}\n"
             f"{note}# train it: recsys train --config {path}\n")
     _atomic(path, lambda fh: fh.write(head + text))
@@ -178,7 +208,10 @@ def _row(t, names: list[str]) -> dict:
     value = t.value
     if t.state.name == "PRUNED" and t.intermediate_values:  # its last evaluation
         value = t.intermediate_values[max(t.intermediate_values)]
-    return {"number": t.number, "state": t.state.name.lower(), "value": value, "best_step": attrs.get("best_step"),
+    cv = attrs.get("cv") or {}
+    return {"number": t.number, "state": t.state.name.lower(), "value": value, "std": cv.get("std"),
+            "stderr": cv.get("stderr"), "folds": cv.get("done"), "epochs": cv.get("epochs"),
+            "best_step": attrs.get("best_step"),
             "steps": attrs.get("steps"), "evaluations": attrs.get("evaluations"),
             "seconds": round(t.duration.total_seconds(), 1) if t.duration is not None else None,
             **{n: t.params.get(n) for n in names}, "run_dir": attrs.get("run_dir"), "error": attrs.get("error")}

@@ -14,6 +14,13 @@ journal on Redis (``redis://``), or a database (``sqlite:///``, ``postgresql://`
 same command again continues it; several machines with the same ``--storage`` share it.
 ``--jobs K`` runs K worker processes on this machine, each taking its share of ``--trials``.
 Ctrl-C: the running trials end as failed, the study is kept, and the outputs are written.
+
+With ``--cv K`` (``auto``: ``CV_FOLDS`` folds when the validation split is under
+``CV_BELOW_ROWS`` rows) a trial trains the job once per fold (``DIR/trials/<number>/fold-<j>``:
+fold j validates on the j-th slice of the training row groups, ``data.train.holdout_fold``,
+and trains on the rest); its value is the folds' mean, the pruner sees the running mean after
+each fold, and the trial's job (``best.toml``) trains on every training row for the folds'
+mean best epoch count, with no validation split.
 """
 
 from __future__ import annotations
@@ -39,6 +46,29 @@ WORKER_ENV = "RECSYS_TUNE_WORKER"
 """Set for the workers of ``--jobs K``: their index."""
 MAX_FAILURES_IN_ROW = 3
 """A worker stops after this many trials in a row failed (a broken job, not an unlucky draw)."""
+CV_FOLDS = 5
+"""Folds of ``--cv auto``."""
+CV_BELOW_ROWS = 20_000
+"""``--cv auto`` cross-validates when the validation split has fewer rows than this."""
+PRUNERS = ("median", "hyperband", "halving", "none")
+REDUCTION_FACTOR = 3
+"""Successive halving's and Hyperband's: a third of the trials at an evaluation go on."""
+AUTO_JOBS_MAX = 8
+"""``--jobs auto``: one trial per core, at most this many (the sampler learns less from
+trials that run at once)."""
+
+
+def host_cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def auto_jobs() -> int:
+    """``--jobs auto``: trials at once on this host, each with ``host_cores() // jobs`` threads."""
+    return max(1, min(host_cores(), AUTO_JOBS_MAX))
 
 
 @dataclass
@@ -59,6 +89,9 @@ class TuneOptions:
     study: str = ""
     """Study name (default: the job's name)."""
     pruner: str = "median"
+    """One of ``PRUNERS`` (``make_pruner``)."""
+    cv: str = "auto"
+    """"auto", "off" or a number of folds K >= 2 (``resolve_folds``)."""
     prune_startup: int = 3
     """Completed trials before the pruner prunes anything."""
     prune_warmup: int = 1
@@ -86,6 +119,10 @@ class Context:
     run_id: str
     chosen: dict = dataclasses.field(default_factory=dict)
     """What tune supplied because the job did not say (``early_stopping_defaults``)."""
+    folds: int = 0
+    """Cross-validation folds of each trial (0: the job's own validation split)."""
+    validation_rows: int | None = None
+    """Rows of the job's own validation split (when it is carved from the training files)."""
 
 
 def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
@@ -98,8 +135,8 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
 
     if opts.trials < 0 or opts.jobs < 1 or opts.timeout_s < 0:
         raise UserError("tune: --trials must be >= 0, --jobs >= 1 and --timeout >= 0")
-    if opts.pruner not in ("median", "none"):
-        raise UserError(f"tune: --pruner must be median or none, found {opts.pruner!r}")
+    if opts.pruner not in PRUNERS:
+        raise UserError(f"tune: --pruner must be one of {', '.join(PRUNERS)}, found {opts.pruner!r}")
     base = apply_overrides(read_toml(opts.config), list(opts.sets), JobConfig)
     base, chosen = early_stopping_defaults(base)  # what the job and --set say win
     job = from_dict(JobConfig, base, str(opts.config))
@@ -109,14 +146,14 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
 
         preflight(job, None, Path(opts.out))
     space = load_space(opts.space, base)
+    folds, rows = resolve_folds(opts.cv, job)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines say what happened
     storage = open_storage(opts.storage, Path(opts.out))
     direction = "maximize" if metric == "auc" else "minimize"
     name = opts.study or job.name
     sampler = optuna.samplers.TPESampler(seed=None if opts.seed is None else opts.seed
                                          + int(os.environ.get(WORKER_ENV, "0")))
-    pruner = (optuna.pruners.MedianPruner(n_startup_trials=opts.prune_startup, n_warmup_steps=opts.prune_warmup + 1)
-              if opts.pruner == "median" else optuna.pruners.NopPruner())
+    pruner = make_pruner(opts, job, folds)
     try:
         study = optuna.create_study(storage=storage, sampler=sampler, pruner=pruner, study_name=name,
                                     direction=direction, load_if_exists=True)
@@ -128,7 +165,88 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
                         f"this job's train.eval.keep_best is {metric!r}: give another --study")
     if known is None:
         study.set_user_attr("metric", metric)
-    return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12], chosen)
+    scored = study.user_attrs.get("cv_folds")
+    if scored is None and not study.trials:
+        study.set_user_attr("cv_folds", folds)
+    elif (scored or 0) != folds:  # a study without the attribute predates --cv: one validation split
+        raise UserError(f"tune: study {name!r} in {_where(opts)} scores trials "
+                        f"{f'over {scored} folds' if scored else 'on one validation split'}, this command "
+                        f"{f'over {folds} folds' if folds else 'on one validation split'} (--cv {opts.cv}): "
+                        "give the same --cv or another --study")
+    return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12], chosen, folds, rows)
+
+
+def resolve_folds(cv: str, job) -> tuple[int, int | None]:
+    """Return the folds ``--cv`` gives the job (0: none) and the rows of the job's own
+    validation split when it is carved from the training files (None otherwise). ``auto``:
+    ``CV_FOLDS`` when that split has fewer than ``CV_BELOW_ROWS`` rows and the training
+    files have row groups enough; a separate validation split (``data.validation.paths``)
+    is never cross-validated."""
+    from recsys.io.units import build_units, expand_paths, hold_out
+
+    cv = str(cv).strip().lower()
+    if cv == "off":
+        return 0, None
+    if cv != "auto" and not (cv.isdigit() and int(cv) >= 2):
+        raise UserError(f"tune: --cv must be auto, off or a number of folds >= 2, found {cv!r}")
+    data = job.data
+    carved = bool(job.train.eval.validation_fraction) and not data.validation.paths and not data.train.holdout_fraction
+    if not carved:
+        if cv == "auto":
+            return 0, None
+        raise UserError(f"tune: --cv {cv} carves its folds out of the training files: the job's validation split "
+                        "must be train.eval.validation_fraction (not data.validation.paths or "
+                        "data.train.holdout_fraction)")
+    try:
+        table = build_units(expand_paths(data.train.paths), job.schema, [], data.train.on_bad_file)
+        held, _ = hold_out(table, job.train.eval.validation_fraction, data.train.holdout_seed, "only",
+                           data.train.holdout_fold)
+    except Exception as exc:  # noqa: BLE001 - the reader's own errors name the file
+        raise UserError(f"tune: cannot read the training files' row groups: {user_message(exc) or exc}") from None
+    rows = int(held.unit_rows.sum())
+    k = CV_FOLDS if cv == "auto" else int(cv)
+    if cv == "auto" and (rows >= CV_BELOW_ROWS or table.num_units < k):
+        return 0, rows
+    if table.num_units < k:
+        raise UserError(f"tune: --cv {k} needs at least {k} training row groups (whole row groups are held out), "
+                        f"the training files have {table.num_units}")
+    return k, rows
+
+
+def fold_sets(j: int, k: int) -> list[str]:
+    """The ``--set``s of fold ``j`` of ``k``: validate on the j-th k-th of the training row groups."""
+    return [f"{key}={value!r}" for key, value in fold_values(j, k).items()]
+
+
+def fold_values(j: int, k: int) -> dict:
+    return {"train.eval.validation_fraction": 1.0 / k, "data.train.holdout_fold": j}
+
+
+def make_pruner(opts: TuneOptions, job, folds: int):
+    """The study's pruner. Its steps are a trial's validation evaluations (1, 2, ...), or with
+    ``folds`` its folds (the running mean after each). ``median``: below the median of earlier
+    trials at the same step, after ``--prune-startup`` complete trials; ``halving``
+    (asynchronous successive halving) and ``hyperband`` (several halving brackets, each
+    trial in one): at steps m, 3m, 9m... (m = ``--prune-warmup`` + 1) a trial goes on only
+    if it is in the top third of the trials that reached that step."""
+    import optuna
+
+    if opts.pruner == "none":
+        return optuna.pruners.NopPruner()
+    if opts.pruner == "median":
+        return optuna.pruners.MedianPruner(n_startup_trials=opts.prune_startup, n_warmup_steps=opts.prune_warmup + 1)
+    tc = job.train
+    if folds:
+        most = folds
+    elif tc.eval.every_epochs and not tc.max_steps and tc.epochs >= tc.eval.every_epochs:
+        most = tc.epochs // tc.eval.every_epochs
+    else:
+        most = None  # Optuna's "auto": the first complete trial's evaluations
+    least = opts.prune_warmup + 1 if most is None else min(opts.prune_warmup + 1, most)
+    if opts.pruner == "halving":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=least, reduction_factor=REDUCTION_FACTOR)
+    return optuna.pruners.HyperbandPruner(min_resource=least, max_resource=most or "auto",
+                                          reduction_factor=REDUCTION_FACTOR)
 
 
 def check_job(job, where) -> str:
@@ -218,6 +336,8 @@ def objective(ctx: Context, trial) -> float:
         # the job this trial trains, as `best.toml` gives it (without a password: ``dumps``):
         # a study continued with other --set's builds its later trials from another base
         trial.set_user_attr("job", dumps(ctx.space.job(values, f"trial {trial.number}")))
+        if ctx.folds:
+            return _cross_validate(ctx, trial, values, run_dir)
         result, evaluations = _train(ctx, trial, values, run_dir)
     except KeyboardInterrupt:
         trial.set_user_attr("error", "interrupted")
@@ -243,14 +363,88 @@ def objective(ctx: Context, trial) -> float:
     return float(best["value"])
 
 
-def _train(ctx: Context, trial, values: dict, run_dir: Path) -> tuple[dict, int]:
-    """Run the trial's training in this process (as ``python -m recsys.train`` does)."""
+def _cross_validate(ctx: Context, trial, values: dict, run_dir: Path) -> float:
+    """Train the trial's job once per fold; report the running mean of the folds' best
+    validation metric after each (the pruner's step: the fold's number, 1..k); return the
+    mean. The trial's ``job`` becomes the one ``best.toml`` gives: every training row, the
+    folds' mean best epoch count (rounded, at least 1), no validation split."""
+    import math
+    import statistics
+
+    import optuna
+
+    from recsys.config import dumps
+
+    k, scores, epochs = ctx.folds, [], []
+
+    def record(done: int) -> None:
+        std = statistics.stdev(scores) if len(scores) > 1 else None
+        cv = {"folds": k, "done": done, "values": scores, "mean": statistics.fmean(scores), "std": std,
+              "stderr": std / math.sqrt(len(scores)) if std is not None else None, "best_epochs": epochs}
+        if epochs:
+            cv["epochs"] = max(1, round(statistics.fmean(epochs)))
+        trial.set_user_attr("cv", cv)
+
+    for j in range(k):
+        result, _ = _train(ctx, trial, values, run_dir / f"fold-{j}", fold=j)
+        best = result.get("best")
+        if best is None:
+            raise UserError(f"trial {trial.number} fold {j}: the run made no validation evaluation of {ctx.metric} "
+                            "(train.eval.every / every_epochs beyond its steps?)")
+        scores.append(float(best["value"]))
+        epochs.append(float(result.get("best_epochs") or max(1, result.get("epoch") or 1)))
+        record(j + 1)
+        trial.report(statistics.fmean(scores), j + 1)
+        if j + 1 < k and trial.should_prune():
+            raise optuna.TrialPruned(f"pruned after fold {j + 1} of {k}")
+    cv = trial.user_attrs["cv"]
+    retrain = {**values, **all_rows_values(cv["epochs"])}
+    trial.set_user_attr("job", dumps(ctx.space.job(retrain, f"trial {trial.number}")))
+    return cv["mean"]
+
+
+def all_rows_values(epochs: int) -> dict:
+    """The keys that make a trial's job train on every training row for ``epochs`` epochs:
+    no validation split, so no periodic evaluation, best checkpoint or early stopping (they
+    would read the eval split)."""
+    return {"train.eval.validation_fraction": 0.0, "data.train.holdout_fold": 0, "train.epochs": epochs,
+            "train.max_steps": 0, "train.eval.every": 0, "train.eval.every_epochs": 0,
+            "train.eval.keep_best": "", "train.eval.early_stopping_patience": 0}
+
+
+def epochs_at(run_dir: Path, step: int) -> float | None:
+    """The epochs a run had trained at ``step`` (a fraction within an epoch), from its
+    ``epoch_end`` events; None without them."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None
+    ends = []
+    for line in path.read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "epoch_end":
+            ends.append(int(rec["step"]))
+    if not ends:
+        return None
+    done = sum(e <= step for e in ends)
+    if done and ends[done - 1] == step:
+        return float(done)
+    start = ends[done - 1] if done else 0
+    length = (ends[done] - start) if done < len(ends) else ends[0]
+    return done + (step - start) / max(1, length)
+
+
+def _train(ctx: Context, trial, values: dict, run_dir: Path, fold: int | None = None) -> tuple[dict, int]:
+    """Run the trial's training in this process (as ``python -m recsys.train`` does). With
+    ``fold``: that fold's training, its evaluations not reported (``_cross_validate`` reports
+    the folds' running mean)."""
     from recsys.config import write_resolved
     from recsys.train.loop import Trainer, setup_env
 
     trial_only = {"train.progress": "none", "publish.redis": ""}  # no bar per trial; no live pushes
+    if fold is not None:
+        trial_only.update(fold_values(fold, ctx.folds))
     if ctx.opts.jobs > 1 and not ctx.space.job(values, "").train.runtime.threads:
-        trial_only["train.runtime.threads"] = max(1, (os.cpu_count() or 1) // ctx.opts.jobs)
+        trial_only["train.runtime.threads"] = max(1, host_cores() // ctx.opts.jobs)
     job = ctx.space.job({**values, **trial_only}, f"trial {trial.number}")
     env = setup_env(job.train.device, job.train.runtime.collective_timeout_s)
     write_resolved(job, run_dir)
@@ -260,7 +454,7 @@ def _train(ctx: Context, trial, values: dict, run_dir: Path) -> tuple[dict, int]
     def report(step: int, result: dict) -> bool:
         nonlocal evaluations
         evaluations += 1
-        if ctx.metric not in result:
+        if ctx.metric not in result or fold is not None:
             return False
         trial.report(float(result[ctx.metric]), evaluations)
         return trial.should_prune()
@@ -270,6 +464,8 @@ def _train(ctx: Context, trial, values: dict, run_dir: Path) -> tuple[dict, int]
         result = trainer.train()
     finally:
         trainer.close()
+    if result.get("best") is not None:
+        result["best_epochs"] = epochs_at(run_dir, result["best"]["step"])
     (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
     if result.get("stopped") == "SIGTERM":  # asked to stop: the trial is interrupted, not finished
         raise KeyboardInterrupt
@@ -376,6 +572,7 @@ def tune(opts: TuneOptions, log=print) -> dict:
     given = enqueue_given(ctx) if opts.given_first and opts.trials else None
     log(f"study {ctx.study.study_name!r} in {_where(opts)}: {before} earlier trial(s); running {opts.trials} more "
         f"({opts.jobs} at a time); objective: validation {ctx.metric} ({ctx.study.direction.name.lower()})")
+    log(describe_folds(ctx))
     if given is not None:
         log(f"trial {given} trains the job as given: the one to beat")
     bar = report.ProgressBar(ctx, opts.trials, enabled=opts.progress, log=log)
@@ -401,6 +598,23 @@ def tune(opts: TuneOptions, log=print) -> dict:
     if error is not None:
         raise error
     return summary
+
+
+def describe_folds(ctx: Context) -> str:
+    """One line: how trials are scored (``--cv``) and why."""
+    rows = f"{ctx.validation_rows:,} rows" if ctx.validation_rows is not None else None
+    if ctx.folds:
+        why = (f"the validation split has {rows}, under {CV_BELOW_ROWS:,} (--cv auto)" if ctx.opts.cv == "auto"
+               else f"--cv {ctx.opts.cv}")
+        return (f"cross-validation: each trial trains {ctx.folds} times, fold j validating on the j-th of "
+                f"{ctx.folds} slices of the training row groups ({why}); its value is the folds' mean, best.toml trains "
+                "on every training row for the folds' mean best epochs (--cv off: one validation split)")
+    if ctx.opts.cv == "auto" and rows is not None and ctx.validation_rows < CV_BELOW_ROWS:
+        return f"one validation split ({rows}): too few training row groups for {CV_FOLDS} folds"
+    why = f"{rows}, --cv auto cross-validates under {CV_BELOW_ROWS:,}" if rows is not None else None
+    if ctx.opts.cv == "off":
+        why = "--cv off"
+    return "one validation split" + (f" ({why})" if why else " (the job's own validation files)")
 
 
 def _interrupt(signum, frame) -> None:
