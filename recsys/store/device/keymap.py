@@ -78,6 +78,8 @@ __all__ = ["DeviceSparse", "fmix64_torch", "init_rows_torch", "WAYS"]
 
 WAYS = 16
 """Ways of a bucket (cells a key may sit in: two buckets of ``WAYS``)."""
+_STRIDE = WAYS + 1
+"""Cells per bucket: its ways and a dead cell (where a key that found no free way goes)."""
 LOAD = 0.5
 """The index's largest load (held keys per cell)."""
 _MIN = -(1 << 63)
@@ -94,14 +96,15 @@ def _signed(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
+def _xorshift33(x: torch.Tensor) -> torch.Tensor:
+    """``x ^ (x >>> 33)`` on int64 holding uint64 bits (the logical shift by masking)."""
+    return x ^ ((x >> 33) & _M31)
+
+
 def fmix64_torch(x: torch.Tensor) -> torch.Tensor:
     """murmur3's fmix64 on int64 tensors holding uint64 bits (logical shifts by masking;
     int64 multiplication wraps)."""
-    x = x ^ ((x >> 33) & _M31)
-    x = x * _C1
-    x = x ^ ((x >> 33) & _M31)
-    x = x * _C2
-    return x ^ ((x >> 33) & _M31)
+    return _xorshift33(_xorshift33(_xorshift33(x) * _C1) * _C2)
 
 
 _GOLD_CACHE: dict = {}
@@ -115,13 +118,21 @@ def _gold(dim: int, device) -> torch.Tensor:
     return _GOLD_CACHE[k]
 
 
+def _odd_from_base(base: torch.Tensor, dim: int) -> torch.Tensor:
+    """Return int64 [.., dim]: ``2k + 1 - 2^24`` for ``k = fmix64(base + gold(d)) >>> 40``.
+
+    fmix64's last step (``h ^ (h >>> 33)``) leaves bits 33..63 as they are, so it is skipped;
+    with the top bit flipped, the arithmetic shift gives ``k - 2^23`` signed, and
+    ``((y ^ MIN) >> 39) | 1`` is ``2 (k - 2^23) + 1``."""
+    y = _xorshift33(_xorshift33(base.unsqueeze(-1) + _gold(dim, base.device)) * _C1) * _C2
+    return ((y ^ _MIN) >> 39) | 1
+
+
 def _rows_from_base(base: torch.Tensor, dim: int, bound: float) -> torch.Tensor:
     """``recsys.store.tables.initial``'s element formula from each key's base hash."""
-    h = fmix64_torch(base.unsqueeze(1) + _gold(dim, base.device))
-    # 2k with k = h >>> 40 (24 bits); then 2k + 1 - 2^24 exactly, and one float64 product:
-    # bound · ((2k+1)/2^24 - 1) rounds the same real number (a power of two scales exactly)
-    v = ((h >> 39) & 0x1FFFFFE) + (1 - (1 << 24))
-    return (v.to(torch.float64) * (bound / 16777216.0)).to(torch.float32)
+    # bound · ((2k+1)/2^24 - 1) = (2k + 1 - 2^24) · (bound / 2^24): one float64 product of an
+    # exact integer (a power of two scales exactly), rounded once to float32
+    return (_odd_from_base(base, dim).to(torch.float64) * (bound / 16777216.0)).to(torch.float32)
 
 
 def init_rows_torch(keys: torch.Tensor, dim: int, table: str, seed: int, bound: float) -> torch.Tensor:
@@ -134,7 +145,8 @@ def init_rows_torch(keys: torch.Tensor, dim: int, table: str, seed: int, bound: 
 @dataclass
 class _Step:
     step: int
-    rows: torch.Tensor  # the leaf [N, D]
+    rows: torch.Tensor  # the leaf [N, D] (a view of ``ext``)
+    ext: torch.Tensor  # the arena rows of the step [N, D + float state]
     upd: torch.Tensor  # cell of each sorted entry to update (X: none)
     held_t: torch.Tensor  # rows updated per table
 
@@ -171,38 +183,58 @@ class DeviceSparse:
         self.features = list(features)
         self.F = len(features)
         self._feat_table = torch.tensor([tix[t] for _, t, _ in features], dtype=torch.int64)
-        self._feat_mean = torch.tensor([p == "mean" for _, _, p in features], dtype=torch.bool)
+        self._feat_mean = torch.tensor([p == "mean" for _, _, p in features], dtype=torch.float32)
         self._any_mean = bool(self._feat_mean.any())
         self.NB = max(1, math.ceil(S / (LOAD * WAYS)))
-        self.X = X = self.NB * WAYS
+        self.X = X = self.NB * _STRIDE
         dev = self.device
-        self.index = torch.zeros((X + 1, 2), dtype=torch.int64, device=dev)
+        # the index: every bucket's W ways and its dead cell, the scratch cell X, then W - 1
+        # rows that only the free-way gather of the entries without a bucket (X + way) reads
+        self.index = torch.zeros((X + WAYS, 2), dtype=torch.int64, device=dev)
         self.index[:, 1] = -1
         self.last_step = torch.zeros(X + 1, dtype=torch.int64, device=dev)
-        self.w = torch.zeros((X + 1, D), dtype=torch.float32, device=dev)
+        self.last_step[WAYS:X:_STRIDE] = _MIN  # dead cells: a step written there marks a failed insert
         self._columns = optim.state_columns(cfg.optimizer)
-        self.state = {c.name: torch.zeros((X + 1, D) if c.per_dim else (X + 1,),
-                                          dtype=torch.float32 if c.dtype == np.float32 else torch.int64, device=dev)
-                      for c in self._columns}
         self._state_init = {c.name: optim.initial_state_value(cfg, c) for c in self._columns}
+        # the arena: each cell's row and its float32 state columns side by side (one gather, one
+        # write per step); int64 state columns apart
+        width, views = D, {}
+        for c in self._columns:
+            if c.dtype == np.float32:
+                views[c.name] = (width, c.per_dim)
+                width += D if c.per_dim else 1
+        self._width = width
+        self.arena = torch.zeros((X + 1, width), dtype=torch.float32, device=dev)
+        self.w = self.arena[:, :D]
+        self.state = {}
+        self._int_state = []
+        for c in self._columns:
+            if c.name in views:
+                o, per_dim = views[c.name]
+                self.state[c.name] = self.arena[:, o:o + D] if per_dim else self.arena[:, o]
+            else:
+                self.state[c.name] = torch.zeros((X + 1, D) if c.per_dim else (X + 1,), dtype=torch.int64,
+                                                 device=dev)
+                self._int_state.append(c.name)
+        self._views = views
         self.order = torch.full((S + 1,), X, dtype=torch.int64, device=dev)
         self.acc = torch.zeros((T, len(_ACC)), dtype=torch.int64, device=dev)
-        self._placed = torch.zeros((), dtype=torch.int64, device=dev)
         self._bound = float(cfg.init_bound(D))
+        self._scale = torch.tensor(self._bound / 16777216.0, dtype=torch.float64, device=dev)
         self._salt = torch.tensor([_signed(init_salt(n, cfg.seed)) ^ _MIN for n in self.names], dtype=torch.int64,
                                   device=dev)
         self._arW = torch.arange(WAYS, dtype=torch.int64, device=dev)
         self._arT1 = torch.arange(T + 1, dtype=torch.int64, device=dev)
+        self._shifts = torch.tensor([0, 32], dtype=torch.int64, device=dev)
+        self._tf = torch.tensor([True, False], device=dev)
         seg = torch.repeat_interleave(torch.arange(T), torch.tensor(self.caps))
         self._seg = seg.to(dev)
         self._static_T = torch.tensor([[self.offs[t], self.caps[t], 1] for t in range(T)], dtype=torch.float64,
                                       device=dev)
         self._M1, self._M2 = self._matrices()
-        self._zero2 = torch.zeros((1, 2), dtype=torch.int64, device=dev)
-        self._true1 = torch.ones(1, dtype=torch.bool, device=dev)
         self._ar = torch.arange(0, dtype=torch.int64, device=dev)
-        self._k = {v: torch.tensor(v, dtype=torch.int64, device=dev) for v in (0, -1, X, S)}
-        self._one = torch.tensor(1.0, dtype=torch.float32, device=dev)
+        self._bufs_n = -1
+        self._k = {v: torch.tensor(v, dtype=torch.int64, device=dev) for v in (0, -1, X, S, 2 * S)}
         self._bags: dict[int, tuple] = {}
         self._step: int | None = None
         self._pending: _Step | None = None
@@ -216,44 +248,67 @@ class DeviceSparse:
     def _matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-table arithmetic as two integer matrices (used in float64, exact).
 
-        X1 columns: n, hits, new, found_base, new_base, off, C, 1 -> L1: f, avail, n - hits.
-        X2 = X1 | L1 | ins, e, ub -> L2: avail, off + kept, found_base, new_base | ub - (n - hits),
-        e, off - 1 - e | hits, new, ins, e, ins - e (the accumulators' increments)."""
-        n, hits, new, fb, nb, off, C, one = range(8)
-        M1 = np.zeros((8, 3))
-        M1[C, 0], M1[n, 0] = 1, -1  # f = C - n
-        M1[C, 1], M1[hits, 1] = 1, -1  # avail = C - hits
-        M1[n, 2], M1[hits, 2] = 1, -1  # n - hits
-        f, avail, nh, ins, e, ub = range(8, 14)
-        M2 = np.zeros((14, 14))
+        X1 columns: n (rows held), hits and new keys counted to the table's end, found_base,
+        new_base (counted before its start), off, C, 1 -> L1: m - f, m, 0, 0, n - h, avail
+        (h hits, m new keys, f = C - n free rows, avail = C - h); clamp(L1[0:2], L1[2:4],
+        L1[4:6]) = e, ins. X2 = X1 | L1 | e, ins | ub (n - h summed over the tables up to this
+        one) -> L2: avail + new_base, off + kept - found_base - new_base (kept = n - h - e) |
+        ub - (n - h) + e, S + off - 1, off + C - 1 | hits, new, ins, e, ins - e (the
+        accumulators' increments) | hits + new (rows updated)."""
+        S = self.S
+        n, he, me, fb, nb, off, C, one = range(8)
+        M1 = np.zeros((8, 6))
+        for j, col in enumerate([{me: 1, nb: -1, C: -1, n: 1}, {me: 1, nb: -1}, {}, {},
+                                 {n: 1, he: -1, fb: 1}, {C: 1, he: -1, fb: 1}]):
+            for i, v in col.items():
+                M1[i, j] = v
+        mf, m, _, _, nh, avail, e, ins, ub = range(8, 17)
         cols = [
-            {avail: 1},  # 0 avail
-            {off: 1, n: 1, hits: -1, e: -1},  # 1 off + kept (kept = n - hits - e)
-            {fb: 1},  # 2
-            {nb: 1},  # 3
-            {ub: 1, nh: -1},  # 4 untouched before this table's block
-            {e: 1},  # 5
-            {off: 1, one: -1, e: -1},  # 6
-            {hits: 1}, {new: 1}, {ins: 1}, {e: 1}, {ins: 1, e: -1},  # 7..11 increments
+            {avail: 1, nb: 1},  # 0 A: a new key is inserted while its rank + new_base < A
+            {off: 1, nh: 1, e: -1, fb: -1, nb: -1},  # 1 P: order position = found + min(new, A) + P
+            {ub: 1, nh: -1, e: 1},  # 2 Q: untouched rank - Q = d (evicted while d <= 0)
+            {off: 1, one: S - 1},  # 3 kept at S + off - 1 + d
+            {off: 1, C: 1, one: -1},  # 4 evicted at off + C - 1 + d
+            {he: 1, fb: -1}, {m: 1}, {ins: 1}, {e: 1}, {ins: 1, e: -1},  # 5..9 increments
+            {he: 1, fb: -1, m: 1},  # 10 rows updated
         ]
+        M2 = np.zeros((17, len(cols)))
         for j, col in enumerate(cols):
             for i, v in col.items():
                 M2[i, j] = v
         dev = self.device
-        return (torch.tensor(M1, dtype=torch.float64, device=dev),
-                torch.tensor(M2[:, :len(cols)], dtype=torch.float64, device=dev))
+        return torch.tensor(M1, dtype=torch.float64, device=dev), torch.tensor(M2, dtype=torch.float64, device=dev)
 
     def _arange(self, n: int) -> torch.Tensor:
         if self._ar.shape[0] < n:
             self._ar = torch.arange(max(n, 2 * self._ar.shape[0]), dtype=torch.int64, device=self.device)
         return self._ar[:n]
 
+    def _buffers(self, n: int):
+        """Return the step's scratch (rebuilt when ``n`` outgrows them): (key and table of the
+        sorted entries after a row that matches none, counts before each sorted entry after a
+        zero row, hits' cells after the scratch cell, the new rows with their state's initial
+        values)."""
+        if self._bufs_n < n:
+            m = max(n, 2 * self._bufs_n)
+            dev = self.device
+            kb = torch.zeros((m + 1, 2), dtype=torch.int64, device=dev)
+            kb[0, 1] = -2
+            hb = torch.full((m + 1,), self.X, dtype=torch.int64, device=dev)
+            ib = torch.zeros((m, self._width), dtype=torch.float32, device=dev)
+            for name, (o, per_dim) in self._views.items():
+                ib[:, o:o + (self.dim if per_dim else 1)] = self._state_init[name]
+            self._bufs = (kb, torch.zeros((m + 1, 2), dtype=torch.int64, device=dev), hb, ib)
+            self._bufs_n = m
+        kb, zb, hb, ib = self._bufs
+        return kb[:n + 1], zb[:n + 1], hb[:n + 1], ib[:n]
+
     def _bag_static(self, B: int):
         got = self._bags.get(B)
         if got is None:
             bag_table = self._feat_table.repeat_interleave(B).to(self.device)
             bag_mean = self._feat_mean.repeat_interleave(B).to(self.device)
-            got = self._bags[B] = (bag_table, bag_mean)
+            got = self._bags[B] = (bag_table, bag_mean, 1 - bag_mean)
             if len(self._bags) > 8:
                 self._bags.pop(next(iter(self._bags)))
         return got
@@ -261,12 +316,11 @@ class DeviceSparse:
     # ------------------------------------------------------------------ the step
 
     def _cells_of(self, kf: torch.Tensor, tid: torch.Tensor):
-        """Return (base hash, the cells of the two buckets [n, 2W], bucket·W of each [n, 2])."""
+        """Return (base hash, the cells of the two buckets [n, 2, W])."""
         base = fmix64_torch(kf ^ self._salt.index_select(0, tid))
-        # bucket = (32 hash bits) · NB >> 32: low bits for the first, high bits for the second
-        bw = ((torch.stack([base, base >> 32], 1) & _M32) * self.NB >> 32) * WAYS
-        cells = (bw.unsqueeze(2) + self._arW).view(-1, 2 * WAYS)
-        return base, cells, bw
+        # buckets: the hash and its high half (arithmetic shift) modulo NB
+        bk = torch.remainder(base.unsqueeze(1) >> self._shifts, self.NB)
+        return base, torch.add(self._arW, bk.unsqueeze(2), alpha=_STRIDE)
 
     def forward(self, keys: torch.Tensor, lengths: torch.Tensor, step: int,
                 weights: torch.Tensor | None = None) -> torch.Tensor:
@@ -276,19 +330,20 @@ class DeviceSparse:
         if self._step is not None and step <= self._step:
             raise ValueError(f"DeviceSparse: step {step} after step {self._step}; steps must increase")
         N, FB = int(keys.shape[0]), int(lengths.shape[0])
-        F, T, X, S, W = self.F, self.T, self.X, self.S, WAYS
+        F, X, S, W, D = self.F, self.X, self.S, WAYS, self.dim
         if F == 0 or FB % F:
             raise ValueError(f"lengths has {FB} entries, not a multiple of the {F} features")
         B = FB // F
         if N == 0:
             raise ValueError("DeviceSparse: a step without keys")
         evict_ops = self._may_evict(N)
-        bag_table, bag_mean = self._bag_static(B)
+        bag_table, bag_mean, bag_sum = self._bag_static(B)
         ar = self._arange(N)
+        kb, zb, hb, ib = self._buffers(N)
         k = self._k
         keys = keys.to(self.device)
-        lengths = lengths.to(self.device, torch.int64)
-        csum = torch.cumsum(lengths, 0)
+        lengths = lengths.to(self.device)
+        csum = torch.cumsum(lengths, 0)  # int64 whatever the lengths' integer type
         bag = torch.searchsorted(csum, ar, right=True)
         tid = bag_table.index_select(0, bag)
         offsets = csum - lengths
@@ -298,84 +353,82 @@ class DeviceSparse:
         st, p2 = torch.sort(tid.index_select(0, p1), stable=True)
         perm = p1.index_select(0, p2)
         sk = sk1.index_select(0, p2)
-        kt = torch.stack([sk, st], 1)
-        first = torch.cat([self._true1, (kt[1:] != kt[:-1]).any(1)])
+        kt = torch.stack([sk, st], 1, out=kb[1:])  # kb[0] matches no entry: the first is a first
+        first = (kt != kb[:-1]).any(1)
         rep = torch.where(first, ar, k[0]).cummax(0).values  # sorted position of each group's first
-        inv = torch.empty_like(ar).index_put_((perm,), rep)
+        inv = p1.index_put_((perm,), rep)  # p1 is spent: it holds each key's row
         # index lookup
-        base, cells, bw = self._cells_of(sk, st)
-        g = self.index[cells]  # [N, 2W, 2]
+        base, cells = self._cells_of(sk, st)
+        cells2 = cells.view(N, 2 * W)
+        g = self.index[cells2]  # [N, 2W, 2]
         match = (g == kt.unsqueeze(1)).all(2)
-        slot = torch.where(match, cells, k[-1]).amax(1)
-        found = slot >= 0
-        foundf = found & first
-        new = first & ~found
+        slot = torch.where(match, cells2, k[-1]).amax(1)
+        q = ((slot >= 0).unsqueeze(1) == self._tf) & first.unsqueeze(1)  # found first, new
+        foundf, new = q[:, 0], q[:, 1]
         # per-table counts and ranks (the sorted entries are grouped by table)
-        q = torch.stack([foundf, new], 1)
-        zq = torch.cat([self._zero2, q.cumsum(0)])  # zq[i]: counts before sorted position i
-        base_t = zq.index_select(0, torch.searchsorted(st, self._arT1))  # [T+1, 2]
-        cnt = base_t[1:] - base_t[:-1]
-        x1 = torch.cat([self.acc[:, 4:5], cnt, base_t[:-1]], 1).to(torch.float64)
-        x1 = torch.cat([x1, self._static_T], 1)
-        l1 = x1 @ self._M1  # f, avail, n - hits
-        ins_t = torch.minimum(x1[:, 2], l1[:, 1])
-        e_t = (ins_t - l1[:, 0]).clamp(min=0)
-        x2 = torch.cat([x1, l1, torch.stack([ins_t, e_t, l1[:, 2].cumsum(0)], 1)], 1)
+        zq = torch.cumsum(q, 0, dtype=torch.int64, out=zb[1:])  # zb[i]: counts before sorted position i
+        zq = zb[:-1]
+        base_t = zb.index_select(0, torch.searchsorted(st, self._arT1))  # [T+1, 2]
+        x1 = torch.cat([self.acc[:, 4:5], base_t[1:], base_t[:-1], self._static_T], 1)  # float64
+        l1 = x1 @ self._M1
+        ce = torch.clamp(l1[:, 0:2], l1[:, 2:4], l1[:, 4:6])  # e, ins
+        x2 = torch.cat([x1, l1, ce, l1[:, 4].cumsum(0).unsqueeze(1)], 1)
         l2 = (x2 @ self._M2).to(torch.int64)
-        pu = l2[:, 0:4].index_select(0, st)  # avail, off + kept, found base, new base
-        rk = zq[:-1] - pu[:, 2:4]  # rank among found / new keys of the entry's table
-        hm = torch.where(foundf, slot, k[X])
-        self.last_step.index_fill_(0, hm, step)
+        pu = l2[:, 0:2].index_select(0, st)  # A, P of the entry's table
+        torch.where(foundf, slot, k[X], out=hb[1:])  # hb[0] = X: the scratch cell is touched too
+        self.last_step.index_fill_(0, hb, step)
         if evict_ops:
-            self._compact(l2[:, 4:7], step)
-        self.acc[:, 0:5] += l2[:, 7:12]
-        ins = new & (rk[:, 1] < pu[:, 0])
+            self._compact(l2[:, 2:5], step)
+        self.acc[:, 0:5].add_(l2[:, 5:10])
+        ins = new & (zq[:, 1] < pu[:, 0])
         # new keys: the emptier bucket, the rank-th empty way among the step's new keys there
         empty = (g[:, :, 1] < 0).view(N, 2, W).sum(2)
-        cw = torch.where(empty[:, 1] > empty[:, 0], bw[:, 1], bw[:, 0])
-        sv, sp = torch.sort(torch.where(ins, cw, k[X]), stable=True)
-        grank = torch.empty_like(ar).index_put_((sp,), ar - torch.searchsorted(sv, sv))
-        free = self.index[:, 1][cw.unsqueeze(1) + self._arW] < 0
-        way = (free.cumsum(1) <= grank.unsqueeze(1)).sum(1)
-        place = ins & (way < W)
-        tgt = torch.where(place, cw + way, k[X])
-        self._placed += place.sum()
+        cw = torch.where(empty[:, 1] > empty[:, 0], cells[:, 1, 0], cells[:, 0, 0])
+        cwx = torch.where(ins, cw, k[X])
+        sv, sp = torch.sort(cwx, stable=True)
+        grank = sv.index_put_((sp,), ar - torch.searchsorted(sv, sv))  # sv is spent
+        free = self.index[:, 1][cwx.unsqueeze(1) + self._arW] < 0
+        way = torch.searchsorted(free.cumsum(1), grank.unsqueeze(1), right=True).view(N)
+        # way W (no free way) is the bucket's dead cell; entries without a bucket go to X
+        tgt = (cwx + way).clamp_(max=X)
         self.index.index_put_((tgt,), kt)
         self.last_step.index_fill_(0, tgt, step)
-        self.w.index_put_((tgt,), _rows_from_base(base, self.dim, self._bound))
-        for name, t in self.state.items():
-            t.index_fill_(0, tgt, self._state_init[name])
-        upd = torch.where(place, tgt, hm)
+        torch.mul(_odd_from_base(base, D), self._scale, out=ib[:, :D])  # the initial rows (float64 product)
+        self.arena.index_put_((tgt,), ib)
+        for name in self._int_state:
+            self.state[name].index_fill_(0, tgt, self._state_init[name])
+        upd = torch.where(foundf, slot, tgt)
         if evict_ops:  # append the step's keys (sorted by key) after the table's untouched ones
-            held = foundf | place
-            pos = torch.where(held, rk[:, 0] + torch.minimum(rk[:, 1], pu[:, 0]) + pu[:, 1], k[S])
-            self.order.index_put_((pos,), upd)
-        rows = self.w.index_select(0, upd).requires_grad_(True)
+            pos = torch.minimum(zq[:, 1], pu[:, 0]) + zq[:, 0] + pu[:, 1]
+            self.order.index_add_(0, pos, upd - k[X])  # the order holds X there; others add 0
+        ext = self.arena.index_select(0, upd)
+        rows = (ext[:, :D] if self._width > D else ext).requires_grad_(True)
         psw = weights.to(self.device, torch.float32) if weights is not None else None
         if self._any_mean:
-            scale = torch.where(bag_mean, 1.0 / lengths.clamp(min=1), self._one).index_select(0, bag)
+            scale = torch.addcdiv(bag_sum, bag_mean, lengths).index_select(0, bag)  # 1 / length or 1
             psw = scale if psw is None else psw * scale
         pooled = torch.nn.functional.embedding_bag(inv, rows, offsets, mode="sum", per_sample_weights=psw)
         self._step = step
-        self._pending = _Step(step, rows, upd, cnt.sum(1))
-        return pooled.view(F, B, self.dim).transpose(0, 1).reshape(B, F * self.dim)
+        self._pending = _Step(step, rows, ext, upd, l2[:, 10])
+        return pooled.view(F, B, D).transpose(0, 1).reshape(B, F * D)
 
     def _compact(self, ps: torch.Tensor, step: int) -> None:
         """Drop touched and evicted entries from every table's order block (cumsum
-        compaction); evicted cells leave the index. ``ps`` [T, 3]: untouched entries
-        before the table's block, evictions, off - 1 - evictions."""
-        S, X = self.S, self.X
+        compaction); evicted cells leave the index. ``ps`` [T, 3]: Q (an untouched entry is
+        evicted while its rank among the untouched entries to its block's end, less Q, is at
+        most 0), S + off - 1 and off + C - 1. The scatter's target holds two halves: the
+        evicted cells land at the end of their table's block in the first, the kept ones at
+        its start in the second (the new order)."""
+        S = self.S
         order = self.order[:S]
         p = ps.index_select(0, self._seg)
-        unt = (self.last_step.index_select(0, order) != step) & (order != X)
-        r1 = unt.cumsum(0) - p[:, 0]  # 1-based rank among the block's untouched entries
-        ev = unt & (r1 <= p[:, 1])
-        keep = unt ^ ev
-        new_order = torch.full_like(self.order, X)
-        k = self._k
-        new_order.index_put_((torch.where(keep, r1 + p[:, 2], k[S]),), order)
-        self.index[:, 1].index_fill_(0, torch.where(ev, order, k[X]), -1)
-        self.order = new_order
+        unt = self.last_step.index_select(0, order) != step  # X was touched: empty entries too
+        d = unt.cumsum(0) - p[:, 0]
+        pos = torch.where(unt, d + torch.where(d > 0, p[:, 1], p[:, 2]), self._k[2 * S])
+        new_order = torch.full((2 * S + 1,), self.X, dtype=torch.int64, device=self.device)
+        new_order.index_put_((pos,), order)
+        self.index[:, 1].index_fill_(0, new_order[:S], -1)
+        self.order = new_order[S:]
 
     def _may_evict(self, n: int) -> bool:
         """Whether a table may be full at this step (host bound); sorts the order once when
@@ -399,20 +452,34 @@ class DeviceSparse:
             raise ValueError("DeviceSparse.update: no gradient (call backward first)")
         self._pending = None
         with torch.no_grad():
-            w = p.rows.detach()
-            st = {name: t.index_select(0, p.upd) for name, t in self.state.items()}
-            apply_update_torch(self.cfg, w, st, p.rows.grad)
-            self.w.index_put_((p.upd,), w)
-            for name, t in self.state.items():
-                t.index_put_((p.upd,), st[name])
-            self.acc[:, 5] += p.held_t
+            ext, g, D = p.ext, p.rows.grad, self.dim
+            w = ext[:, :D]
+            if self.cfg.optimizer == "rowwise_adagrad":
+                cfg = self.cfg
+                lr, eps, wd = (float(np.float32(v)) for v in (cfg.lr, cfg.eps, cfg.weight_decay))
+                gd = g.add(w, alpha=wd) if cfg.weight_decay else g
+                st = ext[:, D]
+                # s += mean_d(g'^2) as one batched dot; w -= lr * g' / (sqrt(s) + eps)
+                st.unsqueeze(1).unsqueeze(2).baddbmm_(gd.unsqueeze(1), gd.unsqueeze(2),
+                                                      alpha=float(np.float32(1.0 / D)))
+                w.addcdiv_(gd, st.sqrt().add_(eps).unsqueeze(1), value=-lr)
+                ints = {}
+            else:
+                ints = {name: self.state[name].index_select(0, p.upd) for name in self._int_state}
+                st = {name: (ext[:, o:o + D] if per_dim else ext[:, o]) for name, (o, per_dim) in self._views.items()}
+                apply_update_torch(self.cfg, w, {**st, **ints}, g)
+            self.arena.index_put_((p.upd,), ext)
+            for name, t in ints.items():
+                self.state[name].index_put_((p.upd,), t)
+            self.acc[:, 5].add_(p.held_t)
 
     # ------------------------------------------------------------------ reads
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Return each table's counters (hits, misses, inserts, evictions, rows, updated,
         rows_in, rows_out): one device-to-host read. Raises the errors the device counted."""
-        flat = torch.cat([self.acc.flatten(), self._placed.view(1)]).cpu().numpy()
+        failed = (self.last_step[WAYS:self.X:_STRIDE] != _MIN).sum().view(1)
+        flat = torch.cat([self.acc.flatten(), failed]).cpu().numpy()
         acc = flat[:-1].reshape(self.T, len(_ACC))
         out = {}
         for t, name in enumerate(self.names):
@@ -427,9 +494,9 @@ class DeviceSparse:
                             f"the {self.caps[t]} rows the table holds ({dropped} ids got no row); raise "
                             f"{err.fix} to at least the distinct ids of one batch or lower data.train.batch_size",)
                 raise err
-        if int(flat[-1]) != int(acc[:, 2].sum()):
-            raise RuntimeError(f"DeviceSparse: {int(acc[:, 2].sum() - flat[-1])} new keys found no free way in "
-                               "their two buckets; the device index is corrupt (an internal error)")
+        if int(flat[-1]):
+            raise RuntimeError(f"DeviceSparse: new keys found no free way in their two buckets ({int(flat[-1])} "
+                               "buckets); the device index is corrupt (an internal error)")
         return out
 
     def _lookup(self, table: str, keys: np.ndarray) -> torch.Tensor:
@@ -437,7 +504,8 @@ class DeviceSparse:
         t = self.names.index(table)
         k = _tensor(keys, self.device) ^ _MIN
         tid = torch.full_like(k, t)
-        _, cells, _ = self._cells_of(k, tid)
+        _, cells = self._cells_of(k, tid)
+        cells = cells.view(-1, 2 * WAYS)
         match = (self.index[cells] == torch.stack([k, tid], 1).unsqueeze(1)).all(2)
         return torch.where(match, cells, -1).amax(1)
 
@@ -463,7 +531,7 @@ class DeviceSparse:
     def _held(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Return (cells, table ids, keys) of every held key (host arrays)."""
         idx = self.index[: self.X].cpu().numpy()
-        cells = np.flatnonzero(idx[:, 1] >= 0)
+        cells = np.flatnonzero((idx[:, 1] >= 0) & (np.arange(self.X) % _STRIDE != WAYS))  # not the dead cells
         return cells, idx[cells, 1], idx[cells, 0] ^ np.int64(_MIN)
 
     def state_dict(self) -> dict[str, pa.Table]:
@@ -559,9 +627,9 @@ class DeviceSparse:
         """Give distinct absent keys cells (the step's rule, all at once); raise on overflow."""
         n = kf.shape[0]
         ar = torch.arange(n, device=self.device)
-        _, cells, bw = self._cells_of(kf, tid)
-        empty = (self.index[cells][:, :, 1] < 0).view(n, 2, WAYS).sum(2)
-        cw = torch.where(empty[:, 1] > empty[:, 0], bw[:, 1], bw[:, 0])
+        _, cells = self._cells_of(kf, tid)
+        empty = (self.index[cells.view(n, 2 * WAYS)][:, :, 1] < 0).view(n, 2, WAYS).sum(2)
+        cw = torch.where(empty[:, 1] > empty[:, 0], cells[:, 1, 0], cells[:, 0, 0])
         sv, sp = torch.sort(cw, stable=True)
         grank = torch.empty_like(ar).index_put_((sp,), ar - torch.searchsorted(sv, sv))
         free = self.index[:, 1][cw.unsqueeze(1) + self._arW] < 0
