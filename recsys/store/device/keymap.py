@@ -281,7 +281,7 @@ class DeviceSparse:
 
     def _arange(self, n: int) -> torch.Tensor:
         if self._ar.shape[0] < n:
-            self._ar = torch.arange(max(n, 2 * self._ar.shape[0]), dtype=torch.int64, device=self.device)
+            self._ar = torch.arange(max(n + n // 4, 2 * self._ar.shape[0]), dtype=torch.int64, device=self.device)
         return self._ar[:n]
 
     def _buffers(self, n: int):
@@ -290,7 +290,7 @@ class DeviceSparse:
         zero row, hits' cells after the scratch cell, the new rows with their state's initial
         values)."""
         if self._bufs_n < n:
-            m = max(n, 2 * self._bufs_n)
+            m = max(n + n // 4, 2 * self._bufs_n)  # room for the next steps' N
             dev = self.device
             kb = torch.zeros((m + 1, 2), dtype=torch.int64, device=dev)
             kb[0, 1] = -2
@@ -362,8 +362,9 @@ class DeviceSparse:
         cells2 = cells.view(N, 2 * W)
         g = self.index[cells2]  # [N, 2W, 2]
         match = (g == kt.unsqueeze(1)).all(2)
-        slot = torch.where(match, cells2, k[-1]).amax(1)
-        q = ((slot >= 0).unsqueeze(1) == self._tf) & first.unsqueeze(1)  # found first, new
+        # the matching cell, or X; hb[0] = X: the fill below touches the scratch cell too
+        slot = torch.amin(torch.where(match, cells2, k[X]), 1, out=hb[1:])
+        q = ((slot < X).unsqueeze(1) == self._tf) & first.unsqueeze(1)  # found first, new
         foundf, new = q[:, 0], q[:, 1]
         # per-table counts and ranks (the sorted entries are grouped by table)
         zq = torch.cumsum(q, 0, dtype=torch.int64, out=zb[1:])  # zb[i]: counts before sorted position i
@@ -375,8 +376,7 @@ class DeviceSparse:
         x2 = torch.cat([x1, l1, ce, l1[:, 4].cumsum(0).unsqueeze(1)], 1)
         l2 = (x2 @ self._M2).to(torch.int64)
         pu = l2[:, 0:2].index_select(0, st)  # A, P of the entry's table
-        torch.where(foundf, slot, k[X], out=hb[1:])  # hb[0] = X: the scratch cell is touched too
-        self.last_step.index_fill_(0, hb, step)
+        self.last_step.index_fill_(0, hb, step)  # found cells (a repeat's too: the same cell)
         if evict_ops:
             self._compact(l2[:, 2:5], step)
         self.acc[:, 0:5].add_(l2[:, 5:10])
