@@ -2,7 +2,7 @@
 
 Legend: ``T`` tables, ``F`` features, ``B`` batch, ``N`` keys of a step (repeats included),
 ``D`` dim, ``S`` the tables' capacities summed, ``W`` ways of a bucket (``WAYS``), ``NB``
-buckets, ``X`` the scratch row (``NB·W``).
+buckets, ``X`` the scratch cell (``NB·(W+1)``).
 
 ``DeviceSparse`` takes a step's KeyedJaggedTensor (keys and lengths, feature-major) on the
 device and does everything the host store does for it there, in plain torch ops with
@@ -13,31 +13,38 @@ on CUDA without a host sync)::
       bag and table of each key (cumsum, searchsorted)
       dedup: stable sorts by (table, key as uint64), first-occurrence flags, a cummax
       base = fmix64(key ^ salt(table, seed))   one hash: the buckets and the initial rows
-      index: two buckets of W ways per key (bits of ``base``), key and table compared
+      index: two buckets of W ways per key (base and base >> 32, modulo NB), key and table
+        compared; a hit's cell is the smallest matching one (X: none)
       per-table counts (one searchsorted over the sorted tables), the per-table arithmetic
-        in two small float64 matmuls (exact below 2**53)
+        in two small float64 matmuls and one clamp (exact below 2**53)
       exact LRU: the order array drops touched and evicted cells (a cumsum compaction),
         evicted cells leave the index; the step's keys are appended in key order
       new keys: a cell in the emptier of their two buckets (their rank within the bucket
         among the step's new keys, in (table, key) order), the initial row written there
-      rows = arena[cells] (a leaf) ─► one embedding_bag for every feature ─► [B, F·D]
-    update(step)        the optimizer (``apply_update_torch``) on the step's rows, in place
+      rows = arena[cells] (a leaf: its first D columns) ─► one embedding_bag ─► [B, F·D]
+    update(step)        the optimizer on the step's arena rows, in place, written back once
+                        (row-wise Adagrad here; the others by ``apply_update_torch``)
 
 Layout (device tensors)::
 
-    index_C2     int64 [NB·W + 1, 2]   per cell: key (its bits with the sign flipped, so
+    index_C2     int64 [X + W, 2]      per cell: key (its bits with the sign flipped, so
                                        signed order is uint64 order), table (-1: empty)
-    w            float32 [NB·W + 1, D] the row of the key in that cell (its slot IS its cell)
-    state        the optimizer's columns, beside (``optim.state_columns``)
-    last_step    int64 [NB·W + 1]      the step of each cell's last access
+    arena        float32 [X + 1, D+s]  the row of the key in that cell (its slot IS its
+                                       cell), then its float32 state columns (``w`` and
+                                       ``state`` are views; int64 state apart)
+    last_step    int64 [X + 1]         the step of each cell's last access
     order        int64 [S + 1]         per table a block of its capacity: the cells it holds,
                                        oldest first by (last step, key as uint64), the rest X
     acc          int64 [T, 6]          hits, misses, inserts, evictions, rows held, updated
 
 Every 64-bit value is a key (0 and negative ones too): occupancy is the table column. A
-row's slot is its index cell, so the arena has ``NB·W`` rows (the index is at most half
+row's slot is its index cell, so the arena has ``NB·(W+1)`` rows (the index is at most half
 full: about 2·S rows, the price of no slot indirection, no free list and fewer ops a step).
-Row ``X`` (past the cells) is the scratch target of every masked write.
+A bucket is W ways and a dead cell after them: a new key that finds no free way in its
+bucket goes to the dead cell (way W), which no lookup reads and whose last step, never
+written otherwise, marks the failure for ``counters()``. Cell ``X`` (past the buckets) is the
+scratch target of every masked write; the index's W - 1 rows past it are read (and their
+contents ignored) by the free-way gather of the entries that place no key.
 
 Eviction (``recsys.store.tables.keymap``'s rule, exactly): a table that gets more new keys
 than free rows evicts the ``n + M - C`` smallest by (last-access step, key as uint64) among
@@ -47,6 +54,14 @@ keys all have the newest step and are appended sorted by key (the dedup's order)
 skips the order's ops while no table can be full (a bound it keeps without reading the
 device: every step adds at most ``N`` keys to a table) and sorts it whole once when that
 ends and on ``load_state_dict``.
+
+Scratch kept between steps (``_buffers``, grown with headroom when ``N`` outgrows it) saves
+a concatenation or a fill each step: the sorted (key, table) pairs after a row that matches
+no entry (the first-occurrence flags need no prepended True), the per-entry counts after a
+zero row (exclusive counts without a prepended zero), the hits' cells after ``X`` (the
+last-step fill always touches the scratch cell, so the order's empty entries read as
+touched), and the new rows beside their state's initial values (one arena write). None of
+them is saved for backward.
 
 Errors that only the device sees are counted there and raised by ``counters()``: a step
 whose distinct keys in one table exceed its capacity (``CapacityError``: the keys beyond the
@@ -262,7 +277,7 @@ class DeviceSparse:
                                  {n: 1, he: -1, fb: 1}, {C: 1, he: -1, fb: 1}]):
             for i, v in col.items():
                 M1[i, j] = v
-        mf, m, _, _, nh, avail, e, ins, ub = range(8, 17)
+        _, m, _, _, nh, avail, e, ins, ub = range(8, 17)
         cols = [
             {avail: 1, nb: 1},  # 0 A: a new key is inserted while its rank + new_base < A
             {off: 1, nh: 1, e: -1, fb: -1, nb: -1},  # 1 P: order position = found + min(new, A) + P
@@ -330,7 +345,7 @@ class DeviceSparse:
         if self._step is not None and step <= self._step:
             raise ValueError(f"DeviceSparse: step {step} after step {self._step}; steps must increase")
         N, FB = int(keys.shape[0]), int(lengths.shape[0])
-        F, X, S, W, D = self.F, self.X, self.S, WAYS, self.dim
+        F, X, W, D = self.F, self.X, WAYS, self.dim
         if F == 0 or FB % F:
             raise ValueError(f"lengths has {FB} entries, not a multiple of the {F} features")
         B = FB // F
@@ -367,7 +382,7 @@ class DeviceSparse:
         q = ((slot < X).unsqueeze(1) == self._tf) & first.unsqueeze(1)  # found first, new
         foundf, new = q[:, 0], q[:, 1]
         # per-table counts and ranks (the sorted entries are grouped by table)
-        zq = torch.cumsum(q, 0, dtype=torch.int64, out=zb[1:])  # zb[i]: counts before sorted position i
+        torch.cumsum(q, 0, dtype=torch.int64, out=zb[1:])  # zb[i]: counts before sorted position i
         zq = zb[:-1]
         base_t = zb.index_select(0, torch.searchsorted(st, self._arT1))  # [T+1, 2]
         x1 = torch.cat([self.acc[:, 4:5], base_t[1:], base_t[:-1], self._static_T], 1)  # float64
