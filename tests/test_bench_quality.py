@@ -36,7 +36,9 @@ def test_quality_quick_shape(tmp_path, monkeypatch):
             s = entry[model]["summary"]
             assert s["seeds"] == len(runs) == 1
             assert s["auc_mean"] == pytest.approx(np.mean([r["auc"] for r in runs]))
-            assert 0.0 < s["auc_mean"] < 1.0 and s["log_loss_mean"] > 0.0
+            # every model learns on both quick sets (measured: 0.66-0.78); one scored untrained,
+            # or on shuffled labels, ends near 0.5
+            assert 0.62 <= s["auc_mean"] < 1.0 and s["log_loss_mean"] > 0.0, (model, s)
         assert entry["gbdt"]["chosen"] in quality.HGB_GRID_QUICK
         assert entry["logreg"]["chosen"]["C"] in quality.LR_GRID_QUICK
         assert entry["ours"]["runs"][0]["best_step"] is not None  # early stopping kept a checkpoint
