@@ -15,6 +15,10 @@ quantile buckets, numeric or periodic embeddings, ``recsys.features.dense``), ``
                vectors ½ Σ_d((Σ_k v_kd)² − Σ_k v_kd²) + a linear term of plain dense
        deepfm (model.deepfm_dense = "vector"): top MLP over the K·D+D concat, plus the FM
                term over the K+1 vectors (the bottom MLP's one of them)
+    heads (model.heads = K > 1, any arch): the top MLP as K BatchEnsemble heads
+            (recsys.model.heads), each with the shared terms added (FM, wide); in training
+            the K logits [B, K], each head trained on its own loss; in evaluation the
+            logit of the mean of the K heads' probabilities [B]
     wide (model.wide, any arch): + Σ_f (pooled scalar weights of feature f's ids)   [B, F, 1]
                                  + Σ_e (embedded dense column e's scalar: per bucket, or
                                    linear in its piecewise-linear encoding)
@@ -44,6 +48,7 @@ from torchrec.models.dlrm import DenseArch, InteractionArch, InteractionDCNArch,
 from torchrec.modules.crossnet import LowRankCrossNet
 
 from recsys.model.config import ModelConfig
+from recsys.model.heads import EnsembleMLP, mean_probability_logit
 
 
 class _PairDots(torch.autograd.Function):
@@ -277,11 +282,16 @@ class RankingModel(nn.Module):
         else:
             self.interaction = FMInteraction()
             inter_out = (K + 1) * dim
-        self.over_arch = OverArch(inter_out, cfg.top_mlp)
+        self.heads = cfg.heads
+        if cfg.heads == 1:
+            self.over_arch = OverArch(inter_out, cfg.top_mlp)
+        else:
+            self.ensemble = EnsembleMLP(inter_out, cfg.top_mlp, cfg.heads)
+        self.register_load_state_dict_pre_hook(_check_heads)
         if cfg.arch == "deepfm":
             self.register_load_state_dict_pre_hook(_check_deepfm_form)
         if cfg.dropout > 0:
-            towers = [self.over_arch.model[0]._mlp]
+            towers = [self.over_arch.model[0]._mlp if cfg.heads == 1 else self.ensemble.hidden()]
             if not self.raw_dense:
                 towers.append(self.dense_arch.model._mlp[:-1])  # not the interaction's dense vector
             for tower in towers:
@@ -290,7 +300,16 @@ class RankingModel(nn.Module):
 
     def forward(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor,
                 wide_BF1: torch.Tensor | None = None) -> torch.Tensor:
-        """``wide_BF1``: the wide arm's pooled weights (required with ``model.wide``)."""
+        """``wide_BF1``: the wide arm's pooled weights (required with ``model.wide``).
+
+        With ``model.heads`` K > 1: in training the K heads' logits [B, K], in evaluation the
+        logit of their mean probability [B] (``head_logits`` gives [B, K] in either mode)."""
+        logits = self.head_logits(dense_BN, pooled_BFD, wide_BF1)
+        return logits if self.heads == 1 or self.training else mean_probability_logit(logits)
+
+    def head_logits(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor,
+                    wide_BF1: torch.Tensor | None = None) -> torch.Tensor:
+        """Each head's logit: [B] with one head, [B, K] with K (the shared terms in each)."""
         if self.wide != (wide_BF1 is not None):
             raise ValueError(f"model.wide = {str(self.wide).lower()}: the wide weights must be given "
                              f"{'' if self.wide else 'only '}with the wide arm, found "
@@ -298,8 +317,18 @@ class RankingModel(nn.Module):
         logit, first = self._deep(dense_BN, pooled_BFD)
         if wide_BF1 is None:
             return logit
-        logit = logit + wide_BF1.sum(dim=(1, 2))
-        return logit if first is None else logit + first
+        logit = logit + self._shared(wide_BF1.sum(dim=(1, 2)))
+        return logit if first is None else logit + self._shared(first)
+
+    def _top(self, x: torch.Tensor) -> torch.Tensor:
+        """The top MLP's logit: [B], or each head's [B, K]."""
+        if self.heads == 1:
+            return self.over_arch(x).squeeze(-1)
+        return self.ensemble(x).squeeze(-1)
+
+    def _shared(self, term_B: torch.Tensor) -> torch.Tensor:
+        """A term [B] every head adds to its logit, in the heads' shape."""
+        return term_B if self.heads == 1 else term_B.unsqueeze(1)
 
     def _deep(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return (the arch's logit [B], the embedded dense columns' first-order term [B] or None)."""
@@ -316,9 +345,9 @@ class RankingModel(nn.Module):
         dense_BD = self.dense_arch(dense_BN)
         if self.arch == "deepfm":
             flat, fm = self.interaction(dense_BD, pooled_BFD)
-            return self.over_arch(flat).squeeze(-1) + fm, first
+            return self._top(flat) + self._shared(fm), first
         inter = self.interaction(dense_BD, pooled_BFD)
-        return self.over_arch(inter).squeeze(-1), first
+        return self._top(inter), first
 
     def _deepfm_raw(self, dense_BN: torch.Tensor, pooled_BFD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The paper's DeepFM: deep tower over [fields' vectors, plain values], FM over the
@@ -328,10 +357,10 @@ class RankingModel(nn.Module):
             plain = dense_BN.index_select(1, self.plain_idx)
             vectors, first = self.dense_embeddings(dense_BN.index_select(1, self.embedded_idx))
             pooled_BFD = torch.cat((pooled_BFD, vectors), dim=1)
-        logit = self.over_arch(torch.cat((pooled_BFD.flatten(1), plain), dim=1)).squeeze(-1)
-        logit = logit + fm_second_order(pooled_BFD)
+        logit = self._top(torch.cat((pooled_BFD.flatten(1), plain), dim=1))
+        logit = logit + self._shared(fm_second_order(pooled_BFD))
         if self.num_plain:
-            logit = logit + self.dense_linear(plain).squeeze(-1)
+            logit = logit + self._shared(self.dense_linear(plain).squeeze(-1))
         return logit, first
 
 
@@ -343,6 +372,17 @@ def _check_deepfm_form(model: RankingModel, state_dict, prefix: str, *args) -> N
         raise ValueError(f"the checkpoint holds a DeepFM with model.deepfm_dense = \"{form}\" (a bottom MLP: "
                          f"{'yes' if saved else 'no'}), the job asks for \"{other}\": set model.deepfm_dense = "
                          f"\"{form}\" to load it (\"vector\" was recsys' DeepFM before 2026-11)")
+
+
+def _check_heads(model: RankingModel, state_dict, prefix: str, *args) -> None:
+    """Name the setting when a checkpoint's top MLP has another number of heads than the job's."""
+    key = prefix + "ensemble.layers.0.r"
+    saved = state_dict[key].shape[0] if key in state_dict else 1
+    if not any(k.startswith((prefix + "over_arch.", prefix + "ensemble.")) for k in state_dict):
+        return  # not a whole model's state: torch's own error names the missing keys
+    if saved != model.heads:
+        raise ValueError(f"the checkpoint's model has model.heads = {saved}, the job asks for {model.heads}: "
+                         f"set model.heads = {saved} to load it")
 
 
 def _dropout_hook(rate: float):

@@ -51,6 +51,14 @@ class ModelConfig:
     """Dropout rate after each hidden layer of the dense towers in training: the bottom MLP's
     layers but its last (the interaction's dense vector) and the top MLP's layers but its
     last (the logit). 0: none."""
+    heads: int = 1
+    """Heads of the top MLP (the deep tower): K > 1 makes it a parameter-efficient ensemble
+    of K heads over the shared embeddings and interaction, BatchEnsemble style (TabM,
+    Gorishniy et al. 2025; ``recsys.model.heads``): one weight matrix a layer shared by the
+    heads, each head its own input and output scalings (rank-1 adapters) and biases. Each
+    head is trained on its own loss (the loss is their mean); a prediction is the mean of
+    the K heads' probabilities. The embeddings are unchanged (export and serving too); the
+    top MLP's compute is K times one head's (docs/dense_and_arms.md). 1: one plain MLP."""
     periodic_frequencies: int = 16
     """Frequencies per column of a ``periodic`` dense column (``schema.dense_transform``):
     its vector is ReLU(Linear([sin(2π c x), cos(2π c x)])) with ``c`` learned, so 2 × this
@@ -71,6 +79,8 @@ class ModelConfig:
             raise ValueError(f"top_mlp needs >= 2 positive sizes ending in 1, found {self.top_mlp}")
         if not (math.isfinite(self.dropout) and 0.0 <= self.dropout < 1.0):
             raise ValueError(f"dropout must be in [0, 1), found {self.dropout}")
+        if isinstance(self.heads, bool) or not isinstance(self.heads, int) or self.heads < 1:
+            raise ValueError(f"heads must be an integer >= 1 (1: one top MLP), found {self.heads!r}")
         if self.periodic_frequencies < 1:
             raise ValueError(f"periodic_frequencies must be >= 1, found {self.periodic_frequencies}")
         if not (math.isfinite(self.periodic_sigma) and self.periodic_sigma > 0):

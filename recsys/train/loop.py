@@ -44,6 +44,7 @@ from recsys.io.batch import Batch, empty_batch
 from recsys.io.reader import ParquetReader
 from recsys.runtime.local_exchange import LocalExchange
 from recsys.model.arch import model_for, model_inputs
+from recsys.model.heads import per_head
 from recsys.store.sharded.store import ShardedEmbeddingStore
 from recsys.store.tables.wide import table_names
 from recsys.checkpoint import write as ckpt
@@ -136,10 +137,12 @@ def _loss(logits: torch.Tensor, batch) -> torch.Tensor:
     """Binary cross-entropy of a batch: the mean over rows, or with sample weights
     (``schema.weight``) the mean of w·l over rows, Σ w·l / B (as torch's ``weight`` and
     Keras's ``sample_weight`` do). Not Σ w·l / Σ w: each rank's loss is averaged by DDP, and
-    only a per-row normalization makes that average the global batch's, so 2 ranks equal 1."""
+    only a per-row normalization makes that average the global batch's, so 2 ranks equal 1.
+    With ``model.heads`` K > 1 (``logits`` [B, K]): the mean of the K heads' losses."""
+    labels = per_head(batch.labels, logits)
     if batch.weights is None:
-        return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-    return torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels, weight=batch.weights)
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=per_head(batch.weights, logits))
 
 
 def lr_lambda(cfg, total_steps: int | None):
