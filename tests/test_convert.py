@@ -302,6 +302,8 @@ def test_infer_on_a_click_log_proposes_ids_lists_and_a_validation_split(tmp_path
     assert job.train.epochs == 20
     files = sorted(out.glob("part-*.parquet"))
     assert sum(pq.ParquetFile(f).num_row_groups for f in files) >= 40  # a tenth of them: a tenth of the rows
+    report = json.loads((out / "_convert.json").read_text())
+    assert report["row_group_rows"] == pq.ParquetFile(files[0]).metadata.row_group(0).num_rows  # what was written
     got = _read_dir(out)
     assert got.schema.field("tags").type == pa.list_(pa.string()) and got.schema.field("item").type == pa.int64()
     with open(path, newline="") as f:
@@ -333,3 +335,16 @@ def test_split_reads_a_delimited_csv_column_as_a_list_with_a_jobs_schema(tmp_pat
     report = convert([str(path)], out, ConvertOptions(fmt="csv", split={"tags": "|"}), schema=schema)
     assert report["columns"]["tags"] == "list<item: int64>"
     assert _read_dir(out).column("tags").to_pylist() == [[3, 4], [5, 6], None, [7]]
+
+
+@pytest.mark.parametrize("name, ids", [
+    ("item", True), ("user_id", True), ("userId", True), ("userid", True), ("zip_code", True), ("ad_campaign", True),
+    ("user_age", False), ("item_price", False), ("page_views", False), ("session_length", False), ("paid", False),
+    ("valid", False), ("price", False)])
+def test_infer_reads_an_integer_column_as_ids_by_its_name_only_when_the_name_says_ids(name, ids):
+    """A name ending in an id word, or made only of words naming a thing, is ids; a measure of a
+    thing (``user_age``, ``item_price``) is a number unless its cardinality says ids."""
+    from recsys.io.convert_job import _id_reason
+
+    assert (_id_reason(name, 10, 1000) is not None) is ids
+    assert _id_reason(name, 900, 1000) is not None  # more distinct values than half the rows: ids

@@ -616,7 +616,7 @@ def convert(
         "seconds": round(seconds, 3),
         "rows_per_s": round(stats["rows"] / seconds, 1) if seconds > 0 else None,
         "input_bytes": stats["input_bytes"],
-        "row_group_rows": opts.row_group_rows,
+        "row_group_rows": writer.row_group_size,
         "rows_per_file": opts.rows_per_file,
         "columns": {c.name: str(c.out_type) for c in columns},
     }

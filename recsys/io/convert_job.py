@@ -20,11 +20,15 @@ _LABEL_NAMES = ("label", "click", "clicked", "is_click", "target", "y", "convers
 
 LIST_SEPARATORS = ("|", ";", ",")
 """Separators ``find_lists`` looks for inside a string column."""
-_ID_WORDS = {"id", "ids", "uid", "key", "hash", "code", "user", "item", "product", "sku", "ad", "campaign",
-             "advertiser", "creative", "account", "customer", "client", "member", "session", "device", "category",
-             "cat", "genre", "brand", "shop", "store", "seller", "merchant", "movie", "song", "artist", "video",
-             "query", "doc", "page", "site", "app", "zip", "zipcode", "postcode", "city", "region", "country"}
-"""Words of a column name that make an integer column ids (``item``, ``user_id``, ``categoryId``)."""
+_ID_SUFFIXES = {"id", "ids", "uid", "key", "hash", "code", "sku"}
+"""A column name's last word that makes an integer column ids (``user_id``, ``categoryId``, ``zip_code``)."""
+_ID_ENTITIES = {"user", "item", "product", "ad", "campaign", "advertiser", "creative", "account", "customer",
+                "client", "member", "session", "device", "category", "cat", "genre", "brand", "shop", "store",
+                "seller", "merchant", "movie", "song", "artist", "video", "query", "doc", "page", "site", "app",
+                "zip", "zipcode", "postcode", "city", "region", "country"}
+"""Words that name a thing, not a measure of it: a name made only of them is ids (``item``,
+``ad_campaign``, ``userid``); one with another word after them is not (``user_age``,
+``item_price``, ``page_views``: the cardinality rule decides)."""
 
 
 def find_lists(sample: pa.Table, columns: list[Column]) -> dict[str, str]:
@@ -51,10 +55,11 @@ def find_lists(sample: pa.Table, columns: list[Column]) -> dict[str, str]:
 
 def _id_reason(name: str, distinct: int, n: int) -> str | None:
     """Why an integer column is ids (a sparse feature), or None (a dense number)."""
-    words = {w.lower() for w in re.split(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])", name) if w}
-    named = sorted(words & _ID_WORDS)
-    if named or name.lower().endswith("id"):
-        return (f"an integer column (no fractional part) named like ids ({', '.join(map(repr, named)) or repr(name)}), "
+    words = [w.lower() for w in re.split(r"[^A-Za-z0-9]+|(?<=[a-z0-9])(?=[A-Z])", name) if w]
+    flat = name.lower()
+    if words and (words[-1] in _ID_SUFFIXES or all(w in _ID_ENTITIES for w in words)
+                  or (flat.endswith("id") and flat[:-2] in _ID_ENTITIES)):
+        return (f"an integer column (no fractional part) named like ids ({name!r}), "
                 f"{distinct:,} distinct values in {n:,} rows")
     if distinct > n / 2:
         return f"an integer column (no fractional part) with {distinct:,} distinct values in {n:,} rows: ids"
@@ -67,8 +72,8 @@ def propose_job(sample: pa.Table, columns: list[Column], out: Path, row_groups: 
 
     - label: a column named like one (``label``, ``click``, ``target``, ...), else the first
       integer or boolean column holding only 0 and 1;
-    - sparse: string columns; integer columns named like ids (a word of ``_ID_WORDS``, or
-      ``*id``) or with more distinct values than half the sampled rows, each with the reason
+    - sparse: string columns; integer columns named like ids (a last word of ``_ID_SUFFIXES``,
+      or only words of ``_ID_ENTITIES``) or with more distinct values than half the sampled rows, each with the reason
       in a comment; lists of ids (multi-hot), delimited strings split into lists included;
     - dense: the other numeric and boolean columns;
     - ``[train.eval]``: what ``recsys tune`` chooses by itself (``EARLY_STOPPING_DEFAULTS``),
@@ -134,8 +139,8 @@ def _train_section(row_groups: int) -> str:
     ev = {k.rsplit(".", 1)[-1]: v for k, v in EARLY_STOPPING_DEFAULTS.items() if k.startswith("train.eval.")}
     fraction = ev["validation_fraction"]
     held = max(1, round(fraction * row_groups))
-    head = (f"# a validation split: {held} of the {row_groups} row groups written (about {fraction:.0%} of the "
-            "rows), never trained on;\n# an evaluation on it every epoch, the best checkpoint by AUC, early "
+    head = (f"# a validation split: {held} of the {row_groups} row groups written (about {held / max(row_groups, 1):.0%} "
+            "of the rows), never trained on;\n# an evaluation on it every epoch, the best checkpoint by AUC, early "
             "stopping, an epoch cap\n")
     if row_groups < 2:  # nothing to hold out: the trainer refuses a validation fraction of one row group
         return ("# no validation split: the data is one row group; convert again with a smaller --row-group-rows, "
