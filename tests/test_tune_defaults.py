@@ -54,6 +54,11 @@ def test_the_defaults_fill_only_what_the_job_leaves_out():
     assert set(chosen) == {"train.eval.keep_best", "train.eval.validation_fraction",
                            "train.eval.early_stopping_patience"}
     assert data["train"]["eval"]["every_epochs"] == 2 and data["train"]["epochs"] == 3
+    # evaluations turned off: no objective, split or early stopping is supplied (the job's check
+    # then names what it lacks), only the epoch cap
+    data, chosen = early_stopping_defaults({"train": {"eval": {"every_epochs": 0}}})
+    assert set(chosen) == {"train.epochs"}
+    assert "keep_best" not in data["train"]["eval"] and "early_stopping_patience" not in data["train"]["eval"]
 
 
 def test_a_set_overriding_a_default_wins(tiny_data, tmp_path):

@@ -292,15 +292,18 @@ def early_stopping_defaults(data: dict) -> tuple[dict, dict[str, object]]:
     def supply(section: dict, key: str, full: str) -> None:
         section[key] = chosen[full] = EARLY_STOPPING_DEFAULTS[full]
 
-    if "keep_best" not in ev:
+    if not (ev.get("every") or ev.get("every_epochs")) and "every_epochs" not in ev:
+        supply(ev, "every_epochs", "train.eval.every_epochs")
+    # a job that turns periodic evaluations off (every_epochs = 0, no every) gets no objective,
+    # split or early stopping: what it says wins, and the check of the job names what it lacks
+    periodic = bool(ev.get("every") or ev.get("every_epochs"))
+    if "keep_best" not in ev and periodic:
         supply(ev, "keep_best", "train.eval.keep_best")
     validation = (data_sec.get("validation") or {}).get("paths")
     holdout = (data_sec.get("train") or {}).get("holdout_fraction")
-    if "validation_fraction" not in ev and not validation and not holdout:
+    if "validation_fraction" not in ev and not validation and not holdout and periodic:
         supply(ev, "validation_fraction", "train.eval.validation_fraction")
-    if not (ev.get("every") or ev.get("every_epochs")) and "every_epochs" not in ev:
-        supply(ev, "every_epochs", "train.eval.every_epochs")
-    if "early_stopping_patience" not in ev:
+    if "early_stopping_patience" not in ev and periodic:
         supply(ev, "early_stopping_patience", "train.eval.early_stopping_patience")
     if "epochs" not in train and "max_steps" not in train:
         supply(train, "epochs", "train.epochs")
