@@ -42,6 +42,7 @@ def test_universes_and_capacities():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the quick bench end to end (make test-slow, in CI)
 def test_quick_through_the_cli(tmp_path):
     out = tmp_path / "scale.json"
     proc = subprocess.run([sys.executable, "-m", "recsys.cli", "bench", "scale", "--quick", "--json", str(out)],

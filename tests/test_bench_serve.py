@@ -26,6 +26,7 @@ def test_every_round_draws_from_one_popularity_order():
 
 @pytest.mark.redis
 @pytest.mark.multiproc
+@pytest.mark.slow  # the quick bench end to end (make test-slow, in CI)
 def test_bench_serve_quick(tmp_path):
     out = tmp_path / "serve.json"
     run = subprocess.run([sys.executable, "-m", "recsys.cli", "bench", "serve", "--quick", "--json", str(out)],

@@ -61,6 +61,7 @@ def test_resident_bytes_counts_the_pages_written_not_the_arrays_size():
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the quick bench end to end (make test-slow, in CI)
 def test_store_bench_quick_writes_json(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(store, "QUICK", TINY)
     out = tmp_path / "store.json"

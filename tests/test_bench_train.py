@@ -80,6 +80,7 @@ def test_train_bench_quick_writes_json(tmp_path, monkeypatch, capsys, tiny_data)
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # the bench end to end at tiny sizes, two processes (make test-slow, in CI)
 def test_train_bench_two_processes(tmp_path, monkeypatch, capsys, tiny_data):
     s = train.Settings(**{**TINY.__dict__, "scaling": True, "scaling_rounds": 1})  # 2 runs: make test's time
     result, saved = _run(tmp_path, monkeypatch, tiny_data, s)

@@ -144,6 +144,7 @@ def _assert_same_training(reference: Path, run_dir: Path, log_every: int = 1) ->
 
 
 @pytest.mark.multiproc
+@pytest.mark.slow  # make test-slow, in CI; make test keeps the flags, the refusals and 2 ranks -> 1 exactly
 def test_a_node_leaves_and_one_joins_rows_exactly_once(tiny_data, tmp_path):
     """Fast variant: one leave and one join in a one-epoch job, compared with clean stages."""
     run_dir = tmp_path / "elastic"
