@@ -19,8 +19,10 @@ on CUDA without a host sync)::
         in two small float64 matmuls and one clamp (exact below 2**53)
       exact LRU: the order array drops touched and evicted cells (a cumsum compaction),
         evicted cells leave the index; the step's keys are appended in key order
-      new keys: a cell in the emptier of their two buckets (their rank within the bucket
-        among the step's new keys, in (table, key) order), the initial row written there
+      new keys: free ways counted after the evictions; ROUNDS rounds of proposals (each key
+        to the emptier of its two buckets first, ties by a hash bit, then to the other), a
+        key accepted while its rank among the bucket's keys is below its free ways (the first
+        round keeps HEADROOM ways free); the initial row written there
       rows = arena[cells] (a leaf: its first D columns) ─► one embedding_bag ─► [B, F·D]
     update(step)        the optimizer on the step's arena rows, in place, written back once
                         (row-wise Adagrad here; the others by ``apply_update_torch``)
@@ -40,9 +42,9 @@ Layout (device tensors)::
 Every 64-bit value is a key (0 and negative ones too): occupancy is the table column. A
 row's slot is its index cell, so the arena has ``NB·(W+1)`` rows (the index is at most half
 full: about 2·S rows, the price of no slot indirection, no free list and fewer ops a step).
-A bucket is W ways and a dead cell after them: a new key that finds no free way in its
-bucket goes to the dead cell (way W), which no lookup reads and whose last step, never
-written otherwise, marks the failure for ``counters()``. Cell ``X`` (past the buckets) is the
+A bucket is W ways and a dead cell after them: a new key that finds no free way in either
+of its buckets in the rounds goes to the dead cell (way W), which no lookup reads and whose
+last step, never written otherwise, marks the failure for ``counters()``. Cell ``X`` (past the buckets) is the
 scratch target of every masked write; the index's W - 1 rows past it are read (and their
 contents ignored) by the free-way gather of the entries that place no key.
 
@@ -66,8 +68,10 @@ them is saved for backward.
 Errors that only the device sees are counted there and raised by ``counters()``: a step
 whose distinct keys in one table exceed its capacity (``CapacityError``: the keys beyond the
 capacity got no row and read the scratch row; the table's later contents are not
-meaningful), and a bucket pair with no free way (``RuntimeError``; astronomically rare at
-load 1/2). Steps must increase from one ``forward`` to the next. Admission
+meaningful), and a new key refused by both its buckets (``RuntimeError``). The rounds keep
+that rare at load 1/2 even when one step brings as many new keys as the index holds (a
+table filled in one step, most of it replaced each step: ``tests/test_device_keymap.py``),
+but a fixed number of rounds is no guarantee. Steps must increase from one ``forward`` to the next. Admission
 (``min_count > 1``) is refused: it keeps host key work (``DeviceTable``). Every table must
 have the same dim, and the dtype must be float32.
 """
@@ -95,6 +99,11 @@ WAYS = 16
 """Ways of a bucket (cells a key may sit in: two buckets of ``WAYS``)."""
 _STRIDE = WAYS + 1
 """Cells per bucket: its ways and a dead cell (where a key that found no free way goes)."""
+ROUNDS = 2
+HEADROOM = 4
+"""Ways the first round leaves free in a bucket (a step that fills many empty buckets at once
+spreads its keys instead of filling them to the last way)."""
+"""Rounds of the new keys' proposals to their buckets (``DeviceSparse._assign``)."""
 LOAD = 0.5
 """The index's largest load (held keys per cell)."""
 _MIN = -(1 << 63)
@@ -337,6 +346,44 @@ class DeviceSparse:
         bk = torch.remainder(base.unsqueeze(1) >> self._shifts, self.NB)
         return base, torch.add(self._arW, bk.unsqueeze(2), alpha=_STRIDE)
 
+    def _assign(self, cells: torch.Tensor, free: torch.Tensor, base: torch.Tensor, live: torch.Tensor,
+                ar: torch.Tensor) -> torch.Tensor:
+        """Return the cell of each ``live`` key (distinct keys absent from the index), X for the
+        others: ``ROUNDS`` static rounds of proposals to the two buckets (``cells`` [n, 2, W]),
+        ``free`` [n, 2, W] their free ways now.
+
+        A key starts at the bucket with more free ways (ties by a bit of its hash). In every
+        round each key without a way proposes to its bucket; the keys already accepted there
+        rank first (sort value: the bucket's first cell), the proposers after them (that cell
+        + 1: the buckets' first cells are W + 1 apart), each group in (table, key) order (the
+        entries' order, a stable sort); a key whose rank is
+        below the bucket's free ways (less ``HEADROOM`` in the first round) is accepted, the others turn to their other bucket for the
+        next round. The accepted keys of a bucket hold ranks 0.. below its free ways, so their
+        ranks are distinct ways. A key that is refused in every round gets way W, its bucket's
+        dead cell (``counters()`` raises)."""
+        n, W = cells.shape[0], WAYS
+        # [W + 1, 2, n]: the free ways counted up to each way, then the bucket's first cell
+        # (X for the entries that place no key), both buckets side by side; a round's bucket is
+        # one where, and its rows are contiguous
+        cs = free.cumsum(2)
+        cf = torch.cat([cs.permute(2, 1, 0), torch.where(live, cells[:, :, 0].T, self._k[self.X]).unsqueeze(0),
+                        (cs[:, :, W - 1].T - HEADROOM).unsqueeze(0)], 0)
+        side = (cs[:, 1, W - 1] + (base < 0)) > cs[:, 0, W - 1]
+        rank = cell = x = None
+        for r in range(ROUNDS):
+            x = torch.where(side, cf[:, 1], cf[:, 0])  # [W + 1, n]
+            cell = x[W]
+            v = cell if r == 0 else cell + prop
+            sv, sp = torch.sort(v, stable=True)
+            start = torch.searchsorted(sv, cell)
+            rank = sv.index_put_((sp,), ar[:n]) - start  # sv is spent
+            if r + 1 < ROUNDS:
+                prop = rank >= x[W + 1 if r == 0 else W - 1]
+                side = side ^ prop
+        # way: the free ways up to it (counted) exceed the rank; W when none (the dead cell)
+        way = (x[:W] <= rank).sum(0)
+        return (cell + way).clamp_(max=self.X)
+
     def forward(self, keys: torch.Tensor, lengths: torch.Tensor, step: int,
                 weights: torch.Tensor | None = None) -> torch.Tensor:
         """Return the pooled float32 [B, F·D] (sample-major, features in order) of one
@@ -396,16 +443,9 @@ class DeviceSparse:
             self._compact(l2[:, 2:5], step)
         self.acc[:, 0:5].add_(l2[:, 5:10])
         ins = new & (zq[:, 1] < pu[:, 0])
-        # new keys: the emptier bucket, the rank-th empty way among the step's new keys there
-        empty = (g[:, :, 1] < 0).view(N, 2, W).sum(2)
-        cw = torch.where(empty[:, 1] > empty[:, 0], cells[:, 1, 0], cells[:, 0, 0])
-        cwx = torch.where(ins, cw, k[X])
-        sv, sp = torch.sort(cwx, stable=True)
-        grank = sv.index_put_((sp,), ar - torch.searchsorted(sv, sv))  # sv is spent
-        free = self.index[:, 1][cwx.unsqueeze(1) + self._arW] < 0
-        way = torch.searchsorted(free.cumsum(1), grank.unsqueeze(1), right=True).view(N)
-        # way W (no free way) is the bucket's dead cell; entries without a bucket go to X
-        tgt = (cwx + way).clamp_(max=X)
+        # new keys: free ways counted after the evictions (a second gather), then the rounds
+        free = (self.index[:, 1][cells2] < 0).view(N, 2, W)
+        tgt = self._assign(cells, free, base, ins, ar)
         self.index.index_put_((tgt,), kt)
         self.last_step.index_fill_(0, tgt, step)
         torch.mul(_odd_from_base(base, D), self._scale, out=ib[:, :D])  # the initial rows (float64 product)
@@ -627,9 +667,7 @@ class DeviceSparse:
         if n_new:
             kf = _tensor(keys[~present], dev) ^ _MIN
             tid = torch.full_like(kf, t)
-            placed = self._place(kf, tid)
-            cells[~present] = placed.cpu().numpy()
-            self.index.index_put_((placed,), torch.stack([kf, tid], 1))
+            cells[~present] = self._place(kf, tid).cpu().numpy()
             self.acc[t, 4] += n_new
         c = torch.as_tensor(cells, device=dev)
         self.w.index_put_((c,), _tensor(emb, dev))
@@ -639,19 +677,23 @@ class DeviceSparse:
         self._host["rows_in"][t] += keys.shape[0]
 
     def _place(self, kf: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
-        """Give distinct absent keys cells (the step's rule, all at once); raise on overflow."""
-        n = kf.shape[0]
-        ar = torch.arange(n, device=self.device)
-        _, cells = self._cells_of(kf, tid)
-        empty = (self.index[cells.view(n, 2 * WAYS)][:, :, 1] < 0).view(n, 2, WAYS).sum(2)
-        cw = torch.where(empty[:, 1] > empty[:, 0], cells[:, 1, 0], cells[:, 0, 0])
-        sv, sp = torch.sort(cw, stable=True)
-        grank = torch.empty_like(ar).index_put_((sp,), ar - torch.searchsorted(sv, sv))
-        free = self.index[:, 1][cw.unsqueeze(1) + self._arW] < 0
-        way = (free.cumsum(1) <= grank.unsqueeze(1)).sum(1)
-        if bool((way >= WAYS).any()):
-            raise RuntimeError("DeviceSparse: keys found no free way in their two buckets (an internal error)")
-        return cw + way
+        """Give distinct absent keys cells and write them into the index (the step's rounds,
+        ``NB`` keys at a time, so each group sees the ways the earlier ones took); return the
+        cells; raise when a key finds no free way."""
+        n, W = kf.shape[0], WAYS
+        out = []
+        for s in range(0, n, self.NB):
+            k, t = kf[s:s + self.NB], tid[s:s + self.NB]
+            m = k.shape[0]
+            base, cells = self._cells_of(k, t)
+            free = (self.index[:, 1][cells.view(m, 2 * W)] < 0).view(m, 2, W)
+            tgt = self._assign(cells, free, base, torch.ones(m, dtype=torch.bool, device=self.device),
+                               self._arange(m))
+            if bool((tgt % _STRIDE == W).any()):
+                raise RuntimeError("DeviceSparse: keys found no free way in their two buckets (an internal error)")
+            self.index.index_put_((tgt,), torch.stack([k, t], 1))
+            out.append(tgt)
+        return torch.cat(out)
 
     def _rebuild_order(self) -> None:
         """Sort every table's held cells by (last step, key as uint64) into its order block."""
