@@ -143,6 +143,9 @@ class _StandInSparse:
             self.w.sub_(0.01 * self.w.grad)
         self.w.grad = None
 
+    def counters(self):
+        return {}
+
 
 def test_bench_step_quick_end_to_end(tmp_path, monkeypatch, capsys, tiny_data):
     module = types.ModuleType("stand_in_keymap")
@@ -174,6 +177,25 @@ def test_bench_step_quick_end_to_end(tmp_path, monkeypatch, capsys, tiny_data):
     assert {c["name"] for c in saved["comparisons"]} >= {"CPU steps/s, key map vs whole-device"}
     printed = capsys.readouterr().out
     assert "recsys bench step --quick" in printed and "SIMD" in printed and "whole_device (28 tables)" in printed
+
+
+def test_keymap_arm_fails_when_the_device_counted_an_error(monkeypatch):
+    """The arm's close reads ``counters()``: an error there fails the arm (no figures from a
+    corrupt index)."""
+
+    class Corrupt(_StandInSparse):
+        def counters(self):
+            raise RuntimeError("new keys found no free way in their two buckets (1 buckets)")
+
+    module = types.ModuleType("corrupt_keymap")
+    module.DeviceSparse = Corrupt
+    monkeypatch.setitem(sys.modules, "corrupt_keymap", module)
+    monkeypatch.setattr(bench_step, "KEYMAP_MODULE", "corrupt_keymap")
+    schema = types.SimpleNamespace(tables={"t": types.SimpleNamespace(dim=2)},
+                                   sparse=[types.SimpleNamespace(name="f", table="t", pooling="sum")])
+    _, close = bench_step.keymap_step(schema, None, [])(torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="keymap arm.*no free way"):
+        close()
 
 
 def test_keymap_arm_skipped_when_absent(monkeypatch):

@@ -466,7 +466,9 @@ def keymap_available() -> str | None:
 
 def keymap_step(schema, cfg, batches: list) -> Callable[[torch.device], tuple[Callable[[int], None], Callable]]:
     """Arm (2): return ``make(device) -> (step, close)`` over ``DeviceSparse``: the batch's
-    keys and lengths moved to the device, ``forward``, a trivial loss, ``backward``, ``update``."""
+    keys and lengths moved to the device, ``forward``, a trivial loss, ``backward``, ``update``;
+    ``close`` reads ``counters()`` and raises if the device counted an error (a key without a
+    free way, a batch over a table's capacity)."""
     DeviceSparse = importlib.import_module(KEYMAP_MODULE).DeviceSparse
     features = [(f.name, f.table, f.pooling) for f in schema.sparse]
 
@@ -481,7 +483,20 @@ def keymap_step(schema, cfg, batches: list) -> Callable[[torch.device], tuple[Ca
             pooled.sum().backward()
             sp.update(i)
 
-        return step, getattr(sp, "close", lambda: None)
+        def close() -> None:
+            # the arm's figures stand only if the index is sound: read what the device counted
+            # (not on meta, where nothing is computed)
+            try:
+                if device.type != "meta":
+                    try:
+                        sp.counters()
+                    except Exception as exc:
+                        raise RuntimeError(f"keymap arm: DeviceSparse reported an error after the arm's steps, "
+                                           f"so its figures are not reported: {exc}") from exc
+            finally:
+                getattr(sp, "close", lambda: None)()
+
+        return step, close
 
     return make
 
