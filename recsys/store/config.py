@@ -126,8 +126,19 @@ class DeviceConfig:
     """Device memory for the tables' rows and optimizer state, in GiB (0: unused). Each
     table and shard gets a device cache: its whole capacity when every table fits, else a
     share of the budget in proportion to its capacity. Exclusive with ``cache_rows``."""
+    key_map: Literal["host", "device"] = "host"
+    """Where a training step's key work runs. ``"host"`` (the default): the host tables' key
+    maps (numba), whatever the device tiers. ``"device"``: every table's keys, rows and
+    optimizer in one index and arena on the compute device (``recsys.store.device.keymap``);
+    only the batch's keys and lengths cross, once a step. It needs one process, every table
+    whole on the device (``memory_gb`` or ``cache_rows`` holding every capacity), float32
+    rows, ``min_count = 1``, one dim, ``staleness = 0``, no spill tier and no live
+    publishing; a job that has any other is refused with a line naming it. Its checkpoints
+    are the host store's, either way round."""
 
     def __post_init__(self) -> None:
+        if self.key_map not in ("host", "device"):
+            raise ValueError(f"key_map must be 'host' or 'device', found {self.key_map!r}")
         if self.cache_rows < 0:
             raise ValueError(f"cache_rows must be >= 0 (0: no device cache), found {self.cache_rows}")
         if not (math.isfinite(self.memory_gb) and self.memory_gb >= 0):

@@ -237,6 +237,13 @@ class Trainer:
 
             raise ConfigError("train.record_rows needs the column row_id in data.train.passthrough, "
                               f"found passthrough = {list(job.data.train.passthrough)}")
+        from recsys.store.sharded.device_keys import refusal
+
+        why = refusal(job.schema, job.store, self.env.world_size, publish=job.publish.enabled)
+        if why is not None:
+            from recsys.config import ConfigError
+
+            raise ConfigError(why)
         self.train_cfg, self.validation_cfg = read_splits(job)
 
     def _place_process(self) -> None:

@@ -573,6 +573,13 @@ class DeviceSparse:
         rows = self.w.index_select(0, cells.clamp(min=0)) * (cells >= 0).unsqueeze(1)
         return rows.cpu().numpy()
 
+    def held(self, table: str, keys: np.ndarray) -> np.ndarray:
+        """Return bool [len(keys)]: whether each key of ``table`` has a row; changes nothing."""
+        keys = _as_keys(keys)
+        if keys.shape[0] == 0:
+            return np.zeros(0, dtype=bool)
+        return (self._lookup(table, keys) >= 0).cpu().numpy()
+
     def _rows(self, cells: torch.Tensor, keys: np.ndarray, schema: pa.Schema) -> pa.Table:
         """Return the Arrow rows of ``cells`` (their keys ``keys``) in ``schema``."""
         emb = self.w.index_select(0, cells).cpu().numpy()

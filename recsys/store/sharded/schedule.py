@@ -34,8 +34,8 @@ __all__ = ["StoreSchedule", "StoreWork"]
 class StoreWork:
     """The store's work the schedule runs, always on its op sequence."""
 
-    prepare: Callable[[KeyedJaggedTensor], _Prepared]
-    """A lookup's batch-only part (reads no table)."""
+    prepare: Callable[[KeyedJaggedTensor, bool], Any]
+    """``prepare(kjt, train)``: a lookup's batch-only part (reads no table)."""
     reserve: Callable[..., None]
     """``reserve(prep, step, train, early=...)``: a lookup's key work (slots, no row values)."""
     lookup: Callable[[Any, int | None, bool], Lookup]
@@ -210,7 +210,7 @@ class StoreSchedule:
             else:
                 if op[0] == "lookup":
                     # the batch's own work now, while the pushes it must see are awaited
-                    item = ((op[0], self._prepare_early(op[1]), *op[2:]), item[1])
+                    item = ((op[0], self._prepare_early(op[1], op[3]), *op[2:]), item[1])
                     if op[3]:
                         unpushed.add(op[2])
                 waiting.append(item)
@@ -243,9 +243,9 @@ class StoreSchedule:
                 else:
                     self._run(op, fut)
 
-    def _prepare_early(self, kjt: KeyedJaggedTensor) -> _Prepared | _Failed:
+    def _prepare_early(self, kjt: KeyedJaggedTensor, train: bool) -> Any:
         try:
-            return self._work_fns.prepare(kjt)
+            return self._work_fns.prepare(kjt, train)
         except Exception as exc:  # noqa: BLE001 - raised in order, when the lookup runs
             return _Failed(exc)
 

@@ -135,6 +135,16 @@ class ShardedEmbeddingStore:
                  if local_exchange and self.world_size > 1 else None)
         self.exchange = RankExchange(group, self.world_size, self.rank, local) if self.world_size > 1 else None
         self.table_names = list(schema.tables)
+        self._keys = None  # store.device.key_map = "device": every table in one DeviceSparse
+        if cfg.device.key_map == "device":
+            from recsys.errors import UserError
+            from recsys.store.sharded.device_keys import refusal
+
+            why = refusal(schema, cfg, self.world_size)
+            if why is None and table_factory is not None:
+                why = 'store.device.key_map = "device" holds its own tables (a table factory was given)'
+            if why is not None:
+                raise UserError(why)
         from recsys.store.device.cache import device_budget_rows
 
         budget_rows = device_budget_rows(
@@ -143,15 +153,21 @@ class ShardedEmbeddingStore:
         # each table's device cache rows (0: none), from device.cache_rows or the budget
         self._cache_rows = {name: cfg.device.cache_rows or budget_rows.get(name, 0)
                             for name in schema.tables}
+        if cfg.device.key_map == "device":
+            from recsys.store.sharded.device_keys import DeviceKeys, KeyMapTable
+
+            self._keys = DeviceKeys(schema, cfg, self.device)
+            self._cache_rows = {name: 0 for name in schema.tables}
         cache_rows = self._cache_rows
-        if table_factory is None and cache_rows and all(cache_rows.values()):
+        if self._keys is None and table_factory is None and cache_rows and all(cache_rows.values()):
             from recsys.store.device.cache import DeviceArena
 
             dims = {spec.dim for spec in schema.tables.values()}
             if len(dims) == 1:  # else the check below raises
                 self._arena = DeviceArena(cfg, cache_rows, dims.pop(), self.device)
         self.tables = {
-            name: self._make_table(table_factory, name, self._shard_spec(spec), cfg)
+            name: (KeyMapTable(self._keys, name) if self._keys is not None
+                   else self._make_table(table_factory, name, self._shard_spec(spec), cfg))
             for name, spec in schema.tables.items()
         }
         try:
@@ -181,7 +197,8 @@ class ShardedEmbeddingStore:
         self._table_columns = {t: np.isin(np.arange(len(schema.sparse)), self._features_of[t]) for t in self.table_names}
         # per-table work on several threads: plain host tables only (a spill tier's Redis
         # client and a device cache stay on the worker thread)
-        plain = table_factory is None and not cfg.spill.url and not any(self._cache_rows.values())
+        plain = (table_factory is None and self._keys is None and not cfg.spill.url
+                 and not any(self._cache_rows.values()))
         lanes = (cfg.host.threads or torch.get_num_threads()) if plain and self.device.type == "cpu" else 1
         self._board = Board() if threaded and cfg.host.waiter_helps and plain and self.device.type == "cpu" else None
         self._lanes = Lanes(lanes, self._board)
@@ -197,7 +214,7 @@ class ShardedEmbeddingStore:
         self._multi_cols_t = torch.tensor(self._multi_features, dtype=torch.int64, device=self.device)
         self.publisher = None  # recsys.train.live_push.LivePublisher: told of every applied push
         self.schedule = StoreSchedule(
-            StoreWork(prepare=self._prepare, reserve=self._reserve, lookup=self._do_lookup, push=self._do_push,
+            StoreWork(prepare=self._prepare_for, reserve=self._reserve, lookup=self._do_lookup, push=self._do_push,
                       explain=self._explain),
             cfg.staleness, threaded, self._board)
 
@@ -339,6 +356,10 @@ class ShardedEmbeddingStore:
 
     def push(self, lookup: Lookup) -> None:
         """Queue the row gradients of ``lookup`` (after backward) for their owners."""
+        if self._keys is not None:  # the rows' gradients are on their leaf: DeviceKeys.push
+            self.schedule.push(lookup.step, lambda: (lookup, None, None, None))
+            return
+
         def gradients() -> tuple:
             g = lookup.rows_all.grad
             ready = None
@@ -412,6 +433,11 @@ class ShardedEmbeddingStore:
         """Attach ``make(read_rows)``'s live publisher (``recsys.train.live_push``): told of
         every applied push on the store's op sequence; ``read_rows(table, keys) -> (found,
         rows)`` reads this shard's current rows there and changes nothing."""
+        if self._keys is not None:
+            from recsys.errors import UserError
+            from recsys.store.sharded.device_keys import refusal
+
+            raise UserError(refusal(self.schema, self.cfg, self.world_size, publish=True))
         def read_rows(table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             found = np.empty(keys.shape[0], dtype=bool)
             rows = self.tables[table].peek(keys, found_out=found)
@@ -437,6 +463,8 @@ class ShardedEmbeddingStore:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Return this shard's counters per table."""
+        if self._keys is not None:  # one read from the device, on the op sequence
+            return self.schedule.call(self._keys.counters)
         return {name: table.counters() for name, table in self.tables.items()}
 
     def state_dict(self) -> dict[str, pa.Table]:
@@ -450,6 +478,10 @@ class ShardedEmbeddingStore:
         the store's worker (the same snapshot), one table's copy of the rows alive at a time:
         a checkpoint's peak memory is the store plus its largest table, not twice the store."""
         def write() -> None:
+            if self._keys is not None:  # every table's rows in one read of the device index
+                for name, rows in self._keys.state_dict().items():
+                    each(name, rows)
+                return
             for name, table in self.tables.items():
                 rows = table.state_dict()
                 each(name, rows)
@@ -564,6 +596,13 @@ class ShardedEmbeddingStore:
 
     # ------------------------------------------------------------------ the work
 
+    def _prepare_for(self, kjt: KeyedJaggedTensor, train: bool):
+        """The schedule's ``prepare``: ``_prepare``, or with the device key map a training
+        lookup's keys on their way to the device (``DeviceKeys.prepare``)."""
+        if self._keys is not None and train:
+            return self._keys.prepare(kjt)
+        return self._prepare(kjt)
+
     def _prepare(self, kjt: KeyedJaggedTensor) -> _Prepared:
         """Return the batch's own part of a lookup: each table's unique keys, the pooling
         indices and (W > 1) the owner of each key. Reads no table: it may run before the
@@ -613,6 +652,9 @@ class ShardedEmbeddingStore:
     def _do_lookup(self, batch: KeyedJaggedTensor | _Prepared | _Failed, step: int | None, train: bool) -> Lookup:
         if isinstance(batch, _Failed):
             raise batch.exc
+        if self._keys is not None and train:
+            return self._keys.lookup(batch if not isinstance(batch, KeyedJaggedTensor) else self._keys.prepare(batch),
+                                     step)
         prep = batch if isinstance(batch, _Prepared) else self._prepare(batch)
         if not prep.reserved:
             self._reserve(prep, step, train)
@@ -854,6 +896,9 @@ class ShardedEmbeddingStore:
                  ready=None) -> None:
         """Turn the gradients of ``rows_all`` and of ``pooled_leaf`` into row gradients and
         apply them at the owners (``ready``: the event after which ``g_rows`` holds them)."""
+        if self._keys is not None:
+            self._keys.push(lookup)
+            return
         if ready is not None:
             ready.synchronize()
         if g_rows is None:
