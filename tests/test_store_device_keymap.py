@@ -149,6 +149,15 @@ def test_the_store_reads_rows_and_counters_through_the_key_map(tiny_data, tmp_pa
         trainer.close()
 
 
+def test_the_wide_arm_trains_with_the_device_key_map(tiny_data, tmp_path):
+    """``model.wide``: the wide weights' store (dim-1 tables) is a second ``DeviceSparse``."""
+    extra = ["train.max_steps=6", "model.wide=true"]
+    run(tiny_data, tmp_path / "host", *HOST, *extra)
+    run(tiny_data, tmp_path / "device", *DEVICE, *extra)
+    assert "c1.wide" in _sparse(tmp_path / "device")
+    assert_same_training(tmp_path / "host", tmp_path / "device")
+
+
 # --------------------------------------------------------------------------- refusals
 
 
