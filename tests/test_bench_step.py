@@ -1,8 +1,8 @@
 """``recsys bench step`` (recsys/bench/step.py): the op counter counts a known op sequence
 exactly and flags the ops that force a host sync on CUDA (not their static equivalents),
 the meta timer runs a static step and refuses a data-dependent one, and the bench runs end
-to end on the tiny set, arm (2) through a stand-in of the device key map's API. No timings
-asserted."""
+to end on the tiny set, arm (2) through a stand-in of the device key map's API and, on its
+own, with the real one. No timings asserted."""
 
 from __future__ import annotations
 
@@ -196,6 +196,24 @@ def test_keymap_arm_fails_when_the_device_counted_an_error(monkeypatch):
     _, close = bench_step.keymap_step(schema, None, [])(torch.device("cpu"))
     with pytest.raises(RuntimeError, match="keymap arm.*no free way"):
         close()
+
+
+def test_keymap_arm_runs_the_device_key_map_on_meta(tiny_data):
+    """Arm (2) with the real ``DeviceSparse`` on the tiny set: no sync-forcing op, the same
+    ops per step with every table doubled, and a host time per step on meta (its one host
+    read, the LRU order's first sort, skipped there)."""
+    s = bench_step.Settings(batch_size=256, steps=2, warmup=2, job=TINY_JOB, doubled=False)
+    job = bench_step.load_step_job(tiny_data, s, "store.device.memory_gb=1.0", "store.device.cache_rows=0")
+    batches = bench_step.read_batches(job, s.batches)
+    arms = {}
+    for name, schema, kjts in (("base", job.schema, batches),
+                               ("doubled", bench_step.doubled(job.schema), [bench_step.doubled_kjt(k) for k in batches])):
+        arms[name] = bench_step.run_arm(bench_step.keymap_step(schema, job.store, kjts), s)
+    for arm in arms.values():
+        assert arm["per_step"]["sync_forcing"] == 0 and arm["per_step"]["to_host"] == 0
+        assert arm["meta"]["ran"] and arm["meta"]["host_ms_per_step"] > 0, arm["meta"]
+    base, twice = arms["base"]["per_step"]["ops"], arms["doubled"]["per_step"]["ops"]
+    assert twice <= 1.1 * base, (base, twice)
 
 
 def test_keymap_arm_skipped_when_absent(monkeypatch):

@@ -474,7 +474,7 @@ def keymap_step(schema, cfg, batches: list) -> Callable[[torch.device], tuple[Ca
 
     def make(device: torch.device):
         sp = DeviceSparse(dict(schema.tables), features, cfg, device)
-        if device.type == "meta":
+        if device.type == "meta" and hasattr(sp, "_order_valid"):
             # the one host read of a run: the LRU order sorted on the host when a table may
             # first be full (``DeviceSparse._may_evict``). On meta no value is ever read, so
             # the order is taken as built and every step runs the eviction ops, as the CPU
