@@ -335,6 +335,15 @@ def test_split_reads_a_delimited_csv_column_as_a_list_with_a_jobs_schema(tmp_pat
     report = convert([str(path)], out, ConvertOptions(fmt="csv", split={"tags": "|"}), schema=schema)
     assert report["columns"]["tags"] == "list<item: int64>"
     assert _read_dir(out).column("tags").to_pylist() == [[3, 4], [5, 6], None, [7]]
+    # a --split that would do nothing is refused, not ignored: a column the job reads as one
+    # value, or the criteo preset's fixed columns
+    single = Schema(label="label", sparse=[FeatureSpec(name="tags", kind="string")],
+                    tables={"tags": TableSpec(dim=4, capacity=100)})
+    with pytest.raises(ConvertError, match=r"--split tags: the job reads it as one value"):
+        convert([str(path)], tmp_path / "single", ConvertOptions(fmt="csv", split={"tags": "|"}), schema=single)
+    with pytest.raises(ConvertError, match="--split tags: the criteo preset"):
+        convert([str(path)], tmp_path / "criteo", ConvertOptions(fmt="tsv", preset="criteo", split={"tags": "|"}))
+    assert not [p for d in ("single", "criteo") for p in (tmp_path / d).glob("part-*.parquet")]
 
 
 @pytest.mark.parametrize("name, ids", [

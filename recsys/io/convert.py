@@ -636,6 +636,15 @@ def convert(
 
 
 def _plan(opts: ConvertOptions, schema: Schema | None, passthrough, names, display) -> list[Column]:
+    if opts.split and opts.preset == "criteo":
+        raise ConvertError(f"--split {', '.join(sorted(opts.split))}: the criteo preset's columns hold single "
+                           "values; expected --split only without --preset")
+    if opts.split and schema is not None:
+        lists = {f.column for f in schema.sparse if f.multi_hot}
+        single = sorted(set(opts.split) - lists)
+        if single:
+            raise ConvertError(f"--split {', '.join(single)}: the job reads {'it' if len(single) == 1 else 'them'} "
+                               "as one value; expected --split only for a multi_hot feature's column")
     if opts.preset == "criteo":
         columns = criteo_columns()
         if schema is not None:  # the job may read fewer columns, with its own label kind
