@@ -220,6 +220,7 @@ def _assert_killed_and_resumed(data: Path, reference: Path, run_dir: Path, point
     assert_same_end(reference, run_dir)
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 def test_a_worker_killed_mid_write_under_torchrun_resumes_to_the_uninterrupted_result(tiny_data, torchrun_reference,
                                                                                       tmp_path):
     """``recsys train --nproc 2 --max-restarts 1``: rank 1 dies after writing one table's shard

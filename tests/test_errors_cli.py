@@ -106,6 +106,7 @@ def test_worker_without_launcher_prints_one_line(tiny, tmp_path):
     assert str(missing) in _one_error_line(out)
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 @pytest.mark.multiproc
 def test_a_workers_user_error_is_printed_once(tiny, tmp_path):
     """Data whose footers pass the launcher's checks but whose values the reader rejects in

@@ -215,6 +215,7 @@ def test_sigkilled_workers_restart_from_checkpoint_to_the_same_result(uninterrup
     assert_same_end(reference, job.run_dir)
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 def test_a_killed_worker_whose_rows_spill_resumes_over_its_earlier_rows_exactly(uninterrupted, tmp_path, redis_server):
     """Tables that spill, a worker SIGKILLed after a checkpoint: Redis keeps the killed
     attempt's rows, newer than the checkpoint among them. The resumed attempt rewrites or
@@ -299,7 +300,7 @@ def _assert_same_run(full: Path, resumed: Path, from_step: int) -> None:
             np.testing.assert_array_equal(ra[name][key], rb[name][key], err_msg=f"table {name} key {key}")
 
 
-@pytest.mark.parametrize("after_end", [pytest.param(0, id="at-the-short-ranks-last-batch"),
+@pytest.mark.parametrize("after_end", [pytest.param(0, id="at-the-short-ranks-last-batch", marks=pytest.mark.slow),
                                        pytest.param(1, id="one-empty-batch-later", marks=pytest.mark.slow)])
 def test_resume_where_one_rank_already_finished_the_epoch(tiny, tmp_path, after_end):
     """Two ranks with uneven shares: the checkpoint is taken when the short rank's data ran out

@@ -190,6 +190,7 @@ def test_the_wide_arms_weights_are_pushed_while_the_job_trains_and_served(tiny_d
     np.testing.assert_array_equal(np.array(reply["embeddings"], dtype=np.float32)[:, 0], want)
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 @pytest.mark.multiproc
 def test_two_ranks_publish_their_own_shards(tiny_data, tmp_path, redis_server):
     """recsys train --nproc 2: the live namespace ends with exactly the final rows, each rank's

@@ -143,6 +143,7 @@ def _reshard_body(rank: int, world: int, state):
     return mine, pooled
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 def test_state_saved_at_two_ranks_loads_at_one_and_three():
     saved = run_distributed(_sharded_body, 2, 0)
     full = {name: pa.concat_tables([s[name] for _, s in saved]) for name in saved[0][1]}

@@ -30,6 +30,7 @@ def test_answers_as_a_set_does(ops):
     _replay(ops)
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "add", "remove"]), st.lists(st.integers(0, 400), max_size=4)),
                 min_size=100, max_size=300))
@@ -57,6 +58,7 @@ def _replay(ops) -> None:
         _check(index, model, keys[:5])
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 def test_growth_is_spread_over_the_calls_around_it_and_loses_nothing(monkeypatch):
     """Past PREPARE_LOAD the next table is faulted in a share per call, then drained into a
     share per call; every answer stays the set's, and no call rebuilds the index."""

@@ -339,6 +339,7 @@ def test_optimizer_threads_change_no_number(tiny_data, tmp_path):
     assert losses(tmp_path / "one") == losses(tmp_path / "same")
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 def test_cli_train_two_processes_then_eval(tiny_data, tmp_path):
     run_dir = tmp_path / "cli"
     recsys = [sys.executable, "-m", "recsys.cli"]

@@ -424,6 +424,7 @@ def test_a_capacity_below_a_batchs_distinct_ids_is_one_line_naming_the_table(tin
     assert not (tmp_path / "run" / "checkpoints" / "latest").exists()
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 @pytest.mark.multiproc
 def test_a_capacity_below_a_batchs_distinct_ids_is_one_line_with_two_processes(tiny_data, tmp_path):
     """The same under torchrun (`--nproc 2`): one line (not one per rank, no torchrun

@@ -92,6 +92,7 @@ def test_a_bad_trial_is_pruned_and_a_restart_continues_the_study(tiny_data, spac
     assert again["complete"] + again["pruned"] == 3
 
 
+@pytest.mark.slow  # make test-slow, in CI: keeps make test under 20 minutes
 def test_two_processes_share_one_study_through_redis(tiny_data, space, tmp_path, redis_server):
     """`recsys tune --jobs 2 --storage redis://...`: two worker processes, each opening the
     study from the URL as another machine would, run a trial each; the trials are numbered
