@@ -641,10 +641,12 @@ def _plan(opts: ConvertOptions, schema: Schema | None, passthrough, names, displ
                            "values; expected --split only without --preset")
     if opts.split and schema is not None:
         lists = {f.column for f in schema.sparse if f.multi_hot}
+        read = {f.column for f in schema.sparse} | set(schema.dense) | {schema.label}
         single = sorted(set(opts.split) - lists)
         if single:
-            raise ConvertError(f"--split {', '.join(single)}: the job reads {'it' if len(single) == 1 else 'them'} "
-                               "as one value; expected --split only for a multi_hot feature's column")
+            how = "reads it as one value" if all(c in read for c in single) else "does not read it as a list"
+            raise ConvertError(f"--split {', '.join(single)}: the job {how}; expected --split only for a "
+                               "multi_hot feature's column")
     if opts.preset == "criteo":
         columns = criteo_columns()
         if schema is not None:  # the job may read fewer columns, with its own label kind
