@@ -194,9 +194,9 @@ def test_a_current_that_is_no_version_name_neither_stops_the_start_nor_the_servi
     cur = layout.current_key("recsys")
 
     def spoil():
-        if value == "hash":
-            client.delete(cur)
-            client.hset(cur, "a", "b")
+        if value == "hash":  # in one MULTI: a refresh between the two would see no current at all
+            with client.pipeline(transaction=True) as pipe:
+                pipe.delete(cur).hset(cur, "a", "b").execute()
         else:
             client.set(cur, value)
 
