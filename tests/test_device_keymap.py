@@ -127,6 +127,12 @@ def random_batch(rng, features, B, vocab, multi_max=3):
 FEATURES = [("u", "user", "sum"), ("i", "item", "sum"), ("h", "item", "mean"), ("g", "geo", "sum")]
 
 
+def three_tables(user: int, item: int, geo: int) -> dict[str, TableSpec]:
+    """``FEATURES``' tables (dim 4) with these capacities."""
+    return {"user": TableSpec(dim=4, capacity=user), "item": TableSpec(dim=4, capacity=item),
+            "geo": TableSpec(dim=4, capacity=geo)}
+
+
 def make(tables, cfg, features=FEATURES):
     return HostRef(tables, features, cfg), DeviceSparse(tables, features, cfg, "cpu")
 
@@ -139,8 +145,7 @@ def test_equal_to_host_store_on_eviction_heavy_trace(optimizer, wd):
     """Small capacities, so most steps evict: the same evicted keys, rows within 1e-6,
     equal counters and checkpoints (keys and last_seen exactly)."""
     cfg = StoreConfig(optimizer=optimizer, lr=0.05, weight_decay=wd, seed=3)
-    tables = {"user": TableSpec(dim=4, capacity=7), "item": TableSpec(dim=4, capacity=21),
-              "geo": TableSpec(dim=4, capacity=6)}
+    tables = three_tables(7, 21, 6)
     host, ds = make(tables, cfg)
     rng = np.random.default_rng(1)
     evictions = 0
@@ -168,8 +173,7 @@ def test_steps_before_any_table_is_full_skip_the_order_and_stay_exact():
     """Large capacities: the host bound says no table can be full, the order's ops are
     skipped; once it can, the order is sorted whole and eviction is exact again."""
     cfg = StoreConfig(seed=5)
-    tables = {"user": TableSpec(dim=4, capacity=40), "item": TableSpec(dim=4, capacity=60),
-              "geo": TableSpec(dim=4, capacity=30)}
+    tables = three_tables(40, 60, 30)
     host, ds = make(tables, cfg)
     rng = np.random.default_rng(2)
     skipped = 0
@@ -186,8 +190,7 @@ def test_steps_before_any_table_is_full_skip_the_order_and_stay_exact():
 
 def test_peek_and_pop_rows_match_the_host_store():
     cfg = StoreConfig(seed=2)
-    tables = {"user": TableSpec(dim=4, capacity=6), "item": TableSpec(dim=4, capacity=17),
-              "geo": TableSpec(dim=4, capacity=5)}
+    tables = three_tables(6, 17, 5)
     host, ds = make(tables, cfg)
     rng = np.random.default_rng(4)
     for step in range(8):
@@ -215,8 +218,7 @@ def test_peek_and_pop_rows_match_the_host_store():
 
 def test_checkpoints_load_both_ways_and_training_continues_equal():
     cfg = StoreConfig(optimizer="adam", lr=0.02, seed=9)
-    tables = {"user": TableSpec(dim=4, capacity=8), "item": TableSpec(dim=4, capacity=21),
-              "geo": TableSpec(dim=4, capacity=6)}
+    tables = three_tables(8, 21, 6)
     rng = np.random.default_rng(7)
     batches = [random_batch(rng, FEATURES, B=5, vocab=30) for _ in range(34)]
     Rs = [rng.standard_normal((5, len(FEATURES) * 4)).astype(np.float32) for _ in range(34)]
