@@ -37,7 +37,9 @@ Layout (device tensors)::
     last_step    int64 [X + 1]         the step of each cell's last access
     order        int64 [S + 1]         per table a block of its capacity: the cells it holds,
                                        oldest first by (last step, key as uint64), the rest X
-    acc          int64 [T, 6]          hits, misses, inserts, evictions, rows held, updated
+    acc          float64 [T, 6]        hits, misses, inserts, evictions, rows held, updated
+                                       (counted at the forward; the last columns of ``_l2``,
+                                       which the step's matmul writes: exact below 2**53)
 
 Every 64-bit value is a key (0 and negative ones too): occupancy is the table column. A
 row's slot is its index cell, so the arena has ``NB·(W+1)`` rows (the index is at most half
@@ -132,6 +134,16 @@ def fmix64_torch(x: torch.Tensor) -> torch.Tensor:
 
 
 _GOLD_CACHE: dict = {}
+_CONST_CACHE: dict = {}
+
+
+def _consts(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-d int64 ``MIN`` and ``C2`` on ``device`` (the last multiply of ``_odd_from_base``)."""
+    k = str(device)
+    if k not in _CONST_CACHE:
+        _CONST_CACHE[k] = (torch.tensor(_MIN, dtype=torch.int64, device=device),
+                           torch.tensor(_C2, dtype=torch.int64, device=device))
+    return _CONST_CACHE[k]
 
 
 def _gold(dim: int, device) -> torch.Tensor:
@@ -147,9 +159,11 @@ def _odd_from_base(base: torch.Tensor, dim: int) -> torch.Tensor:
 
     fmix64's last step (``h ^ (h >>> 33)``) leaves bits 33..63 as they are, so it is skipped;
     with the top bit flipped, the arithmetic shift gives ``k - 2^23`` signed, and
-    ``((y ^ MIN) >> 39) | 1`` is ``2 (k - 2^23) + 1``."""
-    y = _xorshift33(_xorshift33(base.unsqueeze(-1) + _gold(dim, base.device)) * _C1) * _C2
-    return ((y ^ _MIN) >> 39) | 1
+    ``((y ^ MIN) >> 39) | 1`` is ``2 (k - 2^23) + 1``; flipping the top bit is adding ``MIN``,
+    so the last multiply and the flip are one ``addcmul``."""
+    x = _xorshift33(_xorshift33(base.unsqueeze(-1) + _gold(dim, base.device)) * _C1)
+    min_t, c2_t = _consts(base.device)
+    return (torch.addcmul(min_t, x, c2_t) >> 39) | 1  # x·C2 ^ MIN is x·C2 + MIN (mod 2^64)
 
 
 def _rows_from_base(base: torch.Tensor, dim: int, bound: float) -> torch.Tensor:
@@ -172,7 +186,6 @@ class _Step:
     rows: torch.Tensor  # the leaf [N, D] (a view of ``ext``)
     ext: torch.Tensor  # the arena rows of the step [N, D + float state]
     upd: torch.Tensor  # cell of each sorted entry to update (X: none)
-    held_t: torch.Tensor  # rows updated per table
 
 
 class DeviceSparse:
@@ -242,7 +255,10 @@ class DeviceSparse:
                 self._int_state.append(c.name)
         self._views = views
         self.order = torch.full((S + 1,), X, dtype=torch.int64, device=dev)
-        self.acc = torch.zeros((T, len(_ACC)), dtype=torch.int64, device=dev)
+        # L2 of the per-table arithmetic (``_matrices``); its last columns are the accumulators
+        # (float64: exact below 2**53), so the step's matmul adds the step's counts to them
+        self._l2 = torch.zeros((T, 5 + len(_ACC)), dtype=torch.float64, device=dev)
+        self.acc = self._l2[:, 5:]
         self._bound = float(cfg.init_bound(D))
         self._scale = torch.tensor(self._bound / 16777216.0, dtype=torch.float64, device=dev)
         self._salt = torch.tensor([_signed(init_salt(n, cfg.seed)) ^ _MIN for n in self.names], dtype=torch.int64,
@@ -272,31 +288,38 @@ class DeviceSparse:
     def _matrices(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The per-table arithmetic as two integer matrices (used in float64, exact).
 
-        X1 columns: n (rows held), hits and new keys counted to the table's end, found_base,
-        new_base (counted before its start), off, C, 1 -> L1: m - f, m, 0, 0, n - h, avail
-        (h hits, m new keys, f = C - n free rows, avail = C - h); clamp(L1[0:2], L1[2:4],
-        L1[4:6]) = e, ins. X2 = X1 | L1 | e, ins | ub (n - h summed over the tables up to this
-        one) -> L2: avail + new_base, off + kept - found_base - new_base (kept = n - h - e) |
-        ub - (n - h) + e, S + off - 1, off + C - 1 | hits, new, ins, e, ins - e (the
-        accumulators' increments) | hits + new (rows updated)."""
-        S = self.S
-        n, he, me, fb, nb, off, C, one = range(8)
-        M1 = np.zeros((8, 6))
+        X1 columns: the six accumulators (``_ACC``; n = rows held is the fifth), hits and new
+        keys counted to the table's end, found_base, new_base (counted before its start), off,
+        C, 1 -> L1: m - f, m, 0, 0, n - h, avail (h hits, m new keys, f = C - n free rows,
+        avail = C - h); clamp(L1[0:2], L1[2:4], L1[4:6]) = e, ins. X2 = X1 | L1 | e, ins | ub
+        (n - h summed over the tables up to this one) -> L2: avail + new_base, off + kept -
+        found_base - new_base (kept = n - h - e) | Q = ub - (n - h) + e, S + off - 1 - Q,
+        off + C - 1 - Q | the six accumulators after the step: hits, new, ins, e, ins - e and
+        hits + new (rows updated) added. ``forward`` writes L2 into ``_l2``, whose last six
+        columns are ``acc``: the step's counts are accumulated by the matmul itself."""
+        S, A = self.S, len(_ACC)
+        acc = list(range(A))
+        n = acc[4]
+        he, me, fb, nb, off, C, one = range(A, A + 7)
+        X1 = A + 7
+        M1 = np.zeros((X1, 6))
         for j, col in enumerate([{me: 1, nb: -1, C: -1, n: 1}, {me: 1, nb: -1}, {}, {},
                                  {n: 1, he: -1, fb: 1}, {C: 1, he: -1, fb: 1}]):
             for i, v in col.items():
                 M1[i, j] = v
-        _, m, _, _, nh, avail, e, ins, ub = range(8, 17)
+        _, m, _, _, nh, avail, e, ins, ub = range(X1, X1 + 9)
+        q = {ub: 1, nh: -1, e: 1}
+        minus_q = {i: -v for i, v in q.items()}
         cols = [
             {avail: 1, nb: 1},  # 0 A: a new key is inserted while its rank + new_base < A
             {off: 1, nh: 1, e: -1, fb: -1, nb: -1},  # 1 P: order position = found + min(new, A) + P
-            {ub: 1, nh: -1, e: 1},  # 2 Q: untouched rank - Q = d (evicted while d <= 0)
-            {off: 1, one: S - 1},  # 3 kept at S + off - 1 + d
-            {off: 1, C: 1, one: -1},  # 4 evicted at off + C - 1 + d
-            {he: 1, fb: -1}, {m: 1}, {ins: 1}, {e: 1}, {ins: 1, e: -1},  # 5..9 increments
-            {he: 1, fb: -1, m: 1},  # 10 rows updated
+            q,  # 2 Q: an untouched entry is evicted while its count to the block's end is <= Q
+            _plus({off: 1, one: S - 1}, minus_q),  # 3 kept at S + off - 1 + (count - Q)
+            _plus({off: 1, C: 1, one: -1}, minus_q),  # 4 evicted at off + C - 1 + (count - Q)
+            {acc[0]: 1, he: 1, fb: -1}, {acc[1]: 1, m: 1}, {acc[2]: 1, ins: 1}, {acc[3]: 1, e: 1},  # 5.. acc
+            {acc[4]: 1, ins: 1, e: -1}, {acc[5]: 1, he: 1, fb: -1, m: 1},  # ..10 (rows held, rows updated)
         ]
-        M2 = np.zeros((17, len(cols)))
+        M2 = np.zeros((X1 + 9, len(cols)))
         for j, col in enumerate(cols):
             for i, v in col.items():
                 M2[i, j] = v
@@ -332,7 +355,10 @@ class DeviceSparse:
         if got is None:
             bag_table = self._feat_table.repeat_interleave(B).to(self.device)
             bag_mean = self._feat_mean.repeat_interleave(B).to(self.device)
-            got = self._bags[B] = (bag_table, bag_mean, 1 - bag_mean)
+            # the bags' offsets with the end of the last (include_last_offset): a leading 0,
+            # then the lengths' cumsum written after it each step
+            offs = torch.zeros(self.F * B + 1, dtype=torch.int64, device=self.device)
+            got = self._bags[B] = (bag_table, bag_mean, 1 - bag_mean, offs)
             if len(self._bags) > 8:
                 self._bags.pop(next(iter(self._bags)))
         return got
@@ -346,13 +372,13 @@ class DeviceSparse:
         bk = torch.remainder(base.unsqueeze(1) >> self._shifts, self.NB)
         return base, torch.add(self._arW, bk.unsqueeze(2), alpha=_STRIDE)
 
-    def _assign(self, cells: torch.Tensor, free: torch.Tensor, base: torch.Tensor, live: torch.Tensor,
-                ar: torch.Tensor) -> torch.Tensor:
+    def _assign(self, cells: torch.Tensor, free: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
         """Return the cell of each ``live`` key (distinct keys absent from the index), X for the
         others: ``ROUNDS`` static rounds of proposals to the two buckets (``cells`` [n, 2, W]),
         ``free`` [n, 2, W] their free ways now.
 
-        A key starts at the bucket with more free ways (ties by a bit of its hash). In every
+        A key starts at the bucket with more free ways (ties: its first bucket, which is as
+        uniform a choice as any, so a tie-break bit would change nothing). In every
         round each key without a way proposes to its bucket; the keys already accepted there
         rank first (sort value: the bucket's first cell), the proposers after them (that cell
         + 1: the buckets' first cells are W + 1 apart), each group in (table, key) order (the
@@ -362,13 +388,13 @@ class DeviceSparse:
         ranks are distinct ways. A key that is refused in every round gets way W, its bucket's
         dead cell (``counters()`` raises)."""
         n, W = cells.shape[0], WAYS
-        # [W + 1, 2, n]: the free ways counted up to each way, then the bucket's first cell
-        # (X for the entries that place no key), both buckets side by side; a round's bucket is
-        # one where, and its rows are contiguous
+        # [W + 1, 2, n]: the free ways counted up to each way (the last: all of them), then the
+        # bucket's first cell (X for the entries that place no key), both buckets side by side;
+        # a round's bucket is one where, and its rows are contiguous
         cs = free.cumsum(2)
-        cf = torch.cat([cs.permute(2, 1, 0), torch.where(live, cells[:, :, 0].T, self._k[self.X]).unsqueeze(0),
-                        (cs[:, :, W - 1].T - HEADROOM).unsqueeze(0)], 0)
-        side = (cs[:, 1, W - 1] + (base < 0)) > cs[:, 0, W - 1]
+        cf = torch.cat([cs.permute(2, 1, 0), torch.where(live, cells[:, :, 0].T, self._k[self.X]).unsqueeze(0)], 0)
+        side = cs[:, 1, W - 1] > cs[:, 0, W - 1]
+        a = self._arange(n + HEADROOM)
         rank = cell = x = None
         for r in range(ROUNDS):
             x = torch.where(side, cf[:, 1], cf[:, 0])  # [W + 1, n]
@@ -376,9 +402,12 @@ class DeviceSparse:
             v = cell if r == 0 else cell + prop
             sv, sp = torch.sort(v, stable=True)
             start = torch.searchsorted(sv, cell)
-            rank = sv.index_put_((sp,), ar[:n]) - start  # sv is spent
+            # the first round's ranks count from HEADROOM (so they meet the free ways HEADROOM
+            # early); the last round's, which choose the way, from 0
+            ar = a[HEADROOM:n + HEADROOM] if r == 0 and r + 1 < ROUNDS else a[:n]
+            rank = sv.index_put_((sp,), ar) - start  # sv is spent
             if r + 1 < ROUNDS:
-                prop = rank >= x[W + 1 if r == 0 else W - 1]
+                prop = rank >= x[W - 1]
                 side = side ^ prop
         # way: the free ways up to it (counted) exceed the rank; W when none (the dead cell)
         way = (x[:W] <= rank).sum(0)
@@ -399,16 +428,15 @@ class DeviceSparse:
         if N == 0:
             raise ValueError("DeviceSparse: a step without keys")
         evict_ops = self._may_evict(N)
-        bag_table, bag_mean, bag_sum = self._bag_static(B)
+        bag_table, bag_mean, bag_sum, offsets = self._bag_static(B)
         ar = self._arange(N)
         kb, zb, hb, ib = self._buffers(N)
         k = self._k
         keys = keys.to(self.device)
         lengths = lengths.to(self.device)
-        csum = torch.cumsum(lengths, 0)  # int64 whatever the lengths' integer type
+        csum = torch.cumsum(lengths, 0, out=offsets[1:])  # int64 whatever the lengths' integer type
         bag = torch.searchsorted(csum, ar, right=True)
         tid = bag_table.index_select(0, bag)
-        offsets = csum - lengths
         # dedup: by (table, key as uint64)
         kf = keys ^ _MIN
         sk1, p1 = torch.sort(kf, stable=True)
@@ -432,20 +460,20 @@ class DeviceSparse:
         torch.cumsum(q, 0, dtype=torch.int64, out=zb[1:])  # zb[i]: counts before sorted position i
         zq = zb[:-1]
         base_t = zb.index_select(0, torch.searchsorted(st, self._arT1))  # [T+1, 2]
-        x1 = torch.cat([self.acc[:, 4:5], base_t[1:], base_t[:-1], self._static_T], 1)  # float64
+        x1 = torch.cat([self.acc, base_t[1:], base_t[:-1], self._static_T], 1)  # float64
         l1 = x1 @ self._M1
         ce = torch.clamp(l1[:, 0:2], l1[:, 2:4], l1[:, 4:6])  # e, ins
         x2 = torch.cat([x1, l1, ce, l1[:, 4].cumsum(0).unsqueeze(1)], 1)
-        l2 = (x2 @ self._M2).to(torch.int64)
+        torch.mm(x2, self._M2, out=self._l2)  # and the accumulators (its last columns) advance
+        l2 = self._l2[:, :5].to(torch.int64)
         pu = l2[:, 0:2].index_select(0, st)  # A, P of the entry's table
         self.last_step.index_fill_(0, hb, step)  # found cells (a repeat's too: the same cell)
         if evict_ops:
             self._compact(l2[:, 2:5], step)
-        self.acc[:, 0:5].add_(l2[:, 5:10])
         ins = new & (zq[:, 1] < pu[:, 0])
         # new keys: free ways counted after the evictions (a second gather), then the rounds
         free = (self.index[:, 1][cells2] < 0).view(N, 2, W)
-        tgt = self._assign(cells, free, base, ins, ar)
+        tgt = self._assign(cells, free, ins)
         self.index.index_put_((tgt,), kt)
         self.last_step.index_fill_(0, tgt, step)
         torch.mul(_odd_from_base(base, D), self._scale, out=ib[:, :D])  # the initial rows (float64 product)
@@ -462,24 +490,26 @@ class DeviceSparse:
         if self._any_mean:
             scale = torch.addcdiv(bag_sum, bag_mean, lengths).index_select(0, bag)  # 1 / length or 1
             psw = scale if psw is None else psw * scale
-        pooled = torch.nn.functional.embedding_bag(inv, rows, offsets, mode="sum", per_sample_weights=psw)
+        pooled = torch.nn.functional.embedding_bag(inv, rows, offsets, mode="sum", per_sample_weights=psw,
+                                                 include_last_offset=True)
         self._step = step
-        self._pending = _Step(step, rows, ext, upd, l2[:, 10])
+        self._pending = _Step(step, rows, ext, upd)
         return pooled.view(F, B, D).transpose(0, 1).reshape(B, F * D)
 
     def _compact(self, ps: torch.Tensor, step: int) -> None:
         """Drop touched and evicted entries from every table's order block (cumsum
         compaction); evicted cells leave the index. ``ps`` [T, 3]: Q (an untouched entry is
-        evicted while its rank among the untouched entries to its block's end, less Q, is at
-        most 0), S + off - 1 and off + C - 1. The scatter's target holds two halves: the
+        evicted while its count of untouched entries to its block's end, c, is at most Q),
+        S + off - 1 - Q and off + C - 1 - Q (its position, less c, kept or evicted). The
+        scatter's target holds two halves: the
         evicted cells land at the end of their table's block in the first, the kept ones at
         its start in the second (the new order)."""
         S = self.S
         order = self.order[:S]
         p = ps.index_select(0, self._seg)
         unt = self.last_step.index_select(0, order) != step  # X was touched: empty entries too
-        d = unt.cumsum(0) - p[:, 0]
-        pos = torch.where(unt, d + torch.where(d > 0, p[:, 1], p[:, 2]), self._k[2 * S])
+        c = unt.cumsum(0)
+        pos = torch.where(unt, c + torch.where(c > p[:, 0], p[:, 1], p[:, 2]), self._k[2 * S])
         new_order = torch.full((2 * S + 1,), self.X, dtype=torch.int64, device=self.device)
         new_order.index_put_((pos,), order)
         self.index[:, 1].index_fill_(0, new_order[:S], -1)
@@ -526,7 +556,6 @@ class DeviceSparse:
             self.arena.index_put_((p.upd,), ext)
             for name, t in ints.items():
                 self.state[name].index_put_((p.upd,), t)
-            self.acc[:, 5].add_(p.held_t)
 
     # ------------------------------------------------------------------ reads
 
@@ -694,8 +723,7 @@ class DeviceSparse:
             m = k.shape[0]
             base, cells = self._cells_of(k, t)
             free = (self.index[:, 1][cells.view(m, 2 * W)] < 0).view(m, 2, W)
-            tgt = self._assign(cells, free, base, torch.ones(m, dtype=torch.bool, device=self.device),
-                               self._arange(m))
+            tgt = self._assign(cells, free, torch.ones(m, dtype=torch.bool, device=self.device))
             if bool((tgt % _STRIDE == W).any()):
                 raise RuntimeError("DeviceSparse: keys found no free way in their two buckets (an internal error)")
             self.index.index_put_((tgt,), torch.stack([k, t], 1))
@@ -714,6 +742,15 @@ class DeviceSparse:
         order[pos] = cells
         self.order = torch.as_tensor(order, device=self.device)
         self._order_valid = True
+
+
+def _plus(*cols: dict) -> dict:
+    """The sum of matrix columns given as {row: coefficient}."""
+    out: dict = {}
+    for col in cols:
+        for i, v in col.items():
+            out[i] = out.get(i, 0) + v
+    return out
 
 
 def _tensor(a: np.ndarray, device) -> torch.Tensor:
