@@ -25,7 +25,14 @@ its optimizer are not part of it):
   and compute nothing: its time per step is the host's cost with the device's work taken
   out, the estimate of a launch-bound GPU step. It runs only when every shape is static; a
   step with an op whose output depends on the data (found by the counter on the first
-  step, or an op that refuses meta tensors) is reported as not measurable that way.
+  step, or an op that refuses meta tensors) is reported as not measurable that way. Meta
+  kernels are slow to dispatch on some torch versions (slower than the CPU device's on small
+  inputs), so meta's time is an upper bound of the host's share.
+- the **dispatch floor** runs each arm's same code, tables and features on the CPU device with
+  the device work made small (``floor_batch`` rows a step, at most ``floor_capacity`` rows a
+  table, so every table evicts): what remains is the host's Python, dispatch and key work per
+  step, the tighter estimate of a launch-bound GPU step's host time (its tiny kernels
+  included, so still an upper bound of the host's share); one intra-op thread.
 
 Arms (each with the job's schema, and with every table doubled: 2 × T tables and features,
 each feature's ids repeated under its copy's name, to show how ops grow with tables):
@@ -335,6 +342,10 @@ class Settings:
     """Also run every arm with every table doubled."""
     device_memory_gb: float = 64.0
     """Arm (1)'s ``store.device.memory_gb``: a cap, not an allocation; must hold every table."""
+    floor_batch: int = 64
+    """The dispatch floor's rows per step (0: no floor run)."""
+    floor_capacity: int = 2048
+    """The dispatch floor's rows per table (at most: a smaller table keeps its own)."""
 
     @property
     def batches(self) -> int:
@@ -583,7 +594,12 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
                           **run_arm(keymap_step(schema, job.store, batches), s)}
         else:
             arms[name] = {"skipped": missing}
+    floor = dispatch_floor(root, s, missing is None) if s.floor_batch else {}
     comparisons = []
+    if "keymap" in floor and "whole_device" in floor:
+        comparisons.append(bench.comparison(
+            f"dispatch-floor steps/s (B {s.floor_batch}), key map vs whole-device",
+            1e3 / floor["keymap"]["cpu_ms_per_step"], 1e3 / floor["whole_device"]["cpu_ms_per_step"], "steps/s"))
     for suffix in [v[0] for v in variants]:
         a, b = (f"{n}{'_' + suffix if suffix else ''}" for n in ("keymap", "whole_device"))
         if "skipped" in arms[a]:
@@ -597,9 +613,43 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
             comparisons.append(bench.comparison(f"meta (host) steps/s, key map vs whole-device{tag}",
                                                 1e3 / ma["host_ms_per_step"], 1e3 / mb["host_ms_per_step"],
                                                 "steps/s"))
-    return {"comparisons": comparisons, "arms": arms, "notes": report(arms),
+    return {"comparisons": comparisons, "arms": arms, "floor": floor, "notes": report(arms) + report_floor(floor, s),
             "settings": {**dataclasses.asdict(s), "data": str(root), "read_s": round(read_s, 3),
                          "torch_threads": torch.get_num_threads(), "versions": bench.versions()}}
+
+
+def dispatch_floor(root: Path, s: Settings, with_keymap: bool) -> dict:
+    """Return each arm's figures at the dispatch floor (module doc): ``s.floor_batch`` rows a
+    step from the same data, every table at most ``s.floor_capacity`` rows, no meta run."""
+    fs = dataclasses.replace(s, batch_size=s.floor_batch)
+    job = load_step_job(root, fs, f"store.device.memory_gb={float(s.device_memory_gb)}", "store.device.cache_rows=0")
+    schema = job.schema.replace(tables={name: dataclasses.replace(spec, capacity=min(spec.capacity, s.floor_capacity))
+                                        for name, spec in job.schema.tables.items()})
+    batches = read_batches(job, fs.batches)
+    # one intra-op thread: a launch-bound step's host work is one thread's dispatch, and at
+    # these sizes a second thread only adds its wake-ups (on a shared host, its waits)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {"whole_device": {"tables": len(schema.tables),
+                                **run_arm(whole_device_step(schema, job.store, batches), fs, meta=False)}}
+        if with_keymap:
+            out["keymap"] = {"tables": len(schema.tables),
+                             **run_arm(keymap_step(schema, job.store, batches), fs, meta=False)}
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def report_floor(floor: dict, s: Settings) -> list[str]:
+    """Return the dispatch floor's lines (``dispatch_floor``)."""
+    lines = []
+    for name, arm in floor.items():
+        p = arm["per_step"]
+        lines.append(f"dispatch floor, {name} (B {s.floor_batch}, tables <= {s.floor_capacity} rows): host ms/step "
+                     f"{arm['cpu_ms_per_step']:.3f} (min {arm['cpu_ms_min_max'][0]:.3f}; outside torch ops "
+                     f"{arm['outside_ops_ms']:.3f}); ops/step {p['ops']:g}, sync-forcing {p['sync_forcing']:g}")
+    return lines
 
 
 def report(arms: dict) -> list[str]:

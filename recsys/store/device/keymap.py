@@ -280,6 +280,7 @@ class DeviceSparse:
         self._pending: _Step | None = None
         self._bound_held = [0] * T  # an upper bound of each table's rows, known without the device
         self._order_valid = False
+        self._order_base = self._order_spare = None  # the compaction's two buffers (``_compact``)
         self._host = {"rows_in": [0] * T, "rows_out": [0] * T}
         self.schemas = {n: arrow_schema(n, D, cfg) for n in self.names}
 
@@ -510,9 +511,15 @@ class DeviceSparse:
         unt = self.last_step.index_select(0, order) != step  # X was touched: empty entries too
         c = unt.cumsum(0)
         pos = torch.where(unt, c + torch.where(c > p[:, 0], p[:, 1], p[:, 2]), self._k[2 * S])
-        new_order = torch.full((2 * S + 1,), self.X, dtype=torch.int64, device=self.device)
+        new_order = self._order_spare
+        if new_order is None:
+            new_order = torch.empty((2 * S + 1,), dtype=torch.int64, device=self.device)
+        new_order.fill_(self.X)
         new_order.index_put_((pos,), order)
         self.index[:, 1].index_fill_(0, new_order[:S], -1)
+        # the buffer the old order lives in is the next compaction's target: two buffers taking
+        # turns, not a fresh 2S + 1 each step (which the CPU device pays in page faults)
+        self._order_spare, self._order_base = self._order_base, new_order
         self.order = new_order[S:]
 
     def _may_evict(self, n: int) -> bool:
@@ -741,6 +748,8 @@ class DeviceSparse:
         order = np.full(self.S + 1, self.X, dtype=np.int64)
         order[pos] = cells
         self.order = torch.as_tensor(order, device=self.device)
+        if self._order_base is not None:  # the old order's buffer is free now
+            self._order_spare, self._order_base = self._order_base, None
         self._order_valid = True
 
 
