@@ -346,6 +346,29 @@ def test_split_reads_a_delimited_csv_column_as_a_list_with_a_jobs_schema(tmp_pat
     assert not [p for d in ("single", "criteo") for p in (tmp_path / d).glob("part-*.parquet")]
 
 
+def test_a_bad_piece_in_a_split_column_is_a_bad_row_with_its_file_and_line(tmp_path):
+    """A piece that is not the list's type (`x` in an int64 list) makes its row a bad row like
+    any other: with --bad-rows skip it is left out and counted, naming its file and line (the
+    rows after it keep theirs); with error the conversion stops there, nothing written."""
+    schema = Schema(label="label", sparse=[FeatureSpec(name="tags", kind="int64", multi_hot=True)],
+                    tables={"tags": TableSpec(dim=4, capacity=100)})
+    path = tmp_path / "in.csv"
+    path.write_text('label,tags\n1,3|4\n0,5|x\n1,8|9\n0,7\n')
+    out = tmp_path / "out"
+    report = convert([str(path)], out, ConvertOptions(fmt="csv", split={"tags": "|"}, bad_rows="skip"),
+                     schema=schema)
+    assert _read_dir(out).column("tags").to_pylist() == [[3, 4], [8, 9], [7]]
+    assert report["bad_rows"] == 1
+    listed = report["bad_rows_listed"]
+    assert [(b["line"], b["column"], b["found"]) for b in listed] == [(3, "tags", "'x'")]
+    assert listed[0]["file"].endswith("in.csv") and "int64 values between '|'" in listed[0]["expected"]
+    with pytest.raises(ConvertError, match=r"in\.csv: line 3: column 'tags': expected int64 values between '\|', "
+                                           r"found 'x'.*nothing was written"):
+        convert([str(path)], tmp_path / "stopped", ConvertOptions(fmt="csv", split={"tags": "|"}, bad_rows="error"),
+                schema=schema)
+    assert not list((tmp_path / "stopped").glob("part-*.parquet"))
+
+
 @pytest.mark.parametrize("name, ids", [
     ("item", True), ("user_id", True), ("userId", True), ("userid", True), ("zip_code", True), ("ad_campaign", True),
     ("user_age", False), ("item_price", False), ("page_views", False), ("session_length", False), ("paid", False),

@@ -684,18 +684,21 @@ def _parse_block(parser: _Parser, block: bytes, first: int, display: str, opts: 
         parser.columns = [Column(f.name, _widen(f.type)) for f in inferred]
     table, skipped, error = parser.parse(block)
     bad: list[tuple[int, str | None, str, str]] = []
+    line_of = None  # the block line of each row of ``table`` (None: the same index)
     if table is not None and not skipped:
         bad = parser.check(table)
         if bad:  # rows are the block's lines one to one here
             mask = [True] * table.num_rows
             for r, *_ in bad:
                 mask[r] = False
+            line_of = np.flatnonzero(mask)
             table = table.filter(pa.array(mask))
     elif table is not None or error is not None:
         bad = parser.scan(block)
         lines = block.split(b"\n")
         bad_idx = {i for i, *_ in bad}
         good = b"".join(line + b"\n" for i, line in enumerate(lines[:-1]) if i not in bad_idx)
+        line_of = np.array([i for i in range(len(lines) - 1) if i not in bad_idx], dtype=np.int64)
         table, skipped, error = parser.parse(good) if good else (None, 0, None)
         if good and (error is not None or skipped or parser.check(table)):
             why = error or f"{skipped} rows with a wrong field count"
@@ -703,6 +706,14 @@ def _parse_block(parser: _Parser, block: bytes, first: int, display: str, opts: 
                                f"found {why}") from None
         if table is None:
             table = pa.table({c.name: pa.array([], c.type) for c in parser.columns})
+    pieces_bad = _bad_pieces(table, parser.columns)
+    if pieces_bad:  # a row whose list field holds a piece of the wrong type is a bad row too
+        at = np.arange(table.num_rows) if line_of is None else line_of
+        mask = np.ones(table.num_rows, dtype=bool)
+        for r, *_ in pieces_bad:
+            mask[r] = False
+        table = table.filter(pa.array(mask))
+        bad = sorted(bad + [(int(at[r]), c, e, f) for r, c, e, f in pieces_bad], key=lambda b: b[0])
     if bad:
         rows = [BadRow(display, first + r, c, e, f) for r, c, e, f in bad]
         stats["bad_rows"] += len(rows)
@@ -714,6 +725,42 @@ def _parse_block(parser: _Parser, block: bytes, first: int, display: str, opts: 
         room = BAD_ROWS_KEPT - len(bad_kept)
         bad_kept.extend(rows[: max(room, 0)])
     return _split_lists(table.select([c.name for c in parser.columns]), parser.columns)
+
+
+def _bad_pieces(table: pa.Table, columns: list[Column]) -> list[tuple[int, str, str, str]]:
+    """Return (row, column, expected, found) for each row of ``table`` whose split column holds
+    a piece that is not a ``list_type`` value (the first such piece of the row)."""
+    out: dict[int, tuple[int, str, str, str]] = {}
+    for c in columns:
+        if not c.split or pa.types.is_string(c.list_type) or pa.types.is_large_string(c.list_type):
+            continue
+        lists = pc.split_pattern(table.column(c.name).combine_chunks(), pattern=c.split)
+        pieces = pc.utf8_trim_whitespace(lists.values)
+        try:
+            pc.cast(pieces.filter(pc.fill_null(pc.not_equal(pieces, ""), False)), c.list_type)
+            continue
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            pass
+        starts = lists.offsets.to_numpy()
+        texts = pieces.to_pylist()
+        step = 1024  # cast in slices; only a failing slice is cast piece by piece
+        for s0 in range(0, len(texts), step):
+            chunk = texts[s0:s0 + step]
+            try:
+                pc.cast(pa.array([t for t in chunk if t], pa.string()), c.list_type)
+                continue
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                pass
+            for j, t in enumerate(chunk):
+                if not t:
+                    continue
+                try:
+                    pc.cast(pa.array([t], pa.string()), c.list_type)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    row = int(np.searchsorted(starts, s0 + j, side="right") - 1)
+                    if row not in out:
+                        out[row] = (row, c.name, f"{c.list_type} values between {c.split!r}", repr(t))
+    return sorted(out.values())
 
 
 def _split_lists(table: pa.Table, columns: list[Column]) -> pa.Table:
