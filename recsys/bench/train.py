@@ -320,6 +320,9 @@ class Peer:
 
         if job.store.optimizer != "rowwise_adagrad":
             raise ValueError(f"the peer runs fused row-wise Adagrad; the job's store uses {job.store.optimizer}")
+        if job.model.heads != 1:
+            raise ValueError(f"the peer's model is traced by torch.fx, which runs one head; the job has "
+                             f"model.heads = {job.model.heads}, expected 1 for the torchrec arm")
         if dist.is_initialized():
             raise RuntimeError("the train benchmark needs a process without a torch.distributed group")
         schema, tc, sc = job.schema, job.train, job.store
@@ -360,7 +363,7 @@ class Peer:
                 if self.perm is not None:
                     pooled = pooled[:, self.perm]
                 logits = self.dense_model(batch.dense, pooled)
-                loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+                loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)  # fx-traced: one head
                 return loss, logits.detach()
 
         self._port = free_port()
@@ -512,13 +515,13 @@ class Limit:
         """Train ``n`` more steps."""
         import torch
 
-        from recsys.train.loop import torch_threads
+        from recsys.train.loop import bce, torch_threads
 
         t0 = time.perf_counter()
         for _ in range(n):
             dense, pooled, labels = self.batches[self.steps % len(self.batches)]
             logits = self.model(dense, pooled)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+            loss = bce(logits, labels)
             self.opt.zero_grad(set_to_none=False)
             loss.backward()
             with torch_threads(self.optimizer_threads):

@@ -415,10 +415,12 @@ class PlainTorch(_Segments):
     def _step(self) -> None:
         import torch
 
+        from recsys.train.loop import bce
+
         batch = next(self._batches)
         dense, labels = batch.dense.to(self.device), batch.labels.to(self.device)
         logits = self.model(dense, self.pooled(batch.sparse))
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+        loss = bce(logits, labels)
         self.sparse_opt.zero_grad()
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
@@ -526,8 +528,10 @@ class DeviceLimit(_Segments, Limit):
     def _step(self) -> None:
         import torch
 
+        from recsys.train.loop import bce
+
         dense, pooled, labels = self.batches[self.steps % len(self.batches)]
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(self.model(dense, pooled), labels)
+        loss = bce(self.model(dense, pooled), labels)
         self.opt.zero_grad(set_to_none=False)
         loss.backward()
         self.opt.step()

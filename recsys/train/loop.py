@@ -134,15 +134,20 @@ def torch_threads(n: int):
 
 
 def _loss(logits: torch.Tensor, batch) -> torch.Tensor:
+    return bce(logits, batch.labels, batch.weights)
+
+
+def bce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
     """Binary cross-entropy of a batch: the mean over rows, or with sample weights
     (``schema.weight``) the mean of w·l over rows, Σ w·l / B (as torch's ``weight`` and
     Keras's ``sample_weight`` do). Not Σ w·l / Σ w: each rank's loss is averaged by DDP, and
     only a per-row normalization makes that average the global batch's, so 2 ranks equal 1.
-    With ``model.heads`` K > 1 (``logits`` [B, K]): the mean of the K heads' losses."""
-    labels = per_head(batch.labels, logits)
-    if batch.weights is None:
+    With ``model.heads`` K > 1 (``logits`` [B, K]): the mean of the K heads' losses. The
+    training loop's loss, and the benches' (``recsys.bench.train``, ``train_gpu``)."""
+    labels = per_head(labels, logits)
+    if weights is None:
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
-    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=per_head(batch.weights, logits))
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=per_head(weights, logits))
 
 
 def lr_lambda(cfg, total_steps: int | None):
