@@ -123,6 +123,26 @@ def test_paired_difference_and_its_interval_against_scipy():
     assert np.isnan(quality.paired_difference([0.7], [0.6])["low"])  # one split: no interval
 
 
+def test_a_tuned_job_that_trains_on_training_and_validation_files_pooled_keeps_them_pooled_on_every_split(tmp_path):
+    """A cross-validated study's best.toml trains on a set's training and validation files
+    pooled, with none for validation: on split k it reads split k's two, pooled; the hand job
+    keeps them apart."""
+    from recsys.config import dumps, load_job
+
+    hand = quality.ROOT / quality.SETS["fair"].job
+    best = tmp_path / "best.toml"
+    best.write_text(dumps(load_job(hand, [
+        "data.train.paths=['data/quality/fair/train', 'data/quality/fair/validation']", "data.validation.paths=[]",
+        "train.eval.every_epochs=0", "train.eval.keep_best=''", "train.eval.early_stopping_patience=0"])))
+    root = tmp_path / "fair-split3"
+    got = load_job(best, quality.split_overrides(root, best))
+    assert list(got.data.train.paths) == [str(root / "train"), str(root / "validation")]
+    assert not got.data.validation.paths and list(got.data.eval.paths) == [str(root / "eval")]
+    kept = load_job(hand, quality.split_overrides(root, hand))
+    assert list(kept.data.train.paths) == [str(root / "train")]
+    assert list(kept.data.validation.paths) == [str(root / "validation")]
+
+
 @pytest.mark.slow  # ~30-80 s: four quick trainings and baselines; make test ran 20:05 of pytest on 2026-11-27
 def test_repeated_splits_shuffle_by_split_and_pair_each_model(tmp_path, monkeypatch):
     """Two quick random splits of fair: split k is the set shuffled with seed k (split 0 the

@@ -46,20 +46,23 @@ def _row_ids(cfg, schema) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize("k", [3, 5])
-def test_the_folds_partition_the_training_rows_exactly_once(tiny_data, k):
+@pytest.mark.parametrize("k, pooled", [(3, False), (5, False), (3, True)])
+def test_the_folds_partition_the_training_rows_exactly_once(tiny_data, k, pooled):
     """Fold j validates on the j-th slice and trains on the rest; over the k folds every
-    training row is validated on exactly once, and no fold trains on a row it validates on."""
+    training row is validated on exactly once, and no fold trains on a row it validates on.
+    Pooled (a job with validation files of its own): the rows of both sets of files."""
     import pyarrow.dataset as ds
 
     from recsys.config import JobConfig, apply_overrides, from_dict, read_toml
     from recsys.train.loop import read_splits
     from recsys.tune.run import fold_sets
 
-    everything = ds.dataset(tiny_data / "train").to_table(columns=["row_id"]).column("row_id").to_pylist()
+    dirs = [tiny_data / "train"] + ([tiny_data / "eval"] if pooled else [])
+    everything = [i for d in dirs for i in ds.dataset(d).to_table(columns=["row_id"]).column("row_id").to_pylist()]
+    paths = tuple(str(d) for d in dirs) if pooled else ()
     validated: list[int] = []
     for j in range(k):
-        data = apply_overrides(read_toml(JOB), _sets(tiny_data) + fold_sets(j, k), JobConfig)
+        data = apply_overrides(read_toml(JOB), _sets(tiny_data) + fold_sets(j, k, paths), JobConfig)
         job = from_dict(JobConfig, data, "fold")
         train_cfg, val_cfg = read_splits(job)
         train, val = _row_ids(train_cfg, job.schema), _row_ids(val_cfg, job.schema)
@@ -81,12 +84,16 @@ def test_auto_cross_validates_a_small_validation_split_only(tiny_data, tmp_path)
     assert auto.study.user_attrs["cv_folds"] == CV_FOLDS
     with pytest.raises(UserError, match="scores trials over 5 folds"):  # the study's trials must compare
         ctx("off")
+    # a small validation split of its own files: folded with the training files, pooled
     separate = [f"data.validation.paths=['{tiny_data / 'eval'}']", "train.eval.validation_fraction=0"]
     (tmp_path / "o" / "study.journal").unlink()
-    assert ctx("auto", *separate).folds == 0  # a validation split of its own: never folded
+    own = ctx("auto", *separate)
+    assert own.folds == CV_FOLDS and own.pooled == (str(tiny_data / "train"), str(tiny_data / "eval"))
+    assert 0 < own.validation_rows < 20_000
     (tmp_path / "o" / "study.journal").unlink()
-    with pytest.raises(UserError, match="carves its folds out of the training files"):
-        ctx("3", *separate)
+    assert ctx("3", *separate).folds == 3
+    (tmp_path / "o" / "study.journal").unlink()
+    assert ctx("off", *separate).folds == 0
     with pytest.raises(UserError, match="--cv must be auto, off or a number of folds"):
         ctx("1")
 
@@ -131,6 +138,31 @@ def test_a_tune_with_three_folds_scores_by_their_mean_and_trains_best_on_every_r
     with (out / "trials.csv").open() as fh:
         rows = list(csv.DictReader(fh))
     assert rows[0]["folds"] == "3" and float(rows[0]["std"]) == pytest.approx(std)
+
+
+def test_a_job_with_validation_files_of_its_own_is_folded_over_both_and_best_trains_on_both(tiny_data, space,
+                                                                                             tmp_path):
+    """Its own small validation files: each fold trains and validates within the training and
+    validation files pooled (no validation files of its own); best.toml trains on all of them."""
+    from recsys.config import load_job
+    from recsys.tune.run import TuneOptions, tune
+
+    out = tmp_path / "tuned"
+    lines: list[str] = []
+    pooled = [str(tiny_data / "train"), str(tiny_data / "eval")]
+    sets = _sets(tiny_data) + [f"data.validation.paths=['{tiny_data / 'eval'}']", "train.eval.validation_fraction=0",
+                               "train.epochs=1", "train.eval.every_epochs=1", "train.eval.keep_best='auc'"]
+    summary = tune(TuneOptions(config=str(JOB), out=str(out), space=str(space), sets=sets, trials=1, cv="3",
+                               pruner="none", seed=0, progress=False), log=lines.append)
+    assert summary["complete"] == 1 and summary["cv_folds"] == 3
+    assert any("over the training and validation files pooled" in x for x in lines), lines
+    for j in range(3):
+        fold = load_job(out / "trials" / "0" / f"fold-{j}" / "config.toml")
+        assert list(fold.data.train.paths) == pooled and not fold.data.validation.paths
+        assert fold.data.train.holdout_fold == j and fold.train.eval.validation_fraction == pytest.approx(1 / 3)
+    best = load_job(out / "best.toml")
+    assert list(best.data.train.paths) == pooled and not best.data.validation.paths
+    assert best.train.eval.validation_fraction == 0 and best.train.eval.keep_best == ""
 
 
 def _folds_stub(scores: dict[int, list[float]], calls: list):

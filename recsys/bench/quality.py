@@ -309,6 +309,8 @@ def train_ours(job_path: Path, seed: int, run_dir: Path, overrides: list[str]) -
     finally:
         trainer.close()
     best = run_dir / "checkpoints" / "best"
+    if not job.train.eval.keep_best:  # a job without a validation split (a cross-validated best.toml)
+        best = run_dir / "checkpoints" / "latest"
     scored = evaluate_checkpoint(best, data=list(job.data.eval.paths))
     return {"auc": scored["auc"], "log_loss": scored["log_loss"], "best_step": result.get("best", {}).get("step"),
             "best_validation_auc": result.get("best", {}).get("value"), "steps": result["step"],
@@ -586,8 +588,7 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
             s = SETS[name]
             root = prepare(s)
             job_path = ROOT / s.job
-            overrides = [f"data.train.paths=['{root / 'train'}']", f"data.validation.paths=['{root / 'validation'}']",
-                         f"data.eval.paths=['{root / 'eval'}']"]
+            overrides = split_overrides(root)
             if quick:
                 overrides += [f"train.epochs={QUICK_EPOCHS}"]
         if threads is not None:
@@ -597,8 +598,10 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
         ours = [train_ours(job_path, seed, out_root / name / f"seed-{seed}", overrides) for seed in seeds]
         ours_s = time.perf_counter() - t0
         best_job = tuned_job(name) if tuned and name != "synthetic" else None
-        ours_tuned = ([train_ours(best_job, seed, out_root / name / f"tuned-seed-{seed}", overrides) for seed in seeds]
-                      if best_job is not None else None)
+        tuned_overrides = (overrides if name == "synthetic" or best_job is None else
+                           split_overrides(root, best_job) + overrides[3:])  # the split's paths, then the rest
+        ours_tuned = ([train_ours(best_job, seed, out_root / name / f"tuned-seed-{seed}", tuned_overrides)
+                       for seed in seeds] if best_job is not None else None)
         single = [f.name for f in job.schema.sparse if not f.multi_hot]
         feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
                  for cfg in (job.data.train, job.data.validation, job.data.eval)]
@@ -691,10 +694,23 @@ def tuned_job(name: str, trials: int = TUNE_TRIALS, timeout_s: float = TUNE_TIME
     return out / "best.toml"
 
 
-def split_overrides(root: Path) -> list[str]:
-    """The ``--set`` overrides that point a quality job at the split in ``root``."""
+def split_overrides(root: Path, job_path: Path | None = None) -> list[str]:
+    """The ``--set`` overrides that point a quality job at the split in ``root``. A job that
+    trains on the training and validation files pooled, without validation files (what a
+    cross-validated study's ``best.toml`` is: ``recsys.tune.run``), keeps them pooled."""
+    if job_path is not None and pooled(job_path):
+        return [f"data.train.paths=['{root / 'train'}', '{root / 'validation'}']", "data.validation.paths=[]",
+                f"data.eval.paths=['{root / 'eval'}']"]
     return [f"data.train.paths=['{root / 'train'}']", f"data.validation.paths=['{root / 'validation'}']",
             f"data.eval.paths=['{root / 'eval'}']"]
+
+
+def pooled(job_path: Path) -> bool:
+    """Whether the job trains on a quality set's training and validation files pooled."""
+    from recsys.config import load_job
+
+    data = load_job(job_path).data
+    return not data.validation.paths and [Path(p).name for p in data.train.paths] == ["train", "validation"]
 
 
 def paired_difference(ours: list[float], baseline: list[float]) -> dict:
@@ -722,15 +738,14 @@ def repeated(name: str, jobs: dict[str, Path], splits: int = SPLITS, threads: in
     per_split = []
     for k in range(splits):
         root = prepare(s, split=k)
-        overrides = split_overrides(root)
-        if quick:
-            overrides.append(f"train.epochs={QUICK_EPOCHS}")
+        extra = [f"train.epochs={QUICK_EPOCHS}"] if quick else []
         if threads is not None:
-            overrides.append(f"train.runtime.threads={threads}")
+            extra.append(f"train.runtime.threads={threads}")
         row: dict = {"split": k}
         for label, job_path in jobs.items():
-            row[label] = train_ours(job_path, k, out_root / name / f"split-{k}" / label, overrides)
-        job = load_job(next(iter(jobs.values())), overrides)
+            row[label] = train_ours(job_path, k, out_root / name / f"split-{k}" / label,
+                                    split_overrides(root, job_path) + extra)
+        job = load_job(next(iter(jobs.values())), split_overrides(root) + extra)
         single = [f.name for f in job.schema.sparse if not f.multi_hot]
         feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
                  for cfg in (job.data.train, job.data.validation, job.data.eval)]

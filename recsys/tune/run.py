@@ -20,7 +20,9 @@ With ``--cv K`` (``auto``: ``CV_FOLDS`` folds when the validation split is under
 fold j validates on the j-th slice of the training row groups, ``data.train.holdout_fold``,
 and trains on the rest); its value is the folds' mean, the pruner sees the running mean after
 each fold, and the trial's job (``best.toml``) trains on every training row for the folds'
-mean best epoch count, with no validation split.
+mean best epoch count, with no validation split. A job whose validation split is files of its
+own (``data.validation.paths``) is folded over its training and validation files pooled: the
+folds then validate on every one of those rows once, and ``best.toml`` trains on all of them.
 """
 
 from __future__ import annotations
@@ -122,7 +124,10 @@ class Context:
     folds: int = 0
     """Cross-validation folds of each trial (0: the job's own validation split)."""
     validation_rows: int | None = None
-    """Rows of the job's own validation split (when it is carved from the training files)."""
+    """Rows of the job's own validation split (carved from the training files, or its own files)."""
+    pooled: tuple[str, ...] = ()
+    """With folds over a job's own validation files: the training and validation paths the
+    folds, and ``best.toml``, read as training files (empty: the training files alone)."""
 
 
 def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
@@ -146,7 +151,7 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
 
         preflight(job, None, Path(opts.out))
     space = load_space(opts.space, base)
-    folds, rows = resolve_folds(opts.cv, job)
+    folds, rows, pooled = resolve_folds(opts.cv, job)
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # our own lines say what happened
     storage = open_storage(opts.storage, Path(opts.out))
     direction = "maximize" if metric == "auc" else "minimize"
@@ -173,53 +178,68 @@ def prepare(opts: TuneOptions, run_id: str | None = None) -> Context:
                         f"{f'over {scored} folds' if scored else 'on one validation split'}, this command "
                         f"{f'over {folds} folds' if folds else 'on one validation split'} (--cv {opts.cv}): "
                         "give the same --cv or another --study")
-    return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12], chosen, folds, rows)
+    return Context(opts, space, metric, storage, study, run_id or uuid.uuid4().hex[:12], chosen, folds, rows, pooled)
 
 
-def resolve_folds(cv: str, job) -> tuple[int, int | None]:
-    """Return the folds ``--cv`` gives the job (0: none) and the rows of the job's own
-    validation split when it is carved from the training files (None otherwise). ``auto``:
-    ``CV_FOLDS`` when that split has fewer than ``CV_BELOW_ROWS`` rows and the training
-    files have row groups enough; a separate validation split (``data.validation.paths``)
-    is never cross-validated."""
+def resolve_folds(cv: str, job) -> tuple[int, int | None, tuple[str, ...]]:
+    """Return the folds ``--cv`` gives the job (0: none), the rows of the job's validation
+    split (None when unknown) and, when the folds pool the job's own validation files with
+    its training files, their paths (training first; empty otherwise). ``auto``: ``CV_FOLDS``
+    when the validation split has fewer than ``CV_BELOW_ROWS`` rows and the files to fold
+    have row groups enough. The validation split is carved (``train.eval.validation_fraction``)
+    or files of its own (``data.validation.paths``); ``data.train.holdout_fraction`` is not
+    folded."""
     from recsys.io.units import build_units, expand_paths, hold_out
 
     cv = str(cv).strip().lower()
     if cv == "off":
-        return 0, None
+        return 0, None, ()
     if cv != "auto" and not (cv.isdigit() and int(cv) >= 2):
         raise UserError(f"tune: --cv must be auto, off or a number of folds >= 2, found {cv!r}")
     data = job.data
+    own = bool(data.validation.paths) and not data.train.holdout_fraction
     carved = bool(job.train.eval.validation_fraction) and not data.validation.paths and not data.train.holdout_fraction
-    if not carved:
+    if not (carved or own):
         if cv == "auto":
-            return 0, None
-        raise UserError(f"tune: --cv {cv} carves its folds out of the training files: the job's validation split "
-                        "must be train.eval.validation_fraction (not data.validation.paths or "
-                        "data.train.holdout_fraction)")
+            return 0, None, ()
+        raise UserError(f"tune: --cv {cv} folds the training rows: the job's validation split must be "
+                        "train.eval.validation_fraction or data.validation.paths (not data.train.holdout_fraction)")
+    pooled = tuple(data.train.paths) + tuple(data.validation.paths) if own else ()
     try:
-        table = build_units(expand_paths(data.train.paths), job.schema, [], data.train.on_bad_file)
-        held, _ = hold_out(table, job.train.eval.validation_fraction, data.train.holdout_seed, "only",
-                           data.train.holdout_fold)
+        if own:
+            rows = int(build_units(expand_paths(list(data.validation.paths)), job.schema, [],
+                                   data.validation.on_bad_file).unit_rows.sum())
+            table = build_units(expand_paths(list(pooled)), job.schema, [], data.train.on_bad_file)
+        else:
+            table = build_units(expand_paths(data.train.paths), job.schema, [], data.train.on_bad_file)
+            held, _ = hold_out(table, job.train.eval.validation_fraction, data.train.holdout_seed, "only",
+                               data.train.holdout_fold)
+            rows = int(held.unit_rows.sum())
     except Exception as exc:  # noqa: BLE001 - the reader's own errors name the file
         raise UserError(f"tune: cannot read the training files' row groups: {user_message(exc) or exc}") from None
-    rows = int(held.unit_rows.sum())
     k = CV_FOLDS if cv == "auto" else int(cv)
     if cv == "auto" and (rows >= CV_BELOW_ROWS or table.num_units < k):
-        return 0, rows
+        return 0, rows, ()
     if table.num_units < k:
-        raise UserError(f"tune: --cv {k} needs at least {k} training row groups (whole row groups are held out), "
-                        f"the training files have {table.num_units}")
-    return k, rows
+        which = "training and validation" if own else "training"
+        raise UserError(f"tune: --cv {k} needs at least {k} {which} row groups (whole row groups are held out), "
+                        f"the {which} files have {table.num_units}")
+    return k, rows, pooled
 
 
-def fold_sets(j: int, k: int) -> list[str]:
-    """The ``--set``s of fold ``j`` of ``k``: validate on the j-th k-th of the training row groups."""
-    return [f"{key}={value!r}" for key, value in fold_values(j, k).items()]
+def fold_sets(j: int, k: int, pooled: tuple[str, ...] = ()) -> list[str]:
+    """The ``--set``s of fold ``j`` of ``k``: validate on the j-th k-th of the training row
+    groups (of ``pooled``'s files, when given)."""
+    return [f"{key}={value!r}" for key, value in fold_values(j, k, pooled).items()]
 
 
-def fold_values(j: int, k: int) -> dict:
-    return {"train.eval.validation_fraction": 1.0 / k, "data.train.holdout_fold": j}
+def fold_values(j: int, k: int, pooled: tuple[str, ...] = ()) -> dict:
+    return {"train.eval.validation_fraction": 1.0 / k, "data.train.holdout_fold": j, **_pooled_paths(pooled)}
+
+
+def _pooled_paths(pooled: tuple[str, ...]) -> dict:
+    """The keys that make ``pooled`` the training files, without validation files of their own."""
+    return {"data.train.paths": list(pooled), "data.validation.paths": []} if pooled else {}
 
 
 def make_pruner(opts: TuneOptions, job, folds: int):
@@ -398,7 +418,7 @@ def _cross_validate(ctx: Context, trial, values: dict, run_dir: Path) -> float:
         if j + 1 < k and trial.should_prune():
             raise optuna.TrialPruned(f"pruned after fold {j + 1} of {k}")
     cv = trial.user_attrs["cv"]
-    retrain = {**values, **all_rows_values(cv["epochs"])}
+    retrain = {**values, **all_rows_values(cv["epochs"]), **_pooled_paths(ctx.pooled)}
     trial.set_user_attr("job", dumps(ctx.space.job(retrain, f"trial {trial.number}")))
     return cv["mean"]
 
@@ -442,7 +462,7 @@ def _train(ctx: Context, trial, values: dict, run_dir: Path, fold: int | None = 
 
     trial_only = {"train.progress": "none", "publish.redis": ""}  # no bar per trial; no live pushes
     if fold is not None:
-        trial_only.update(fold_values(fold, ctx.folds))
+        trial_only.update(fold_values(fold, ctx.folds, ctx.pooled))
     if ctx.opts.jobs > 1 and not ctx.space.job(values, "").train.runtime.threads:
         trial_only["train.runtime.threads"] = max(1, host_cores() // ctx.opts.jobs)
     job = ctx.space.job({**values, **trial_only}, f"trial {trial.number}")
@@ -606,11 +626,16 @@ def describe_folds(ctx: Context) -> str:
     if ctx.folds:
         why = (f"the validation split has {rows}, under {CV_BELOW_ROWS:,} (--cv auto)" if ctx.opts.cv == "auto"
                else f"--cv {ctx.opts.cv}")
+        if ctx.pooled:
+            return (f"cross-validation: each trial trains {ctx.folds} times over the training and validation files "
+                    f"pooled, fold j validating on the j-th of {ctx.folds} slices of their row groups ({why}); its "
+                    "value is the folds' mean, best.toml trains on all of those rows for the folds' mean best epochs "
+                    "(--cv off: the job's own validation files)")
         return (f"cross-validation: each trial trains {ctx.folds} times, fold j validating on the j-th of "
                 f"{ctx.folds} slices of the training row groups ({why}); its value is the folds' mean, best.toml trains "
                 "on every training row for the folds' mean best epochs (--cv off: one validation split)")
     if ctx.opts.cv == "auto" and rows is not None and ctx.validation_rows < CV_BELOW_ROWS:
-        return f"one validation split ({rows}): too few training row groups for {CV_FOLDS} folds"
+        return f"one validation split ({rows}): too few row groups for {CV_FOLDS} folds"
     why = f"{rows}, --cv auto cross-validates under {CV_BELOW_ROWS:,}" if rows is not None else None
     if ctx.opts.cv == "off":
         why = "--cv off"
