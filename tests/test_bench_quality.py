@@ -52,6 +52,23 @@ def test_quality_quick_shape(tmp_path, monkeypatch):
     assert [c["name"] for c in result["comparisons"]] == [c["name"] for c in saved["comparisons"]]
 
 
+def test_the_heads_arm_trains_the_hand_job_with_k_heads(tmp_path, monkeypatch):
+    """``heads`` K: the hand-tuned job again with ``model.heads = K``, scored like it."""
+    import tomllib
+
+    from recsys.checkpoint.read import load_meta, resolve
+
+    monkeypatch.setattr(quality, "DATA", tmp_path / "quality-data")
+    monkeypatch.setattr(quality, "RUNS", tmp_path / "runs")
+    result = quality.measure(quick=True, sets=("fair",), heads=2, splits=0)
+    arm = result["sets"]["fair"]["ours_heads"]
+    assert arm["heads"] == 2 and arm["summary"]["seeds"] == 1 and 0.62 <= arm["summary"]["auc_mean"] < 1.0
+    (run,) = (tmp_path / "runs").glob("quality-quick/*/fair/heads-2-seed-0")
+    saved = load_meta(resolve(run / "checkpoints" / "best"))["config"]
+    assert tomllib.loads(saved)["model"]["heads"] == 2
+    assert "fair: eval AUC, ours heads 2 vs logreg" in [c["name"] for c in result["comparisons"]]
+
+
 def test_real_sets_come_from_the_installed_package_and_split_by_profile(tmp_path):
     import pyarrow.parquet as pq
 

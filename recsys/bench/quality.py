@@ -562,12 +562,13 @@ def specified_logistic(root: Path | None = None, Cs: tuple[float, ...] = (0.003,
 
 
 def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None = None,
-            threads: int | None = None, tuned: bool = False, splits: int | None = None) -> dict:
+            threads: int | None = None, tuned: bool = False, splits: int | None = None, heads: int = 1) -> dict:
     """Run every data set (or ``sets``); return the figures and the comparison rows.
 
     ``threads``: our trainer's threads (``train.runtime.threads``) and the cap of the baselines'
     thread pools; None: ``QUICK_THREADS`` with ``quick``, else each library's default.
-    ``tuned``: add the tuned job of each real set (tuning it first if needed). ``splits``:
+    ``tuned``: add the tuned job of each real set (tuning it first if needed). ``heads`` K > 1:
+    add each set's hand-tuned job with ``model.heads = K`` (the ensemble arm). ``splits``:
     random splits of the sets with an eval split under ``SMALL_EVAL`` rows (None: ``SPLITS``,
     none with ``quick``; 0: none)."""
     from recsys.config import load_job
@@ -602,6 +603,9 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
                            split_overrides(root, best_job) + overrides[3:])  # the split's paths, then the rest
         ours_tuned = ([train_ours(best_job, seed, out_root / name / f"tuned-seed-{seed}", tuned_overrides)
                        for seed in seeds] if best_job is not None else None)
+        with_heads = [f"model.heads={heads}"]
+        ours_heads = ([train_ours(job_path, seed, out_root / name / f"heads-{heads}-seed-{seed}",
+                                  overrides + with_heads) for seed in seeds] if heads > 1 else None)
         single = [f.name for f in job.schema.sparse if not f.multi_hot]
         feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
                  for cfg in (job.data.train, job.data.validation, job.data.eval)]
@@ -615,16 +619,19 @@ def measure(quick: bool, data: Path | None = None, sets: tuple[str, ...] | None 
                  "baseline_seconds": time.perf_counter() - t0}
         if ours_tuned is not None:
             entry["ours_tuned"] = {"job": str(best_job), "summary": _summary(ours_tuned), "runs": ours_tuned}
+        if ours_heads is not None:
+            entry["ours_heads"] = {"heads": heads, "summary": _summary(ours_heads), "runs": ours_heads}
         if name != "synthetic" and (SPLITS if splits is None and not quick else splits or 0) > 0 \
                 and entry["rows"]["eval"] < SMALL_EVAL:
-            jobs = {"ours": job_path, **({"ours tuned": best_job} if best_job is not None else {})}
+            jobs = {"ours": job_path, **({"ours tuned": best_job} if best_job is not None else {}),
+                    **({f"ours heads {heads}": (job_path, with_heads)} if heads > 1 else {})}
             entry["repeated"] = repeated(name, jobs, splits=SPLITS if splits is None else splits, threads=threads,
                                          out_root=out_root / "splits", quick=quick)
         if oracle is not None:
             entry["oracle"] = {"auc": oracle["auc"], "log_loss": oracle["log_loss"],
                                "gap": oracle["auc"] - entry["ours"]["summary"]["auc_mean"]}
         results[name] = entry
-        for key, label in (("ours", "ours"), ("ours_tuned", "ours tuned")):
+        for key, label in (("ours", "ours"), ("ours_tuned", "ours tuned"), ("ours_heads", f"ours heads {heads}")):
             if key not in entry:
                 continue
             o = entry[key]["summary"]["auc_mean"]
@@ -656,6 +663,7 @@ def format_set(name: str, entry: dict) -> str:
     lines = [f"{name} (train {entry['rows']['train']:,} / validation {entry['rows']['validation']:,} / eval "
              f"{entry['rows']['eval']:,} rows)"]
     for key, label in (("ours", f"ours ({entry['job']})"), ("ours_tuned", "ours, tuned"),
+                       ("ours_heads", f"ours, model.heads = {entry.get('ours_heads', {}).get('heads')}"),
                        ("gbdt", "HistGradientBoosting"), ("logreg", "LogisticRegression")):
         if key not in entry:
             continue
@@ -727,14 +735,16 @@ def paired_difference(ours: list[float], baseline: list[float]) -> dict:
             "std": float(d.std(ddof=1))}
 
 
-def repeated(name: str, jobs: dict[str, Path], splits: int = SPLITS, threads: int | None = None,
+def repeated(name: str, jobs: dict, splits: int = SPLITS, threads: int | None = None,
              out_root: Path | None = None, quick: bool = False, log=print) -> dict:
-    """Score set ``name`` on ``splits`` random splits: each of ``jobs`` (label -> job file) and
-    both baselines per split; return the per-split figures and the paired differences."""
+    """Score set ``name`` on ``splits`` random splits: each of ``jobs`` (label -> job file, or
+    (job file, its own overrides)) and both baselines per split; return the per-split
+    figures and the paired differences."""
     from recsys.config import load_job
 
     s = SETS[name]
     out_root = out_root or RUNS / "quality-splits" / time.strftime("%Y%m%d-%H%M%S")
+    specs = {label: (spec if isinstance(spec, tuple) else (spec, [])) for label, spec in jobs.items()}
     per_split = []
     for k in range(splits):
         root = prepare(s, split=k)
@@ -742,10 +752,10 @@ def repeated(name: str, jobs: dict[str, Path], splits: int = SPLITS, threads: in
         if threads is not None:
             extra.append(f"train.runtime.threads={threads}")
         row: dict = {"split": k}
-        for label, job_path in jobs.items():
-            row[label] = train_ours(job_path, k, out_root / name / f"split-{k}" / label,
-                                    split_overrides(root, job_path) + extra)
-        job = load_job(next(iter(jobs.values())), split_overrides(root) + extra)
+        for label, (job_path, own) in specs.items():
+            row[label] = train_ours(job_path, k, out_root / name / f"split-{k}" / label.replace(" ", "-"),
+                                    split_overrides(root, job_path) + extra + own)
+        job = load_job(next(iter(specs.values()))[0], split_overrides(root) + extra)
         single = [f.name for f in job.schema.sparse if not f.multi_hot]
         feats = [_features(list(cfg.paths), job.schema.label, list(job.schema.dense), single)
                  for cfg in (job.data.train, job.data.validation, job.data.eval)]
@@ -764,7 +774,8 @@ def repeated(name: str, jobs: dict[str, Path], splits: int = SPLITS, threads: in
             differences[f"{b} - {a}"] = paired_difference(auc[b], auc[a])
     return {"splits": per_split, "auc_mean": {m: float(np.mean(v)) for m, v in auc.items()},
             "auc_std": {m: float(np.std(v, ddof=1)) if len(v) > 1 else 0.0 for m, v in auc.items()},
-            "differences": differences, "jobs": {k: str(v) for k, v in jobs.items()}, "runs_dir": str(out_root)}
+            "differences": differences, "runs_dir": str(out_root),
+            "jobs": {k: " ".join([str(path), *own]) for k, (path, own) in specs.items()}}
 
 
 def format_repeated(name: str, entry: dict) -> str:
