@@ -752,6 +752,83 @@ class DeviceSparse:
             self._order_spare, self._order_base = self._order_base, None
         self._order_valid = True
 
+    # ------------------------------------------------------------------ the device cache's calls
+    # (``recsys.store.device.cached.DeviceCachedSparse``: this index as the exact-LRU cache of
+    # host tables; none of these reads the device)
+
+    def cells_held(self, keys: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
+        """Return the cell of each key (int64, tables ``tid``) on the device (-1: absent)."""
+        k = keys.to(self.device) ^ _MIN
+        tid = tid.to(self.device)
+        _, cells = self._cells_of(k, tid)
+        cells = cells.view(-1, 2 * WAYS)
+        match = (self.index[cells] == torch.stack([k, tid], 1).unsqueeze(1)).all(2)
+        return torch.where(match, cells, -1).amax(1)
+
+    def touch_cells(self, cells: torch.Tensor, step: int) -> None:
+        """Set the last step of ``cells`` (held, or -1: skipped) to ``step``, as the forward
+        of ``step`` will: the step's keys are then what ``demote`` leaves."""
+        self.last_step.index_fill_(0, torch.where(cells >= 0, cells, self._k[self.X]), int(step))
+
+    def demote(self, counts: list[int], step: int) -> tuple[torch.Tensor, ...]:
+        """Take out of each table ``t`` its ``counts[t]`` least recent held keys by (last step,
+        key as uint64) not touched at ``step`` (``touch_cells``): the first such entries of its
+        order block (the order must be valid and hold that many). Return their (table ids,
+        keys, arena rows [.., D + float state], {int state: values}, last steps) as device
+        tensors, table by table, oldest first; their rows are copied before the cells are
+        freed."""
+        S, X, dev = self.S, self.X, self.device
+        total = int(sum(counts))
+        order = self.order[:S]
+        valid = (order != X) & (self.last_step.index_select(0, order) != int(step))
+        csum = valid.cumsum(0)
+        starts = torch.tensor(self.offs[:-1], dtype=torch.int64, device=dev)
+        before = torch.where(starts > 0, csum.index_select(0, (starts - 1).clamp(min=0)), self._k[0])
+        rank = csum - before.index_select(0, self._seg)  # 1.. among the block's valid entries
+        cnt = torch.tensor(counts, dtype=torch.int64, device=dev)
+        out_off = torch.tensor(np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64), device=dev)
+        sel = valid & (rank <= cnt.index_select(0, self._seg))
+        pos = torch.where(sel, out_off.index_select(0, self._seg) + rank - 1, torch.tensor(total, device=dev))
+        cells = torch.full((total + 1,), X, dtype=torch.int64, device=dev)
+        cells.index_put_((pos,), order)
+        cells = cells[:total]
+        tabs = self.index[:, 1].index_select(0, cells)
+        keys = self.index[:, 0].index_select(0, cells) ^ _MIN
+        rows = self.arena.index_select(0, cells)
+        ints = {name: self.state[name].index_select(0, cells) for name in self._int_state}
+        last = self.last_step.index_select(0, cells)
+        self.order.index_put_((torch.where(sel, self._arange(S), self._k[S]),), self._k[X])
+        self.index[:, 1].index_fill_(0, cells, -1)
+        self.acc[:, 4] -= cnt.to(self.acc.dtype)
+        return tabs, keys, rows, ints, last
+
+    def admit_rows(self, tid: torch.Tensor, keys: torch.Tensor, emb: torch.Tensor, states: dict[str, torch.Tensor],
+                   last: torch.Tensor) -> None:
+        """Give distinct keys absent from the index (tables ``tid``) cells and write their rows,
+        optimizer state and last steps (device tensors); their tables must have room (no
+        eviction). Not put in the order: the forward of the step touches them (it appends its
+        keys). A key that finds no free way goes to its bucket's dead cell, which
+        ``counters()`` reports (the forward's check, without a read here)."""
+        n, W, dev = int(keys.shape[0]), WAYS, self.device
+        if n == 0:
+            return
+        kf, tid = keys.to(dev) ^ _MIN, tid.to(dev)
+        parts = []
+        for s in range(0, n, self.NB):  # the groups of ``_place``: each sees the ways the earlier took
+            k, t = kf[s:s + self.NB], tid[s:s + self.NB]
+            m = k.shape[0]
+            base, cells = self._cells_of(k, t)
+            free = (self.index[:, 1][cells.view(m, 2 * W)] < 0).view(m, 2, W)
+            tgt = self._assign(cells, free, base, torch.ones(m, dtype=torch.bool, device=dev), self._arange(m))
+            self.index.index_put_((tgt,), torch.stack([k, t], 1))
+            parts.append(tgt)
+        c = torch.cat(parts) if len(parts) > 1 else parts[0]
+        self.w.index_put_((c,), emb.to(dev, torch.float32))
+        for name, v in states.items():
+            self.state[name].index_put_((c,), v.to(dev))
+        self.last_step.index_put_((c,), last.to(dev))  # a dead cell's step: != _MIN, counted
+        self.acc[:, 4].index_add_(0, tid, torch.ones(n, dtype=self.acc.dtype, device=dev))
+
 
 def _plus(*cols: dict) -> dict:
     """The sum of matrix columns given as {row: coefficient}."""
