@@ -187,3 +187,49 @@ def test_a_step_bigger_than_the_cache_is_refused_in_one_line():
     keys, lengths = _bags([[1, 2, 3], [4, 5]])
     dev_step(dc, keys, lengths, 0, np.ones((2, 4), dtype=np.float32))
     assert dc.counters()["t"]["rows"] == 5
+
+
+# --------------------------------------------------------------------------- in training
+
+# tables above the 450 cache rows that see more distinct ids in 10 steps than they hold: they evict
+CACHED_STEPS = ["train.max_steps=10", "train.checkpoint.every_steps=10",
+                "schema.tables.c3.capacity=500", "schema.tables.c4.capacity=500", "schema.tables.c7.capacity=480",
+                "schema.tables.m1.capacity=1000", "schema.tables.m2.capacity=1000"]
+
+
+def test_recsys_train_with_the_cached_tier_trains_as_the_host_key_map(tiny_data, tmp_path):
+    """``key_map = "device"`` with 450 cache rows a table (more than a batch brings to one),
+    most tables larger: the cached tier, not a refusal; losses, the final eval and the rows
+    (keys, last_seen) as the host key map's, and evictions in both."""
+    from test_store_device_keymap import HOST, _steps, assert_same_training
+    from test_train import build, run
+
+    from recsys.store.device.cached import DeviceCachedSparse
+    from recsys.store.sharded.device_keys import refusal
+
+    cached = ["store.device.cache_rows=450", "store.device.key_map='device'"]
+    trainer = build(tiny_data, tmp_path / "probe", *cached, *CACHED_STEPS)
+    try:
+        assert refusal(trainer.job.schema, trainer.job.store, 1) is None
+        assert isinstance(trainer.store._keys.sparse, DeviceCachedSparse)
+    finally:
+        trainer.close()
+    run(tiny_data, tmp_path / "host", *HOST, *CACHED_STEPS)
+    run(tiny_data, tmp_path / "cached", *cached, *CACHED_STEPS)
+    assert_same_training(tmp_path / "host", tmp_path / "cached")
+    sh, sc = _steps(tmp_path / "host"), _steps(tmp_path / "cached")
+    assert sh[10]["store/rows"] == sc[10]["store/rows"]
+    evictions = sum(r["store/evictions"] for r in sc.values())
+    assert evictions > 0 and sum(r["store/evictions"] for r in sh.values()) == evictions
+
+
+def test_refusal_takes_cache_rows_below_a_capacity():
+    from store_data import three_feature_schema
+
+    from recsys.store.sharded.device_keys import refusal
+
+    schema = three_feature_schema(4, 1000)
+    assert refusal(schema, StoreConfig(device=DeviceConfig(cache_rows=100, key_map="device")), 1) is None
+    assert "one process" in refusal(schema, StoreConfig(device=DeviceConfig(cache_rows=100, key_map="device")), 2)
+    why = refusal(schema, StoreConfig(device=DeviceConfig(memory_gb=1e-6, key_map="device")), 1)
+    assert "every table whole on the device" in why and "store.device.cache_rows" in why

@@ -131,10 +131,13 @@ class DeviceConfig:
     maps (numba), whatever the device tiers. ``"device"``: every table's keys, rows and
     optimizer in one index and arena on the compute device (``recsys.store.device.keymap``);
     only the batch's keys and lengths cross, once a step. It needs one process, every table
-    whole on the device (``memory_gb`` or ``cache_rows`` holding every capacity), float32
-    rows, ``min_count = 1``, one dim, ``staleness = 0``, no spill tier and no live
-    publishing; a job that has any other is refused with a line naming it. Its checkpoints
-    are the host store's, either way round."""
+    whole on the device (``memory_gb`` or ``cache_rows`` holding every capacity) or
+    ``cache_rows`` set (a table above it keeps its ``cache_rows`` most recent rows on the
+    device, exact LRU, in front of a host table of the rest: ``recsys.store.device.cached``;
+    the host is asked for the step's misses once a step), float32 rows, ``min_count = 1``,
+    one dim, ``staleness = 0``, no spill tier and no live publishing; a job that has any
+    other is refused with a line naming it. Its checkpoints are the host store's, either way
+    round."""
 
     def __post_init__(self) -> None:
         if self.key_map not in ("host", "device"):

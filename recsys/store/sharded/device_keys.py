@@ -24,6 +24,13 @@ last batch of an epoch) runs no forward: its pooled rows are zeros and its push 
 nothing. Counters are read from the device when asked (the trainer: every ``log_every``
 steps), with ``DeviceSparse.counters``' errors.
 
+With ``store.device.cache_rows`` below a table's capacity the store holds a
+``DeviceCachedSparse`` instead (``recsys.store.device.cached``): the same index as an
+exact-LRU cache of ``cache_rows`` rows per table in front of a host ``EmbeddingTable`` of
+the rest; before each forward the host learns the step's cache misses (one blocking read),
+gives the rows it holds to the device and takes the rows the cache demotes. Training,
+counters and checkpoints are those of one host table of the whole capacity.
+
 Checkpoints hold the same per-table Arrow rows as the host store's (``state_dict``,
 ``load_state_dict``), so either key map resumes the other's. ``KeyMapTable`` is one table's
 view for the store's per-table calls (``peek``, ``pop_rows``, ``load_state_dict``).
@@ -70,12 +77,14 @@ def refusal(schema: Schema, cfg: StoreConfig, world_size: int, publish: bool = F
         return why + f"every table of one dim, found {dims}"
     if not schema.tables:
         return why + "at least one table"
+    if cfg.device.cache_rows:  # tables above it: a device cache in front of a host table (cached.py)
+        return None
     budget = device_budget_rows(dict(schema.tables), cfg)
-    short = [name for name, spec in schema.tables.items()
-             if (cfg.device.cache_rows or budget.get(name, 0)) < spec.capacity]
+    short = [name for name, spec in schema.tables.items() if budget.get(name, 0) < spec.capacity]
     if short:
         return why + (f"every table whole on the device; {len(short)} do not fit (first: {short[0]!r}): raise "
-                      "store.device.memory_gb (or store.device.cache_rows to at least every capacity)")
+                      "store.device.memory_gb, or set store.device.cache_rows (rows per table on the device, "
+                      "in front of host tables)")
     return None
 
 
@@ -116,7 +125,14 @@ class DeviceKeys:
 
         self.schema, self.cfg, self.device = schema, cfg, torch.device(device)
         features = [(f.name, f.table, f.pooling) for f in schema.sparse]
-        self.sparse = DeviceSparse(dict(schema.tables), features, cfg, self.device)
+        R = cfg.device.cache_rows
+        self.cached = bool(R) and any(min(s.capacity, s.num_rows or s.capacity) > R for s in schema.tables.values())
+        if self.cached:  # some table larger than the cache: the cached tier (recsys.store.device.cached)
+            from recsys.store.device.cached import DeviceCachedSparse
+
+            self.sparse = DeviceCachedSparse(dict(schema.tables), features, cfg, self.device)
+        else:
+            self.sparse = DeviceSparse(dict(schema.tables), features, cfg, self.device)
         self.F, self.dim = len(features), self.sparse.dim
         self._weighted = any(f.weighted for f in schema.sparse)
         self._single = np.array([not f.multi_hot for f in schema.sparse], dtype=bool)
@@ -155,7 +171,11 @@ class DeviceKeys:
             zeros = torch.zeros((B, self.F, self.dim), dtype=torch.float32, device=self.device)
             return DeviceLookup(step, B, zeros.requires_grad_(True), forwarded=False)
         arrive(moved.tensors, moved.ready)  # this thread's stream waits for the copy
-        pooled = self.sparse.forward(keys, lengths, step, weights)
+        if self.cached:  # the cache's key work reads the host's copy of the keys
+            pooled = self.sparse.forward(keys, lengths, step, weights, host_keys=moved.kjt.values(),
+                                         host_lengths=moved.kjt.lengths())
+        else:
+            pooled = self.sparse.forward(keys, lengths, step, weights)
         return DeviceLookup(step, B, pooled.view(B, self.F, self.dim), forwarded=True)
 
     def push(self, lookup: DeviceLookup) -> None:
