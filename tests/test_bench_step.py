@@ -158,7 +158,8 @@ def test_bench_step_quick_end_to_end(tmp_path, monkeypatch, capsys, tiny_data):
     saved = json.loads(out.read_text())
     assert saved["target"] == "step" and saved["settings"]["batch_size"] == 256 and saved["settings"]["steps"] == 2
     arms = saved["arms"]
-    assert set(arms) == {"whole_device", "keymap", "whole_device_doubled", "keymap_doubled"}
+    assert set(arms) == {"whole_device", "keymap", "keymap_cached", "whole_device_doubled", "keymap_doubled",
+                         "keymap_cached_doubled"}
     for name, arm in arms.items():
         p = arm["per_step"]
         assert p["ops"] == p["compute"] + p["view"] + p["sync_forcing"] > 0, name
@@ -174,7 +175,10 @@ def test_bench_step_quick_end_to_end(tmp_path, monkeypatch, capsys, tiny_data):
     assert keymap["meta"]["ran"] and keymap["meta"]["host_ms_per_step"] > 0
     assert keymap["per_step"]["sync_forcing"] == 0
     assert arms["keymap_doubled"]["per_step"]["ops"] == keymap["per_step"]["ops"]
-    assert {c["name"] for c in saved["comparisons"]} >= {"CPU steps/s, key map vs whole-device"}
+    cached = arms["keymap_cached"]  # the real DeviceCachedSparse: it reads the device every step
+    assert cached["per_step"]["to_host"] >= 1 and cached["per_step"]["from_host"] >= 1 and "meta" not in cached
+    assert {c["name"] for c in saved["comparisons"]} >= {"CPU steps/s, key map vs whole-device",
+                                                        "CPU steps/s, cached key map (10 % cache) vs key map"}
     # the dispatch floor: both arms at 64 rows a step and tables of at most 2048 rows, the
     # same code (the static stand-in: the same ops as at full size)
     floor = saved["floor"]

@@ -47,6 +47,15 @@ each feature's ids repeated under its copy's name, to show how ops grow with tab
     (the arm is skipped with a line saying so when it cannot): keys and lengths moved to the
     device, ``forward`` → trivial loss → ``backward`` → ``update``.
 
+(3) **cached device key map**: ``recsys.store.device.cached.DeviceCachedSparse`` with a
+    cache of 10 % of each table's capacity (``CACHE_SHARE``; at least the most distinct ids
+    a batch brings to the table, so no step is refused) in front of host tables of the rest:
+    the step of (2) after the cache's host work (the misses read back, the host's rows of
+    them uploaded, the demoted rows taken by the host). Its ``to_host`` counts the hit flags'
+    read (the one that waits for the device on a GPU) and the demoted rows' arrays (copied
+    asynchronously there); ``from_host`` the keys asked about and the host's rows. Not run
+    on meta: every step reads the device.
+
 Batches: the job's reader over real Parquet (the ``small`` preset's columns at a reduced row
 count, generated under ``bench-out/data`` when ``--data`` is not given), so the keys are the
 job's hashed ids; all batches are read before any step. Each arm runs ``warmup`` steps,
@@ -59,6 +68,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import importlib
+import math
 import statistics
 import sys
 import time
@@ -518,6 +528,63 @@ def keymap_step(schema, cfg, batches: list) -> Callable[[torch.device], tuple[Ca
     return make
 
 
+CACHE_SHARE = 0.1
+"""Arm (3)'s cache: this share of each table's capacity (at least one batch's distinct ids)."""
+
+
+def cache_rows_for(schema, batches: list, share: float = CACHE_SHARE) -> dict[str, int]:
+    """Return each table's cache rows for arm (3): ``share`` of its capacity, at least the most
+    distinct ids one of ``batches`` brings to it."""
+    import numpy as np
+
+    most = dict.fromkeys(schema.tables, 1)
+    for kjt in batches:
+        v, offs = kjt.values().numpy(), kjt.offset_per_key()
+        per: dict[str, list] = {}
+        for f, spec in enumerate(schema.sparse):
+            per.setdefault(spec.table, []).append(v[offs[f]:offs[f + 1]])
+        for t, parts in per.items():
+            most[t] = max(most[t], int(np.unique(np.concatenate(parts)).shape[0]))
+    return {n: max(most[n], math.ceil(share * spec.capacity)) for n, spec in schema.tables.items()}
+
+
+def cached_step(schema, cfg, batches: list) -> Callable[[torch.device], tuple[Callable[[int], None], Callable]]:
+    """Arm (3): return ``make(device) -> (step, close)`` over ``DeviceCachedSparse`` with
+    ``cache_rows_for``'s cache: the step of arm (2), the cache's host work before the
+    forward; ``close`` reads ``counters()`` and raises on an error the device counted."""
+    from recsys.store.device.cached import DeviceCachedSparse
+
+    features = [(f.name, f.table, f.pooling) for f in schema.sparse]
+    rows = cache_rows_for(schema, batches)
+    host = [(k.values().numpy(), k.lengths().numpy()) for k in batches]  # views of the host KJTs
+
+    def make(device: torch.device):
+        if device.type == "meta":
+            raise ValueError("the cached arm reads the device every step: it does not run on meta")
+        sp = DeviceCachedSparse(dict(schema.tables), features, cfg, device, cache_rows=rows)
+
+        def step(i: int) -> None:
+            kjt = batches[i % len(batches)]
+            w = kjt.weights_or_none()
+            keys, lengths = kjt.values().to(device), kjt.lengths().to(device)
+            hk, hl = host[i % len(batches)]
+            pooled = sp.forward(keys, lengths, i, weights=None if w is None else w.to(device), host_keys=hk,
+                                host_lengths=hl)
+            pooled.sum().backward()
+            sp.update(i)
+
+        def close() -> None:
+            try:
+                sp.counters()
+            except Exception as exc:
+                raise RuntimeError(f"cached arm: DeviceCachedSparse reported an error after the arm's steps, "
+                                   f"so its figures are not reported: {exc}") from exc
+
+        return step, close
+
+    return make
+
+
 def run_arm(make, s: Settings, meta: bool = True) -> dict:
     """Return one arm's figures after ``s.warmup`` steps: ops per step (``s.steps`` steps under
     an ``OpCounter``), the CPU time per step (median of ``s.steps`` steps without it, each
@@ -594,6 +661,9 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
                           **run_arm(keymap_step(schema, job.store, batches), s)}
         else:
             arms[name] = {"skipped": missing}
+        name = "keymap_cached" + (f"_{suffix}" if suffix else "")
+        arms[name] = {"tables": len(schema.tables), "features": len(schema.sparse),
+                      **run_arm(cached_step(schema, job.store, batches), s, meta=False)}
     floor = dispatch_floor(root, s, missing is None) if s.floor_batch else {}
     comparisons = []
     if "keymap" in floor and "whole_device" in floor:
@@ -607,6 +677,10 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
         tag = f" ({suffix})" if suffix else ""
         comparisons.append(bench.comparison(f"CPU steps/s, key map vs whole-device{tag}",
                                             1e3 / arms[a]["cpu_ms_per_step"], 1e3 / arms[b]["cpu_ms_per_step"],
+                                            "steps/s"))
+        c = f"keymap_cached{'_' + suffix if suffix else ''}"
+        comparisons.append(bench.comparison(f"CPU steps/s, cached key map (10 % cache) vs key map{tag}",
+                                            1e3 / arms[c]["cpu_ms_per_step"], 1e3 / arms[a]["cpu_ms_per_step"],
                                             "steps/s"))
         ma, mb = arms[a].get("meta", {}), arms[b].get("meta", {})
         if ma.get("ran") and mb.get("ran"):

@@ -76,18 +76,20 @@ _FIX = "store.device.cache_rows"
 class DeviceCachedSparse:
     """Every table of one dim: its ``cache_rows`` most recent rows in one ``DeviceSparse`` on
     ``device``, the others in a host ``EmbeddingTable`` (module doc). ``features`` as
-    ``DeviceSparse``'s. Not thread-safe."""
+    ``DeviceSparse``'s; ``cache_rows``: the cache's rows per table (default
+    ``cfg.device.cache_rows``), or a dict of them by table. Not thread-safe."""
 
     def __init__(self, tables: dict[str, TableSpec], features: list[tuple[str, str, str]], cfg: StoreConfig,
-                 device: torch.device | str, cache_rows: int | None = None) -> None:
-        R = int(cfg.device.cache_rows if cache_rows is None else cache_rows)
-        if R <= 0:
+                 device: torch.device | str, cache_rows: int | dict[str, int] | None = None) -> None:
+        R = cfg.device.cache_rows if cache_rows is None else cache_rows
+        per = {n: int(R[n] if isinstance(R, dict) else R) for n in tables}
+        if any(r <= 0 for r in per.values()):
             raise ValueError(f"DeviceCachedSparse needs cache_rows > 0, found {R}")
         self.cfg, self.device = cfg, torch.device(device)
         self.names = list(tables)
         self.specs = dict(tables)
         self.caps = [s.capacity if s.num_rows is None else min(s.capacity, s.num_rows) for s in tables.values()]
-        self.rows = [min(R, c) for c in self.caps]
+        self.rows = [min(per[n], c) for n, c in zip(self.names, self.caps)]
         cache_specs = {n: TableSpec(dim=s.dim, capacity=r) for (n, s), r in zip(tables.items(), self.rows)}
         self.sparse = DeviceSparse(cache_specs, features, cfg, self.device)
         # the cache's order is kept from the first step (demote reads it): empty, it is sorted
@@ -140,7 +142,8 @@ class DeviceCachedSparse:
         ks = np.concatenate([uniq[t] for t in self.hosts])
         ts = np.concatenate([np.full(uniq[t].shape[0], t, dtype=np.int64) for t in self.hosts])
         dev = self.device
-        cells = self.sparse.cells_held(_to_device(ks, dev), _to_device(ts, dev))
+        kt = _to_device(np.stack([ks, ts]), dev)  # one upload
+        cells = self.sparse.cells_held(kt[0], kt[1])
         hit = cells.cpu().numpy() >= 0  # the step's blocking read
         self._deliver()
         over = [0] * self.T
@@ -170,24 +173,24 @@ class DeviceCachedSparse:
         dev, D = self.device, self.dim
         tid = np.concatenate([np.full(r.num_rows, t, dtype=np.int64) for t, r in popped])
         tab = pa.concat_tables([r for _, r in popped])
-        keys = tab.column("key").to_numpy()
-        emb = _matrix(tab, "embedding", D)
+        ints = _to_device(np.stack([tid, tab.column("key").to_numpy(), tab.column("last_seen").to_numpy()]), dev)
         states = {}
         for c in optim.state_columns(self.cfg.optimizer):
             states[c.name] = _to_device(_matrix(tab, c.name, D) if c.per_dim else tab.column(c.name).to_numpy(), dev)
-        self.sparse.admit_rows(_to_device(tid, dev), _to_device(keys, dev), _to_device(emb, dev), states,
-                               _to_device(tab.column("last_seen").to_numpy(), dev))
+        self.sparse.admit_rows(ints[0], ints[1], _to_device(_matrix(tab, "embedding", D).astype(np.float32), dev),
+                               states, ints[2])
 
     def _deliver(self) -> None:
         """Give the host the rows the cache demoted (oldest first per table), dropping at once
         the oldest beyond what the host holds (its own rows all go then)."""
         if self._outbox is None:
             return
-        (event, tabs, keys, rows, ints, last), over = self._outbox
+        (event, tkl, rows, ints), over = self._outbox
         self._outbox = None
         if event is not None:
             event.synchronize()
-        tabs, keys, rows, last = tabs.numpy(), keys.numpy(), rows.numpy(), last.numpy()
+        tabs, keys, last = tkl.numpy()
+        rows = rows.numpy()
         D = self.dim
         at = 0
         for t, host in self.hosts.items():
@@ -364,15 +367,16 @@ def _to_host(parts: tuple) -> tuple:
     """Start the copy of ``DeviceSparse.demote``'s tensors to the host: (event or None, the
     host tensors); on CUDA into pinned memory, asynchronously (the event marks its end)."""
     tabs, keys, rows, ints, last = parts
+    tkl = torch.stack([tabs, keys, last])  # one copy of the int64 columns
     if tabs.device.type != "cuda":
-        return (None, tabs, keys, rows, ints, last)
+        return (None, tkl, rows, ints)
 
     def cp(x):
         out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         out.copy_(x, non_blocking=True)
         return out
 
-    host = (cp(tabs), cp(keys), cp(rows), {k: cp(v) for k, v in ints.items()}, cp(last))
+    host = (cp(tkl), cp(rows), {k: cp(v) for k, v in ints.items()})
     event = torch.cuda.Event()
     event.record()
     return (event, *host)

@@ -757,9 +757,8 @@ class DeviceSparse:
     # host tables; none of these reads the device)
 
     def cells_held(self, keys: torch.Tensor, tid: torch.Tensor) -> torch.Tensor:
-        """Return the cell of each key (int64, tables ``tid``) on the device (-1: absent)."""
-        k = keys.to(self.device) ^ _MIN
-        tid = tid.to(self.device)
+        """Return the cell of each key (int64 device tensors: keys, tables) (-1: absent)."""
+        k = keys ^ _MIN
         _, cells = self._cells_of(k, tid)
         cells = cells.view(-1, 2 * WAYS)
         match = (self.index[cells] == torch.stack([k, tid], 1).unsqueeze(1)).all(2)
@@ -805,14 +804,14 @@ class DeviceSparse:
     def admit_rows(self, tid: torch.Tensor, keys: torch.Tensor, emb: torch.Tensor, states: dict[str, torch.Tensor],
                    last: torch.Tensor) -> None:
         """Give distinct keys absent from the index (tables ``tid``) cells and write their rows,
-        optimizer state and last steps (device tensors); their tables must have room (no
-        eviction). Not put in the order: the forward of the step touches them (it appends its
+        optimizer state and last steps (device tensors, the arena's dtypes); their tables must
+        have room (no eviction). Not put in the order: the forward of the step touches them (it appends its
         keys). A key that finds no free way goes to its bucket's dead cell, which
         ``counters()`` reports (the forward's check, without a read here)."""
         n, W, dev = int(keys.shape[0]), WAYS, self.device
         if n == 0:
             return
-        kf, tid = keys.to(dev) ^ _MIN, tid.to(dev)
+        kf = keys ^ _MIN
         parts = []
         for s in range(0, n, self.NB):  # the groups of ``_place``: each sees the ways the earlier took
             k, t = kf[s:s + self.NB], tid[s:s + self.NB]
@@ -823,10 +822,10 @@ class DeviceSparse:
             self.index.index_put_((tgt,), torch.stack([k, t], 1))
             parts.append(tgt)
         c = torch.cat(parts) if len(parts) > 1 else parts[0]
-        self.w.index_put_((c,), emb.to(dev, torch.float32))
+        self.w.index_put_((c,), emb)
         for name, v in states.items():
-            self.state[name].index_put_((c,), v.to(dev))
-        self.last_step.index_put_((c,), last.to(dev))  # a dead cell's step: != _MIN, counted
+            self.state[name].index_put_((c,), v)
+        self.last_step.index_put_((c,), last)  # a dead cell's step: != _MIN, counted
         self.acc[:, 4].index_add_(0, tid, torch.ones(n, dtype=self.acc.dtype, device=dev))
 
 
