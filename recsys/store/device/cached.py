@@ -11,8 +11,9 @@ tables hold ``R`` rows each (the cache) and, for every table with ``C > R``, one
 them) and ordered: every cached key is more recent, by (last step, key as uint64), than
 every host key of its table. A step, synchronously before the device's forward::
 
-    host:   the step's keys deduplicated per table (numpy; |U| > R is refused, naming
-            store.device.cache_rows)
+    host:   the step's keys deduplicated per table (numpy, ``dedup``: the store runs it
+            when the batch is prepared, ahead of the step); |U| > R is refused, naming
+            store.device.cache_rows
     device: which of them the cache holds (DeviceSparse.cells_held)
       ──► host: the hit flags                        the step's one blocking read
     host:   the rows the cache demoted at the step before arrived (an async copy, done by
@@ -49,8 +50,9 @@ written to the host, ``cached``: rows on the device). ``state_dict`` / ``load_st
 store's id-keyed Arrow rows either way round.
 
 Not done: the misses of step ``t + 1`` are not looked up while step ``t`` runs (as
-fbgemm's UVM cache prefetches the next batch); the look-up is synchronous at the start of
-each step, one blocking device-to-host read. A table whose capacity fits in the cache
+fbgemm's UVM cache prefetches the next batch); only the host's dedup runs ahead. The
+look-up is synchronous at the start of each step: one blocking device-to-host read a step
+(the hit flags), after which the device's queue is empty until the forward is launched. A table whose capacity fits in the cache
 (``C <= R``) has no host table and is the plain ``DeviceSparse`` table.
 """
 
@@ -112,33 +114,37 @@ class DeviceCachedSparse:
     # ------------------------------------------------------------------ the step
 
     def forward(self, keys: torch.Tensor, lengths: torch.Tensor, step: int, weights: torch.Tensor | None = None,
-                host_keys=None, host_lengths=None) -> torch.Tensor:
+                host_keys=None, host_lengths=None, uniq: dict[int, np.ndarray] | None = None) -> torch.Tensor:
         """Do the cache's work of ``step`` (module doc), then ``DeviceSparse.forward``.
         ``host_keys`` / ``host_lengths``: the same keys and lengths on the host, when the
-        caller has them (else they are read from ``keys`` and ``lengths``)."""
+        caller has them (else they are read from ``keys`` and ``lengths``); ``uniq``: their
+        ``dedup``, when the caller did it ahead."""
         step = int(step)
         last = self.sparse._step
         if last is not None and step <= last:
             raise ValueError(f"DeviceSparse: step {step} after step {last}; steps must increase")
         if self.hosts:
-            kh = np.asarray(host_keys if host_keys is not None else keys.cpu(), dtype=np.int64)
-            lh = np.asarray(host_lengths if host_lengths is not None else lengths.cpu(), dtype=np.int64)
-            self._before_forward(kh, lh, step)
+            if uniq is None:
+                kh = np.asarray(host_keys if host_keys is not None else keys.cpu(), dtype=np.int64)
+                lh = np.asarray(host_lengths if host_lengths is not None else lengths.cpu(), dtype=np.int64)
+                uniq = self.dedup(kh, lh)
+            self._before_forward(uniq, step)
         return self.sparse.forward(keys, lengths, step, weights)
 
-    def _before_forward(self, kh: np.ndarray, lh: np.ndarray, step: int) -> None:
+    def dedup(self, keys: np.ndarray, lengths: np.ndarray) -> dict[int, np.ndarray]:
+        """Return the distinct keys (sorted) of each table with a host tier in a batch's host
+        keys and lengths (feature-major). Reads nothing of the tables: it may run ahead."""
         F = self.F
-        if F == 0 or lh.shape[0] % F:
-            raise ValueError(f"lengths has {lh.shape[0]} entries, not a multiple of the {F} features")
-        per_feature = lh.reshape(F, -1).sum(1)
-        tid = np.repeat(self._feat_table, per_feature)
-        uniq = {}
-        for t in self.hosts:
-            u = np.unique(kh[tid == t])
+        if F == 0 or lengths.shape[0] % F:
+            raise ValueError(f"lengths has {lengths.shape[0]} entries, not a multiple of the {F} features")
+        tid = np.repeat(self._feat_table, np.asarray(lengths, dtype=np.int64).reshape(F, -1).sum(1))
+        return {t: np.unique(np.asarray(keys, dtype=np.int64)[tid == t]) for t in self.hosts}
+
+    def _before_forward(self, uniq: dict[int, np.ndarray], step: int) -> None:
+        for t, u in uniq.items():
             if u.shape[0] > self.rows[t]:  # raised before anything changes
                 raise CapacityError(self.names[t], step, u.shape[0], self.rows[t], holder="its device cache",
                                     fix=_FIX)
-            uniq[t] = u
         ks = np.concatenate([uniq[t] for t in self.hosts])
         ts = np.concatenate([np.full(uniq[t].shape[0], t, dtype=np.int64) for t in self.hosts])
         dev = self.device

@@ -27,7 +27,8 @@ steps), with ``DeviceSparse.counters``' errors.
 With ``store.device.cache_rows`` below a table's capacity the store holds a
 ``DeviceCachedSparse`` instead (``recsys.store.device.cached``): the same index as an
 exact-LRU cache of ``cache_rows`` rows per table in front of a host ``EmbeddingTable`` of
-the rest; before each forward the host learns the step's cache misses (one blocking read),
+the rest; ``prepare`` deduplicates the batch's keys per table on the host (ahead of the
+step), and before each forward the host learns the step's cache misses (one blocking read),
 gives the rows it holds to the device and takes the rows the cache demotes. Training,
 counters and checkpoints are those of one host table of the whole capacity.
 
@@ -96,6 +97,7 @@ class _Moved:
     batch_size: int
     tensors: list  # keys_N, lengths_FB and the id weights (or None), on the device
     ready: object = None  # the copy's event (None: done)
+    uniq: object = None  # the cached tier: each host-backed table's distinct keys (DeviceCachedSparse.dedup)
 
 
 @dataclasses.dataclass(slots=True)
@@ -149,7 +151,8 @@ class DeviceKeys:
         moved, ready = self._to_device.to_device([t for t in (keys, lengths, weights) if t is not None])
         if weights is None:
             moved.append(None)
-        return _Moved(kjt, kjt.stride(), moved, ready)
+        uniq = self.sparse.dedup(keys.numpy(), lengths.numpy()) if self.cached else None  # host work, ahead
+        return _Moved(kjt, kjt.stride(), moved, ready, uniq)
 
     def _id_weights(self, kjt) -> torch.Tensor | None:
         """Return the per-key weights the host store pools with: the given ones for multi-hot
@@ -172,8 +175,7 @@ class DeviceKeys:
             return DeviceLookup(step, B, zeros.requires_grad_(True), forwarded=False)
         arrive(moved.tensors, moved.ready)  # this thread's stream waits for the copy
         if self.cached:  # the cache's key work reads the host's copy of the keys
-            pooled = self.sparse.forward(keys, lengths, step, weights, host_keys=moved.kjt.values(),
-                                         host_lengths=moved.kjt.lengths())
+            pooled = self.sparse.forward(keys, lengths, step, weights, uniq=moved.uniq)
         else:
             pooled = self.sparse.forward(keys, lengths, step, weights)
         return DeviceLookup(step, B, pooled.view(B, self.F, self.dim), forwarded=True)
