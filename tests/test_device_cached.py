@@ -192,35 +192,60 @@ def test_a_step_bigger_than_the_cache_is_refused_in_one_line():
 # --------------------------------------------------------------------------- in training
 
 # tables above the 450 cache rows that see more distinct ids in 10 steps than they hold: they evict
-CACHED_STEPS = ["train.max_steps=10", "train.checkpoint.every_steps=10",
+CACHED_STEPS = ["train.max_steps=10", "train.checkpoint.every_steps=5", "train.checkpoint.keep_last=3",
                 "schema.tables.c3.capacity=500", "schema.tables.c4.capacity=500", "schema.tables.c7.capacity=480",
                 "schema.tables.m1.capacity=1000", "schema.tables.m2.capacity=1000"]
+CACHED = ["store.device.cache_rows=450", "store.device.key_map='device'"]
 
 
-def test_recsys_train_with_the_cached_tier_trains_as_the_host_key_map(tiny_data, tmp_path):
+@pytest.fixture(scope="module")
+def cached_runs(tiny_data, tmp_path_factory):
+    """The same 10-step job with the host key map and with the cached tier (checkpoints at 5, 10)."""
+    from test_store_device_keymap import HOST
+    from test_train import run
+
+    root = tmp_path_factory.mktemp("cached_runs")
+    for name, extra in (("host", HOST), ("cached", CACHED)):
+        run(tiny_data, root / name, *extra, *CACHED_STEPS)
+    return root
+
+
+def test_recsys_train_with_the_cached_tier_trains_as_the_host_key_map(tiny_data, tmp_path, cached_runs):
     """``key_map = "device"`` with 450 cache rows a table (more than a batch brings to one),
     most tables larger: the cached tier, not a refusal; losses, the final eval and the rows
     (keys, last_seen) as the host key map's, and evictions in both."""
-    from test_store_device_keymap import HOST, _steps, assert_same_training
-    from test_train import build, run
+    from test_store_device_keymap import _steps, assert_same_training
+    from test_train import build
 
     from recsys.store.device.cached import DeviceCachedSparse
     from recsys.store.sharded.device_keys import refusal
 
-    cached = ["store.device.cache_rows=450", "store.device.key_map='device'"]
-    trainer = build(tiny_data, tmp_path / "probe", *cached, *CACHED_STEPS)
+    trainer = build(tiny_data, tmp_path / "probe", *CACHED, *CACHED_STEPS)
     try:
         assert refusal(trainer.job.schema, trainer.job.store, 1) is None
         assert isinstance(trainer.store._keys.sparse, DeviceCachedSparse)
     finally:
         trainer.close()
-    run(tiny_data, tmp_path / "host", *HOST, *CACHED_STEPS)
-    run(tiny_data, tmp_path / "cached", *cached, *CACHED_STEPS)
-    assert_same_training(tmp_path / "host", tmp_path / "cached")
-    sh, sc = _steps(tmp_path / "host"), _steps(tmp_path / "cached")
+    host, cached = cached_runs / "host", cached_runs / "cached"
+    assert_same_training(host, cached)
+    sh, sc = _steps(host), _steps(cached)
     assert sh[10]["store/rows"] == sc[10]["store/rows"]
     evictions = sum(r["store/evictions"] for r in sc.values())
     assert evictions > 0 and sum(r["store/evictions"] for r in sh.values()) == evictions
+
+
+def test_recsys_train_checkpoints_interchange_with_the_host_key_map(tiny_data, tmp_path, cached_runs):
+    """The cached tier resumes the host key map's checkpoint and the other way round, each
+    equal to the uninterrupted run."""
+    from test_store_device_keymap import HOST, _steps, assert_same_training
+    from test_train import run
+
+    for saved, resumed_with, reference in (("cached", HOST, "host"), ("host", CACHED, "cached")):
+        target = tmp_path / f"from_{saved}"
+        result = run(tiny_data, target, *resumed_with, *CACHED_STEPS,
+                     resume=str(cached_runs / saved / "checkpoints" / "step-00000005"))
+        assert result["step"] == 10 and sorted(_steps(target)) == list(range(6, 11))
+        assert_same_training(cached_runs / reference, target, steps=list(range(6, 11)))
 
 
 def test_refusal_takes_cache_rows_below_a_capacity():
