@@ -137,8 +137,14 @@ class DeviceCachedSparse:
         F = self.F
         if F == 0 or lengths.shape[0] % F:
             raise ValueError(f"lengths has {lengths.shape[0]} entries, not a multiple of the {F} features")
-        tid = np.repeat(self._feat_table, np.asarray(lengths, dtype=np.int64).reshape(F, -1).sum(1))
-        return {t: np.unique(np.asarray(keys, dtype=np.int64)[tid == t]) for t in self.hosts}
+        keys = np.asarray(keys, dtype=np.int64)
+        ends = np.cumsum(np.asarray(lengths, dtype=np.int64).reshape(F, -1).sum(1))
+        starts = np.concatenate([[0], ends[:-1]])
+        parts: dict[int, list] = {t: [] for t in self.hosts}
+        for f, t in enumerate(self._feat_table):  # a feature's keys are one slice
+            if int(t) in parts:
+                parts[int(t)].append(keys[starts[f]:ends[f]])
+        return {t: np.unique(np.concatenate(p)) if p else keys[:0] for t, p in parts.items()}
 
     def _before_forward(self, uniq: dict[int, np.ndarray], step: int) -> None:
         for t, u in uniq.items():
@@ -349,7 +355,8 @@ class DeviceCachedSparse:
         host = self.hosts[t]
         host.pop_rows(host.state_dict().column("key").to_numpy())
         self.sparse.load_state_dict({name: allr.take(o[split:])})
-        host.insert_rows(allr.take(o[:split]))
+        if split:
+            host.insert_rows(allr.take(o[:split]))
         self._held[t] = allr.num_rows - split
 
 
