@@ -816,9 +816,9 @@ class DeviceSparse:
         for s in range(0, n, self.NB):  # the groups of ``_place``: each sees the ways the earlier took
             k, t = kf[s:s + self.NB], tid[s:s + self.NB]
             m = k.shape[0]
-            base, cells = self._cells_of(k, t)
+            _, cells = self._cells_of(k, t)
             free = (self.index[:, 1][cells.view(m, 2 * W)] < 0).view(m, 2, W)
-            tgt = self._assign(cells, free, base, torch.ones(m, dtype=torch.bool, device=dev), self._arange(m))
+            tgt = self._assign(cells, free, torch.ones(m, dtype=torch.bool, device=dev))
             self.index.index_put_((tgt,), torch.stack([k, t], 1))
             parts.append(tgt)
         c = torch.cat(parts) if len(parts) > 1 else parts[0]
