@@ -88,6 +88,23 @@ def test_real_sets_come_from_the_installed_package_and_split_by_profile(tmp_path
     assert not (tr & va) and not (tr & ev) and not (va & ev)  # no person in two splits
 
 
+@pytest.mark.parametrize("name", ["fair", "randhie"])
+def test_each_row_group_is_a_sample_of_its_split(tmp_path, name):
+    """The files keep the shuffled order: every row group a sample of its split, so tune's
+    folds of whole row groups are samples too (fair's source is sorted by its label: in the
+    source's order its row groups hold one class each)."""
+    import pyarrow.parquet as pq
+
+    root = quality.prepare(quality.SETS[name], tmp_path)
+    train = pq.ParquetFile(root / "train" / "part-00000.parquet")
+    assert train.metadata.row_group(0).num_rows == quality.ROW_GROUP_ROWS
+    rates = np.array([train.read_row_group(i, columns=["label"]).column("label").to_numpy().mean()
+                      for i in range(train.num_row_groups)])
+    overall = pq.read_table(root / "train", columns=["label"]).column("label").to_numpy().mean()
+    # measured: fair's within 0.26-0.38 around 0.32, randhie's (whole profiles) 0.50-0.79 around 0.68
+    assert np.abs(rates - overall).max() < 0.2 and np.abs(rates - overall).mean() < 0.1, (overall, rates)
+
+
 def test_bad_thread_count_is_refused_before_any_work(tmp_path, monkeypatch):
     monkeypatch.setattr(quality, "RUNS", tmp_path / "runs")
     with pytest.raises(ValueError, match=r"bench quality: threads must be >= 1 .* found 0"):
