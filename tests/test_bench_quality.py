@@ -103,6 +103,12 @@ def test_each_row_group_is_a_sample_of_its_split(tmp_path, name):
     overall = pq.read_table(root / "train", columns=["label"]).column("label").to_numpy().mean()
     # measured: fair's within 0.26-0.38 around 0.32, randhie's (whole profiles) 0.50-0.79 around 0.68
     assert np.abs(rates - overall).max() < 0.2 and np.abs(rates - overall).mean() < 0.1, (overall, rates)
+    # written once: the marker names the split's seed and layout, and a second call keeps the files
+    marker = json.loads((root / "split.json").read_text())
+    assert marker["seed"] == 0 and marker["layout"] == quality.LAYOUT
+    written = (root / "train" / "part-00000.parquet").stat().st_mtime_ns
+    assert quality.prepare(quality.SETS[name], tmp_path) == root
+    assert (root / "train" / "part-00000.parquet").stat().st_mtime_ns == written
 
 
 def test_bad_thread_count_is_refused_before_any_work(tmp_path, monkeypatch):

@@ -258,3 +258,25 @@ def test_refusal_takes_cache_rows_below_a_capacity():
     assert "one process" in refusal(schema, StoreConfig(device=DeviceConfig(cache_rows=100, key_map="device")), 2)
     why = refusal(schema, StoreConfig(device=DeviceConfig(memory_gb=1e-6, key_map="device")), 1)
     assert "every table whole on the device" in why and "store.device.cache_rows" in why
+
+
+def test_rows_to_load_are_checked_before_either_tier_changes():
+    """A repeated key (or any bad column) in rows to load is refused before anything changes,
+    as the host store refuses it: the table keeps what it held."""
+    import pyarrow as pa
+
+    from tests.test_device_keymap import dev_step
+
+    cfg = _cfg(cache_rows=4)
+    tables = {"t": TableSpec(dim=4, capacity=12)}
+    dc = DeviceCachedSparse(tables, [("f", "t", "sum")], cfg, "cpu")
+    for step, ks in enumerate([[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]]):
+        dev_step(dc, np.array(ks, dtype=np.int64), np.array([4]), step, np.ones((1, 4), np.float32))
+    before = dc.state_dict()["t"]
+    key1 = before.filter(pa.compute.equal(before.column("key"), 1))
+    at = key1.column_names.index("last_seen")
+    newer = key1.set_column(at, key1.schema.field(at), pa.array([99], pa.int64()))
+    for bad in (pa.concat_tables([before.slice(0, 2), before.slice(0, 1)]), pa.concat_tables([key1, newer])):
+        with pytest.raises(ValueError, match="repeats keys"):
+            dc.load_state_dict({"t": bad})
+        assert dc.state_dict()["t"].equals(before) and dc.counters()["t"]["rows"] == 12

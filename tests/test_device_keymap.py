@@ -503,3 +503,48 @@ def test_many_new_keys_every_step_find_free_ways(seed):
         ds.forward(torch.from_numpy(keys), torch.ones(keys.shape[0], dtype=torch.int64), step)
         c = ds.counters()["t"]
     assert c["rows"] == 20_000 and c["evictions"] == 60_000
+
+
+def test_a_cancelled_step_is_not_counted_as_updated():
+    """The forward counts the step's rows as updated ahead (in its matmul); a step whose update
+    is withdrawn (the trainer's look-ahead when it stops: ``cancel``) is not counted, as the
+    host store counts only the rows it updates. Its keys stay held, as the host's lookup
+    leaves them."""
+    cfg = StoreConfig(seed=3)
+    spec = {"t": TableSpec(dim=4, capacity=16)}
+    ds = DeviceSparse(spec, [("f", "t", "sum")], cfg, "cpu")
+    host = EmbeddingTable("t", spec["t"], cfg)
+    R = np.ones((1, 4), np.float32)
+    dev_step(ds, np.array([1, 2]), np.array([2]), 0, R)
+    host.lookup(np.array([1, 2]), 0)
+    host.apply_gradients(np.array([1, 2]), np.ones((2, 4), np.float32), 0)
+    ds.forward(torch.tensor([3, 4, 5]), torch.tensor([3]), 1)
+    host.lookup(np.array([3, 4, 5]), 1)
+    ds.cancel(1)
+    got, ref = ds.counters()["t"], host.counters()
+    assert got["updated"] == ref["updated"] == 2 and got["rows"] == ref["rows"] == 5
+    with pytest.raises(ValueError, match="not the latest forward"):
+        ds.update(1)
+    ds.cancel(7)  # another step: nothing
+    assert ds.counters()["t"]["updated"] == 2
+
+
+def test_pop_rows_takes_a_repeated_key_once():
+    """As the host's: a key given twice is one row out, the rows counter one lower, and the
+    index and LRU order stay sound for the steps after."""
+    cfg = StoreConfig(seed=3)
+    spec = {"t": TableSpec(dim=4, capacity=4)}
+    ds = DeviceSparse(spec, [("f", "t", "sum")], cfg, "cpu")
+    host = EmbeddingTable("t", spec["t"], cfg)
+    R = np.ones((1, 4), np.float32)
+    for s, ks in enumerate([[1, 2, 3, 4], [5]]):
+        dev_step(ds, np.array(ks), np.array([len(ks)]), s, R)
+        host.lookup(np.array(ks), s)
+        host.apply_gradients(np.array(ks), np.ones((len(ks), 4), np.float32), s)
+    assert ds.pop_rows("t", np.array([4, 4])).num_rows == host.pop_rows(np.array([4, 4])).num_rows == 1
+    for s, ks in enumerate([[6, 7], [8, 9]], start=2):
+        dev_step(ds, np.array(ks), np.array([len(ks)]), s, R)
+        host.lookup(np.array(ks), s)
+        host.apply_gradients(np.array(ks), np.ones((len(ks), 4), np.float32), s)
+    assert ds.state_dict()["t"].column("key").to_pylist() == host.state_dict().column("key").to_pylist()
+    assert ds.counters()["t"]["rows"] == host.counters()["rows"] == 4

@@ -210,3 +210,27 @@ def test_the_store_refuses_what_the_key_map_cannot_hold():
             store.attach_publisher(lambda read_rows: None)
     finally:
         store.close()
+
+
+@pytest.mark.parametrize("key_map", ["host", "device"])
+def test_a_cancelled_lookup_is_not_counted_as_updated(key_map):
+    """The trainer's look-ahead withdrawn (``store.cancel``): its rows are not counted as
+    updated by either key map (the device counts them at its forward and takes them back)."""
+    from recsys.store.sharded.store import ShardedEmbeddingStore
+    from tests.store_data import random_kjts
+
+    cfg = StoreConfig(device=DeviceConfig(memory_gb=1.0, key_map=key_map))
+    store = ShardedEmbeddingStore(three_feature_schema(4, 100), cfg, threaded=False)
+    try:
+        first, ahead = random_kjts(2, 50, seed=0)
+        lk = store.lookup(first, 0)
+        lk.pooled().sum().backward()
+        store.push(lk)
+        store.flush()
+        updated = sum(c["updated"] for c in store.counters().values())
+        assert updated > 0
+        store.cancel(store.lookup(ahead, 1))
+        store.flush()
+        assert sum(c["updated"] for c in store.counters().values()) == updated
+    finally:
+        store.close()

@@ -268,10 +268,10 @@ def prepare(s: RealSet, root: Path | None = None, split: int = 0) -> Path:
     else:
         perm = rng.permutation(n)
         a, b = int(0.70 * n), int(0.85 * n)
-    for split, idx in (("train", perm[:a]), ("validation", perm[a:b]), ("eval", perm[b:])):
-        (out / split).mkdir(parents=True, exist_ok=True)
+    for part, idx in (("train", perm[:a]), ("validation", perm[a:b]), ("eval", perm[b:])):
+        (out / part).mkdir(parents=True, exist_ok=True)
         table = pa.table({k: v[idx] for k, v in cols.items()})
-        pq.write_table(table, out / split / "part-00000.parquet", row_group_size=ROW_GROUP_ROWS)
+        pq.write_table(table, out / part / "part-00000.parquet", row_group_size=ROW_GROUP_ROWS)
     marker.write_text(json.dumps({"rows": s.rows, "source": f"{s.package}/{s.file}", "seed": split,
                                   "fractions": [0.70, 0.15, 0.15], "by_profile": s.by_profile,
                                   "layout": LAYOUT}) + "\n")

@@ -662,8 +662,11 @@ def measure(quick: bool, data: Path | None = None, settings: Settings | None = N
         else:
             arms[name] = {"skipped": missing}
         name = "keymap_cached" + (f"_{suffix}" if suffix else "")
-        arms[name] = {"tables": len(schema.tables), "features": len(schema.sparse),
-                      **run_arm(cached_step(schema, job.store, batches), s, meta=False)}
+        if missing is None:
+            arms[name] = {"tables": len(schema.tables), "features": len(schema.sparse),
+                          **run_arm(cached_step(schema, job.store, batches), s, meta=False)}
+        else:
+            arms[name] = {"skipped": missing}
     floor = dispatch_floor(root, s, missing is None) if s.floor_batch else {}
     comparisons = []
     if "keymap" in floor and "whole_device" in floor:

@@ -232,6 +232,10 @@ class DeviceCachedSparse:
         """``DeviceSparse.update``: the optimizer on the step's rows (all in the cache)."""
         self.sparse.update(step)
 
+    def cancel(self, step: int) -> None:
+        """``DeviceSparse.cancel``: the update of ``step`` withdrawn (not counted)."""
+        self.sparse.cancel(step)
+
     def flush(self) -> None:
         """Give the host the demoted rows still on their way (one read of the device)."""
         self._deliver()
@@ -330,16 +334,11 @@ class DeviceCachedSparse:
 
     def _load(self, t: int, rows: pa.Table) -> None:
         name, schema = self.names[t], self.schemas[self.names[t]]
-        where = f"table {name!r}: rows to load"
-        if not isinstance(rows, pa.Table):
-            raise TypeError(f"{where}: expected a pyarrow.Table, found {type(rows).__name__}")
-        if sorted(rows.column_names) != sorted(schema.names):
-            raise ValueError(f"{where}: columns {rows.column_names} do not match this table's "
-                             f"({self.cfg.optimizer}, dim {self.dim}): expected {schema.names}")
-        if rows.num_rows > self.caps[t]:
-            raise ValueError(f"{where}: {rows.num_rows} rows exceed the capacity {self.caps[t]}")
+        # every check before either tier changes (the columns, types, nulls, a repeated key, the
+        # capacity of both tiers together)
+        self.sparse.check_rows(t, rows, capacity=self.caps[t])
         rows = rows.select(schema.names).cast(schema)
-        cur = self.state_dict()[name]
+        cur = _sorted(pa.concat_tables([self.sparse.state_dict([name])[name], self.hosts[t].state_dict()]))
         cur = cur.filter(pa.array(~np.isin(cur.column("key").to_numpy(), rows.column("key").to_numpy())))
         over = cur.num_rows + rows.num_rows - self.caps[t]
         if over > 0:  # the least recent rows not in the input

@@ -20,7 +20,7 @@ on CUDA without a host sync)::
       exact LRU: the order array drops touched and evicted cells (a cumsum compaction),
         evicted cells leave the index; the step's keys are appended in key order
       new keys: free ways counted after the evictions; ROUNDS rounds of proposals (each key
-        to the emptier of its two buckets first, ties by a hash bit, then to the other), a
+        to the emptier of its two buckets first, ties to its first, then to the other), a
         key accepted while its rank among the bucket's keys is below its free ways (the first
         round keeps HEADROOM ways free); the initial row written there
       rows = arena[cells] (a leaf: its first D columns) ─► one embedding_bag ─► [B, F·D]
@@ -186,6 +186,7 @@ class _Step:
     rows: torch.Tensor  # the leaf [N, D] (a view of ``ext``)
     ext: torch.Tensor  # the arena rows of the step [N, D + float state]
     upd: torch.Tensor  # cell of each sorted entry to update (X: none)
+    x2: torch.Tensor  # the per-table arithmetic's inputs (``cancel`` takes its count back)
 
 
 class DeviceSparse:
@@ -494,7 +495,7 @@ class DeviceSparse:
         pooled = torch.nn.functional.embedding_bag(inv, rows, offsets, mode="sum", per_sample_weights=psw,
                                                  include_last_offset=True)
         self._step = step
-        self._pending = _Step(step, rows, ext, upd)
+        self._pending = _Step(step, rows, ext, upd, x2)
         return pooled.view(F, B, D).transpose(0, 1).reshape(B, F * D)
 
     def _compact(self, ps: torch.Tensor, step: int) -> None:
@@ -533,6 +534,18 @@ class DeviceSparse:
             return False
         self._rebuild_order()
         return True
+
+    def cancel(self, step: int) -> None:
+        """Withdraw the update of ``step`` (the latest ``forward``, never to be trained on:
+        the trainer's look-ahead when it stops): its rows stay as the forward left them (as the
+        host store's lookup leaves its keys), but they are not counted as ``updated``, which
+        the forward's matmul counted ahead. Another step: nothing."""
+        p = self._pending
+        if p is None or p.step != int(step):
+            return
+        self._pending = None
+        with torch.no_grad():  # the counted increment: column "updated" of L2 less its value before
+            self.acc[:, 5] -= p.x2 @ self._M2[:, 10] - p.x2[:, 5]
 
     def update(self, step: int) -> None:
         """Apply the optimizer to the rows of ``step`` (the latest ``forward``) with their
@@ -632,12 +645,14 @@ class DeviceSparse:
         cells = np.flatnonzero((idx[:, 1] >= 0) & (np.arange(self.X) % _STRIDE != WAYS))  # not the dead cells
         return cells, idx[cells, 1], idx[cells, 0] ^ np.int64(_MIN)
 
-    def state_dict(self) -> dict[str, pa.Table]:
-        """Return each table's rows as ``EmbeddingTable.state_dict()`` does (its schema,
-        sorted by key as int64)."""
+    def state_dict(self, tables: list[str] | None = None) -> dict[str, pa.Table]:
+        """Return each table's rows (or ``tables``') as ``EmbeddingTable.state_dict()`` does
+        (its schema, sorted by key as int64)."""
         cells, tabs, keys = self._held()
         out = {}
         for t, name in enumerate(self.names):
+            if tables is not None and name not in tables:
+                continue
             sel = np.flatnonzero(tabs == t)
             order = sel[np.argsort(keys[sel])]
             out[name] = self._rows(torch.as_tensor(cells[order], device=self.device), keys[order], self.schemas[name])
@@ -649,6 +664,8 @@ class DeviceSparse:
         """Remove the rows of ``keys`` from ``table`` and return them (absent keys skipped),
         as ``EmbeddingTable.pop_rows``."""
         keys = _as_keys(keys)
+        _, first = np.unique(keys, return_index=True)
+        keys = keys[np.sort(first)]  # a repeated key once (its first place), as the host's
         t = self.names.index(table)
         cells = self._lookup(table, keys).cpu().numpy() if keys.shape[0] else np.zeros(0, dtype=np.int64)
         live = cells >= 0
@@ -674,6 +691,16 @@ class DeviceSparse:
 
     def _insert(self, t: int, rows: pa.Table) -> None:
         name = self.names[t]
+        keys, last, emb, states = self.check_rows(t, rows)
+        # present keys: replaced in place
+        cells = self._lookup(name, keys).cpu().numpy() if keys.shape[0] else np.zeros(0, dtype=np.int64)
+        self._insert_checked(t, keys, last, emb, states, cells)
+
+    def check_rows(self, t: int, rows: pa.Table, capacity: int | None = None):
+        """Return table ``t``'s rows to load as (keys, last_seen, embeddings, states) after
+        checking them (columns, types, no repeated key, at most ``capacity`` rows: the
+        table's); raise naming what is wrong before anything changes."""
+        name = self.names[t]
         where = f"table {name!r}: rows to load"
         if not isinstance(rows, pa.Table):
             raise TypeError(f"{where}: expected a pyarrow.Table, found {type(rows).__name__}")
@@ -684,15 +711,17 @@ class DeviceSparse:
         keys = int64_column(rows, "key", where)
         if np.unique(keys).shape[0] != keys.shape[0]:
             raise ValueError(f"{where}: column 'key' repeats keys")
-        if keys.shape[0] > self.caps[t]:
-            raise ValueError(f"{where}: {keys.shape[0]} rows exceed the capacity {self.caps[t]}")
+        cap = self.caps[t] if capacity is None else capacity
+        if keys.shape[0] > cap:
+            raise ValueError(f"{where}: {keys.shape[0]} rows exceed the capacity {cap}")
         last = int64_column(rows, "last_seen", where)
         emb = matrix_column(rows, "embedding", self.dim, where, (np.float32, np.float16)).astype(np.float32)
         states = {c.name: (matrix_column(rows, c.name, self.dim, where, (c.dtype,)) if c.per_dim
                            else vector_column(rows, c.name, where, c.dtype)) for c in self._columns}
+        return keys, last, emb, states
+
+    def _insert_checked(self, t: int, keys, last, emb, states, cells) -> None:
         dev = self.device
-        # present keys: replaced in place
-        cells = self._lookup(name, keys).cpu().numpy() if keys.shape[0] else np.zeros(0, dtype=np.int64)
         present = cells >= 0
         n_new = int((~present).sum())
         held_cells, tabs, held_keys = self._held()

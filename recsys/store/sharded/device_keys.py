@@ -186,6 +186,10 @@ class DeviceKeys:
             return
         self.sparse.update(lookup.step)
 
+    def cancel(self, step: int) -> None:
+        """Withdraw the update of ``step``'s forward (a look-ahead never trained on)."""
+        self.sparse.cancel(step)
+
     # ------------------------------------------------------------------ reads
 
     def peek(self, table: str, keys: np.ndarray, init_missing: bool = False,

@@ -381,6 +381,9 @@ class ShardedEmbeddingStore:
         With admission (``min_count > 1``), a lookup of the same step made later counts the
         sightings this one counted once in all (``EmbeddingTable.arm_admission_replay``)."""
         self.schedule.cancel(lookup.step)
+        if self._keys is not None and lookup.step is not None:  # the device counted its rows ahead
+            step, keys = lookup.step, self._keys
+            self.schedule.submit_call(lambda: keys.cancel(step))
         if self.cfg.min_count > 1 and lookup.step is not None:
             step = lookup.step
 
