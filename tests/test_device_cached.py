@@ -280,3 +280,41 @@ def test_rows_to_load_are_checked_before_either_tier_changes():
         with pytest.raises(ValueError, match="repeats keys"):
             dc.load_state_dict({"t": bad})
         assert dc.state_dict()["t"].equals(before) and dc.counters()["t"]["rows"] == 12
+
+
+@pytest.mark.parametrize("settle_every", [0, 3])
+def test_the_hosts_are_asked_one_step_ahead_and_train_the_same(settle_every):
+    """As the store runs it: step t's forward, then step t + 1's misses asked of the hosts
+    (``prefetch``: the look-up, its read and the host rows, while step t's backward and update
+    are still to come), then t's update, then t + 1's forward with what was asked. Equal to the
+    host store after every step; with ``settle_every``, a read of the tables between the
+    prefetch and its step gives the rows back, and the step asks again: still equal."""
+    cfg = _cfg("rowwise_adagrad", cache_rows=16)
+    tables = three_tables(40, 64, 10)
+    host = HostRef(tables, FEATURES, cfg)
+    dc = DeviceCachedSparse(tables, FEATURES, cfg, "cpu")
+    rng = np.random.default_rng(5)
+    batches = [random_batch(rng, FEATURES, B=4, vocab=110) for _ in range(30)]
+    asked = 0
+    for step, (keys, lengths) in enumerate(batches):
+        B = lengths.shape[0] // len(FEATURES)
+        R = rng.standard_normal((B, len(FEATURES) * 4)).astype(np.float32)
+        ref = host.step(keys, lengths, step, R)
+        ahead = dc._ahead
+        out = dc.forward(torch.from_numpy(keys), torch.from_numpy(lengths), step,
+                         uniq=dc.dedup(keys, lengths))
+        assert dc._ahead is None
+        if step + 1 < len(batches):
+            nk, nl = batches[step + 1]
+            dc.prefetch(dc.dedup(nk, nl), step + 1)  # after the forward, before the update
+            assert dc._ahead is not None and dc._ahead.step == step + 1
+            asked += sum(r.num_rows for _, r in dc._ahead.popped)
+        (out * torch.from_numpy(R)).sum().backward()
+        dc.update(step)
+        np.testing.assert_allclose(out.detach().numpy(), ref, rtol=0, atol=1e-6)
+        if settle_every and step % settle_every == 0:
+            _check_step(host, dc)  # reads the tables: the prefetch is given back
+            assert dc._ahead is None
+        del ahead
+    _check_step(host, dc)
+    assert asked > 20  # the hosts' rows of later steps' misses were taken ahead

@@ -234,3 +234,51 @@ def test_a_cancelled_lookup_is_not_counted_as_updated(key_map):
         assert sum(c["updated"] for c in store.counters().values()) == updated
     finally:
         store.close()
+
+
+def test_the_cached_tier_asks_the_host_for_a_steps_misses_while_the_step_before_is_awaited():
+    """A threaded store with the cached tier: step t + 1's lookup, submitted while step t's push
+    has not arrived, already has its misses' host rows (the schedule's key work ahead,
+    ``DeviceKeys.reserve``); once the push arrives it trains as the host key map does."""
+    import time
+
+    from recsys.store.device.cached import DeviceCachedSparse
+    from recsys.store.sharded.store import ShardedEmbeddingStore
+    from tests.store_data import random_kjts
+
+    schema = three_feature_schema(4, 60)
+    kjts = random_kjts(8, 150, seed=1)
+    cfgs = {"host": StoreConfig(seed=2), "device": StoreConfig(seed=2, device=DeviceConfig(cache_rows=40,
+                                                                                            key_map="device"))}
+    stores = {km: ShardedEmbeddingStore(schema, cfg, threaded=km == "device") for km, cfg in cfgs.items()}
+    try:
+        cached = stores["device"]._keys.sparse
+        assert isinstance(cached, DeviceCachedSparse)
+        for km, store in stores.items():
+            lk = store.lookup(kjts[0], 0)
+            for t in range(1, len(kjts)):
+                (lk.pooled() * (t + 1)).sum().backward()
+                if km == "device":
+                    nxt = store.submit_lookup(kjts[t], t)  # waits for the push of t - 1
+                    deadline = time.monotonic() + 60  # a bound on a broken schedule, not a timing
+                    while (cached._ahead is None or cached._ahead.step != t) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                    assert cached._ahead is not None and cached._ahead.step == t and not nxt.done()
+                    store.push(lk)
+                    lk = nxt.result()
+                else:
+                    store.push(lk)
+                    lk = store.lookup(kjts[t], t)
+            (lk.pooled()).sum().backward()
+            store.push(lk)
+            store.flush()
+        got, ref = stores["device"].state_dict(), stores["host"].state_dict()
+        for name in ref:
+            assert got[name].column("key").to_pylist() == ref[name].column("key").to_pylist()
+            np.testing.assert_allclose(np.asarray(got[name].column("embedding").combine_chunks().flatten()),
+                                       np.asarray(ref[name].column("embedding").combine_chunks().flatten()),
+                                       rtol=0, atol=1e-6)
+        assert stores["device"].counters()["item"]["evictions"] > 0
+    finally:
+        for store in stores.values():
+            store.close()

@@ -9,17 +9,20 @@ step's distinct keys of a table, ``h`` those the host holds, ``n`` those held no
 tables hold ``R`` rows each (the cache) and, for every table with ``C > R``, one host
 ``EmbeddingTable`` of ``C - R`` rows. The tiers are exclusive (a key's row is in one of
 them) and ordered: every cached key is more recent, by (last step, key as uint64), than
-every host key of its table. A step, synchronously before the device's forward::
+every host key of its table. Step ``t + 1``, in two parts::
 
+    asked ahead (``prefetch``: the store's key work for the lookup first in line, after step
+    t's forward and while t's push is awaited; else at the start of ``forward``):
     host:   the step's keys deduplicated per table (numpy, ``dedup``: the store runs it
-            when the batch is prepared, ahead of the step); |U| > R is refused, naming
-            store.device.cache_rows
-    device: which of them the cache holds (DeviceSparse.cells_held)
+            when the batch is prepared); |U| > R is refused, naming store.device.cache_rows
+    device: which of them the cache holds (DeviceSparse.cells_held), after step t's forward
       ──► host: the hit flags                        the step's one blocking read
-    host:   the rows the cache demoted at the step before arrived (an async copy, done by
-            now) ─► EmbeddingTable.write_back: the host inserts them with their last step
-            and, when over C - R, evicts its own least recent rows
-    host:   the misses it holds (h) ─► EmbeddingTable.pop_rows (row, state, last_seen)
+    host:   the rows the cache demoted at step t arrived (an async copy, done by now) ─►
+            EmbeddingTable.write_back: the host inserts them with their last step and,
+            when over C - R, evicts its own least recent rows
+    host:   the misses it holds (h) ─► EmbeddingTable.pop_rows (row, state, last_seen),
+            kept aside until the step (``_Ahead``)
+    at the step (after step t's update, which changes rows but no key's place):
     device: the hits' last step set to this step; d = held + h + n - R (when > 0) least
             recent cached keys not touched by the step demoted (DeviceSparse.demote: the
             first untouched entries of the table's order block), their rows, state and
@@ -49,14 +52,19 @@ written to the host, ``cached``: rows on the device). ``state_dict`` / ``load_st
 / ``pop_rows`` / ``peek_rows`` / ``held`` read the union, and its checkpoint is the host
 store's id-keyed Arrow rows either way round.
 
-Not done: the misses of step ``t + 1`` are not looked up while step ``t`` runs (as
-fbgemm's UVM cache prefetches the next batch); only the host's dedup runs ahead. The
-look-up is synchronous at the start of each step: one blocking device-to-host read a step
-(the hit flags), after which the device's queue is empty until the forward is launched. A table whose capacity fits in the cache
-(``C <= R``) has no host table and is the plain ``DeviceSparse`` table.
+Asked ahead, the look-up's read waits for step t's forward only, and the host's work on
+the misses runs while the device runs step t's dense model, as fbgemm's UVM cache
+prefetches the next batch. The answer holds while only step t's update runs in between
+(the store's schedule runs a lookup's key work first in line and nothing but pushes before
+the lookup itself); any read or change of the tables in between (``counters``,
+``state_dict``, ``pop_rows``...) first gives the rows back to their hosts (``_settle``) and
+the step asks again. A table whose capacity fits in the cache (``C <= R``) has no host
+table and is the plain ``DeviceSparse`` table.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pyarrow as pa
@@ -105,6 +113,7 @@ class DeviceCachedSparse:
         self._float_state = [(c.name, c.per_dim) for c in optim.state_columns(cfg.optimizer)
                              if c.dtype == np.float32]
         self._held = [0] * self.T  # rows each cached table holds on the device (known without it)
+        self._ahead: _Ahead | None = None  # the next step's misses, asked ahead (``prefetch``)
         self._outbox = None  # the demoted rows on their way to the host (delivered by ``_deliver``)
         self._c = {t: dict.fromkeys(CACHE_COUNTERS, 0) for t in self.hosts}
         self._dropped = [0] * self.T  # demoted rows evicted at once (more than the host holds)
@@ -146,28 +155,56 @@ class DeviceCachedSparse:
                 parts[int(t)].append(keys[starts[f]:ends[f]])
         return {t: np.unique(np.concatenate(p)) if p else keys[:0] for t, p in parts.items()}
 
-    def _before_forward(self, uniq: dict[int, np.ndarray], step: int) -> None:
+    def prefetch(self, uniq: dict[int, np.ndarray], step: int) -> None:
+        """Ask the hosts now for ``step``'s misses (``uniq``: its ``dedup``): the cache
+        look-up, its read and the host's rows of the misses, ahead of the step (module doc).
+        Valid while nothing but the update of the step before changes the tables; a read or
+        change of the rows in between gives the rows back first (``_settle``). Raises, as the
+        step would, when the step brings more keys than a table's cache holds."""
+        self._settle()
+        self._ahead = self._ask(uniq, int(step))
+
+    def _ask(self, uniq: dict[int, np.ndarray], step: int) -> "_Ahead":
         for t, u in uniq.items():
             if u.shape[0] > self.rows[t]:  # raised before anything changes
                 raise CapacityError(self.names[t], step, u.shape[0], self.rows[t], holder="its device cache",
                                     fix=_FIX)
         ks = np.concatenate([uniq[t] for t in self.hosts])
         ts = np.concatenate([np.full(uniq[t].shape[0], t, dtype=np.int64) for t in self.hosts])
-        dev = self.device
-        kt = _to_device(np.stack([ks, ts]), dev)  # one upload
+        kt = _to_device(np.stack([ks, ts]), self.device)  # one upload
         cells = self.sparse.cells_held(kt[0], kt[1])
-        hit = cells.cpu().numpy() >= 0  # the step's blocking read
+        hit = cells.cpu().numpy() >= 0  # the step's blocking read (ahead of it: ``prefetch``)
         self._deliver()
-        over = [0] * self.T
-        popped = []
-        at = 0
+        popped, misses, at = [], {}, 0
         for t, host in self.hosts.items():
             u = uniq[t]
-            miss = u[~hit[at:at + u.shape[0]]]
+            misses[t] = miss = u[~hit[at:at + u.shape[0]]]
             at += u.shape[0]
             rows = host.pop_rows(miss) if miss.shape[0] else None
             if rows is not None and rows.num_rows:
                 popped.append((t, rows))
+        return _Ahead(step, uniq, cells, misses, popped)
+
+    def _settle(self) -> None:
+        """Give a prefetch's rows back to their hosts (with their last_seen: the hosts are as
+        before it) and drop it; it is asked again at its step."""
+        a, self._ahead = self._ahead, None
+        if a is not None:
+            for t, rows in a.popped:
+                self.hosts[t].insert_rows(rows)
+
+    def _before_forward(self, uniq: dict[int, np.ndarray], step: int) -> None:
+        a, self._ahead = self._ahead, None
+        if a is not None and a.step != step:  # prefetched for another step: given back
+            self._ahead = a
+            self._settle()
+            a = None
+        if a is None:
+            a = self._ask(uniq, step)
+        uniq, cells, popped = a.uniq, a.cells, a.popped
+        over = [0] * self.T
+        for t in self.hosts:
+            u, miss = uniq[t], a.misses[t]
             over[t] = max(0, self._held[t] + miss.shape[0] - self.rows[t])
             self._held[t] += miss.shape[0] - over[t]
             c = self._c[t]
@@ -244,6 +281,7 @@ class DeviceCachedSparse:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Return each table's counters (module doc); raises the errors the device counted."""
+        self._settle()
         self._deliver()
         dc = self.sparse.counters()
         out = {}
@@ -265,6 +303,7 @@ class DeviceCachedSparse:
     def peek_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return float32 [len(keys), D] rows of ``table`` (zeros where absent); changes nothing."""
         keys = _as_keys(keys)
+        self._settle()
         self._deliver()
         rows = self.sparse.peek_rows(table, keys)
         t = self.names.index(table)
@@ -277,6 +316,7 @@ class DeviceCachedSparse:
     def held(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return bool [len(keys)]: whether each key of ``table`` has a row in either tier."""
         keys = _as_keys(keys)
+        self._settle()
         self._deliver()
         found = self.sparse.held(table, keys)
         t = self.names.index(table)
@@ -289,6 +329,7 @@ class DeviceCachedSparse:
 
     def state_dict(self) -> dict[str, pa.Table]:
         """Return each table's rows, both tiers, as ``EmbeddingTable.state_dict()`` does."""
+        self._settle()
         self._deliver()
         cache = self.sparse.state_dict()
         out = {}
@@ -303,6 +344,7 @@ class DeviceCachedSparse:
         """Remove the rows of ``keys`` from ``table`` (either tier) and return them (absent keys
         skipped, the others in the order given), as ``EmbeddingTable.pop_rows``."""
         keys = _as_keys(keys)
+        self._settle()
         self._deliver()
         t = self.names.index(table)
         got = self.sparse.pop_rows(table, keys)
@@ -321,6 +363,7 @@ class DeviceCachedSparse:
         replaced, and when the table overflows its least recent rows not in the input evicted
         (by last_seen, then key as uint64); then the most recent ``R`` rows go to the cache,
         the others to the host."""
+        self._settle()
         self._deliver()
         for name, rows in state.items():
             if name not in self.specs:
@@ -357,6 +400,17 @@ class DeviceCachedSparse:
         if split:
             host.insert_rows(allr.take(o[:split]))
         self._held[t] = allr.num_rows - split
+
+
+@dataclasses.dataclass(slots=True)
+class _Ahead:
+    """A step's misses asked ahead (``DeviceCachedSparse.prefetch``)."""
+
+    step: int
+    uniq: dict  # table -> the step's distinct keys
+    cells: torch.Tensor  # each key's cell in the cache (-1: a miss), in ``uniq``'s order
+    misses: dict  # table -> the keys the cache lacks
+    popped: list  # (table, the host's rows of the misses) taken out of the hosts
 
 
 def _sorted(t: pa.Table) -> pa.Table:

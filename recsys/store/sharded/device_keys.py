@@ -98,6 +98,7 @@ class _Moved:
     tensors: list  # keys_N, lengths_FB and the id weights (or None), on the device
     ready: object = None  # the copy's event (None: done)
     uniq: object = None  # the cached tier: each host-backed table's distinct keys (DeviceCachedSparse.dedup)
+    reserved: bool = False  # its key work done ahead (``DeviceKeys.reserve``), or none to do
 
 
 @dataclasses.dataclass(slots=True)
@@ -153,6 +154,15 @@ class DeviceKeys:
             moved.append(None)
         uniq = self.sparse.dedup(keys.numpy(), lengths.numpy()) if self.cached else None  # host work, ahead
         return _Moved(kjt, kjt.stride(), moved, ready, uniq)
+
+    def reserve(self, moved: _Moved, step: int | None) -> None:
+        """The key work of a training lookup first in line, before the pushes it must see are
+        applied (the schedule's ``reserve``): with the cached tier, the host is asked for the
+        step's misses now (``DeviceCachedSparse.prefetch``), while the step before runs; its
+        forward (already on the device) comes first in the device's order. Nothing otherwise."""
+        if self.cached and moved.uniq is not None and step is not None:
+            self.sparse.prefetch(moved.uniq, step)
+        moved.reserved = True
 
     def _id_weights(self, kjt) -> torch.Tensor | None:
         """Return the per-key weights the host store pools with: the given ones for multi-hot

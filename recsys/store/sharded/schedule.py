@@ -25,7 +25,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from recsys.runtime import priority
 from recsys.store.sharded.lanes import Board, HelpedFuture
-from recsys.store.sharded.lookup import Lookup, _Failed, _Prepared
+from recsys.store.sharded.lookup import Lookup, _Failed
 
 __all__ = ["StoreSchedule", "StoreWork"]
 
@@ -216,8 +216,8 @@ class StoreSchedule:
                 waiting.append(item)
             while waiting:
                 op, fut = waiting[0]
-                if (op[0] == "lookup" and op[3] and self._failure is None and isinstance(op[1], _Prepared)
-                        and not op[1].reserved):
+                if (op[0] == "lookup" and op[3] and self._failure is None
+                        and getattr(op[1], "reserved", None) is False):  # a _Prepared, or the device key map's
                     # first in line: take its slots now (key work only), read rows later
                     try:
                         # early: pushes it must see are still awaited (read ahead meanwhile)

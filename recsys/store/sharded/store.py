@@ -676,6 +676,9 @@ class ShardedEmbeddingStore:
         tier read ahead the spilled rows of their misses (``EmbeddingTable.prefetch``), so
         that the Redis round trips overlap the step's dense work instead of the lookup wait.
         """
+        if self._keys is not None and train:  # the device key map's own (DeviceKeys.reserve)
+            self._keys.reserve(prep, step)
+            return
         if self.world_size > 1:
             prep.comm = self.exchange.send_keys(prep)
         if train:
