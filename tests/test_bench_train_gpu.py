@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = train_gpu.Settings(batch_size=256, chunk=4, warmup_chunks=1, timed_chunks=3, threads=1, dense_batches=2,
                           device="cpu", lr_warmup_steps=0, child_timeout_s=600.0,
                           job=str(ROOT / "jobs" / "synthetic_tiny.toml"))
-TRAINED = ("ours", "ours_cache", "ours_host", "plain_torch")
+TRAINED = ("ours", "ours_cache", "ours_host", "ours_keymap", "ours_keymap_cache", "plain_torch")
 
 
 def _run(tmp_path, monkeypatch, data: Path, s: train_gpu.Settings) -> tuple[dict, dict]:
@@ -56,11 +56,19 @@ def _check(result: dict, saved: dict, s: train_gpu.Settings, with_torchrec: bool
     assert d["ours_host"]["device_rows"] == 0 and d["ours_host"]["device_cache_hit_rate"] is None
     for name in ("ours", "ours_cache"):
         assert 0.0 < d[name]["device_cache_hit_rate"] <= 1.0
+    # the device key map: whole tables, and as a cache of a share in front of host tables
+    assert d["ours_keymap"]["device_rows_fraction_of_capacity"] == 1.0
+    assert 0.0 < d["ours_keymap_cache"]["device_rows_fraction_of_capacity"] < 1.0
+    assert 0.0 < d["ours_keymap_cache"]["device_cache_hit_rate"] < 1.0
+    assert "store.device.key_map='device'" in d["ours_keymap_cache"]["overrides"]
 
     by_name = {c["name"]: c for c in saved["comparisons"]}
     pairs = {"ours (GPU tables) vs plain PyTorch EmbeddingBag": ("ours", "plain_torch"),
              "ours (GPU tables) vs dense-only limit": ("ours", "dense_only"),
-             "ours GPU cache 10% vs store on host": ("ours_cache", "ours_host")}
+             "ours GPU cache 10% vs store on host": ("ours_cache", "ours_host"),
+             "ours device key map (GPU tables) vs plain PyTorch EmbeddingBag": ("ours_keymap", "plain_torch"),
+             "ours device key map vs ours (GPU tables)": ("ours_keymap", "ours"),
+             "ours device key map, GPU cache 10% vs store on host": ("ours_keymap_cache", "ours_host")}
     if with_torchrec:
         pairs["ours (GPU tables) vs torchrec DMP fused"] = ("ours", "torchrec")
     assert set(by_name) == {*pairs, "AUC ours vs plain PyTorch"}

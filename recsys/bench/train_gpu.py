@@ -12,6 +12,10 @@ batch size ``B`` (16384), the same batches in the same order for every side that
      largest table's capacity, for every table (one number for all tables: the 1 M-row
      tables cache 10 %, tables smaller than that fit whole; the JSON gives the total).
 (a3) **ours, store on the host**: no device cache; rows cross to the GPU every step.
+(k)  **ours, device key map** (``store.device.key_map = "device"``): (a)'s whole tables with
+     the key work on the GPU too (``recsys.store.device.keymap``: only keys and lengths cross).
+(k2) **ours, device key map with a GPU cache**: (a2)'s ``cache_rows`` in front of host tables
+     (``recsys.store.device.cached``), the host asked for each step's misses one step ahead.
 (b)  **plain PyTorch**, what users write first: one ``nn.EmbeddingBag(sparse=True)`` per
      table on the GPU, pre-sized to the row budget ours gets (``num_rows`` or ``capacity``)
      and started like ours (U(-a, a)); ``torch.optim.Adagrad`` (the store's lr and eps) on
@@ -74,8 +78,9 @@ from recsys.bench.train import ROOT, Limit, PausingSource, Peer, _silent, _table
 
 QUICK_DATA = ROOT / "bench-out" / "data" / "train-gpu-quick"
 
-OURS = ("ours", "ours_cache", "ours_host")
-"""(a), (a2), (a3): the store's GPU tier holding whole tables, a GPU cache, no GPU rows."""
+OURS = ("ours", "ours_cache", "ours_host", "ours_keymap", "ours_keymap_cache")
+"""(a), (a2), (a3): the store's GPU tier holding whole tables, a GPU cache, no GPU rows; (k),
+(k2): the device key map holding whole tables, and as a GPU cache in front of host tables."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +160,10 @@ def _variant_overrides(job, s: Settings) -> dict[str, list[str]]:
         "ours": [f"store.device.memory_gb={float(s.device_memory_gb)}", "store.device.cache_rows=0"],
         "ours_cache": ["store.device.memory_gb=0.0", f"store.device.cache_rows={cache_rows}"],
         "ours_host": ["store.device.memory_gb=0.0", "store.device.cache_rows=0"],
+        "ours_keymap": [f"store.device.memory_gb={float(s.device_memory_gb)}", "store.device.cache_rows=0",
+                        "store.device.key_map='device'"],
+        "ours_keymap_cache": ["store.device.memory_gb=0.0", f"store.device.cache_rows={cache_rows}",
+                              "store.device.key_map='device'"],
     }
 
 
@@ -666,6 +675,13 @@ def _measure_all(root: Path, s: Settings) -> dict:
                    **paired_ratio(seg["ours"], seg["dense_only"])),
         comparison(f"ours GPU cache {s.cache_fraction:.0%} vs store on host", rate["ours_cache"],
                    rate["ours_host"], "samples/s", **paired_ratio(seg["ours_cache"], seg["ours_host"])),
+        comparison("ours device key map (GPU tables) vs plain PyTorch EmbeddingBag", rate["ours_keymap"],
+                   rate["plain_torch"], "samples/s", **paired_ratio(seg["ours_keymap"], seg["plain_torch"])),
+        comparison("ours device key map vs ours (GPU tables)", rate["ours_keymap"], rate["ours"], "samples/s",
+                   **paired_ratio(seg["ours_keymap"], seg["ours"])),
+        comparison(f"ours device key map, GPU cache {s.cache_fraction:.0%} vs store on host",
+                   rate["ours_keymap_cache"], rate["ours_host"], "samples/s",
+                   **paired_ratio(seg["ours_keymap_cache"], seg["ours_host"])),
     ]
     if "torchrec" in rate:
         comparisons.append(comparison("ours (GPU tables) vs torchrec DMP fused", rate["ours"], rate["torchrec"],
