@@ -52,6 +52,7 @@ def test_quality_quick_shape(tmp_path, monkeypatch):
     assert [c["name"] for c in result["comparisons"]] == [c["name"] for c in saved["comparisons"]]
 
 
+@pytest.mark.slow  # ~14 s: a quick training of fair twice and its baselines
 def test_the_heads_arm_trains_the_hand_job_with_k_heads(tmp_path, monkeypatch):
     """``heads`` K: the hand-tuned job again with ``model.heads = K``, scored like it."""
     import tomllib

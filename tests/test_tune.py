@@ -279,7 +279,9 @@ def _study_trials(out: Path):
 
 
 def _long_tune(tiny_data, space, out: Path) -> subprocess.Popen:
-    sets = [a for s in [*job_sets(tiny_data), "train.max_steps=1000000", "train.epochs=100000", "train.log_every=1"]
+    # a trial that runs until it is stopped: no early stopping (tune would supply a patience)
+    sets = [a for s in [*job_sets(tiny_data), "train.max_steps=1000000", "train.epochs=100000", "train.log_every=1",
+                        "train.eval.early_stopping_patience=0"]
             for a in ("--set", s)]
     return subprocess.Popen([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), "--cv", "off", *sets,
                              "--space", str(space), "--out", str(out), "--pruner", "none", "--no-progress",

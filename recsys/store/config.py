@@ -134,7 +134,7 @@ class DeviceConfig:
     whole on the device (``memory_gb`` or ``cache_rows`` holding every capacity) or
     ``cache_rows`` set (a table above it keeps its ``cache_rows`` most recent rows on the
     device, exact LRU, in front of a host table of the rest: ``recsys.store.device.cached``;
-    the host is asked for the step's misses once a step), float32 rows, ``min_count = 1``,
+    the host is asked for each step's misses one step ahead), float32 rows, ``min_count = 1``,
     one dim, ``staleness = 0``, no spill tier and no live publishing; a job that has any
     other is refused with a line naming it. Its checkpoints are the host store's, either way
     round."""
