@@ -179,14 +179,14 @@ def test_bench_step_quick_end_to_end(tmp_path, monkeypatch, capsys, tiny_data):
     assert cached["per_step"]["to_host"] >= 1 and cached["per_step"]["from_host"] >= 1 and "meta" not in cached
     assert {c["name"] for c in saved["comparisons"]} >= {"CPU steps/s, key map vs whole-device",
                                                         "CPU steps/s, cached key map (10 % cache) vs key map"}
-    # the dispatch floor: both arms at 64 rows a step and tables of at most 2048 rows, the
+    # the dispatch floor: both arms at 8 rows a step and tables of at most 256 rows, the
     # same code (the static stand-in: the same ops as at full size)
     floor = saved["floor"]
     assert set(floor) == {"whole_device", "keymap"}
     assert floor["keymap"]["per_step"]["ops"] == keymap["per_step"]["ops"]
     assert all(arm["cpu_ms_per_step"] > 0 for arm in floor.values())
     printed = capsys.readouterr().out
-    assert "dispatch floor, keymap (B 64, tables <= 2048 rows)" in printed
+    assert "dispatch floor, keymap (B 8, tables <= 256 rows)" in printed
     assert "recsys bench step --quick" in printed and "SIMD" in printed and "whole_device (28 tables)" in printed
 
 
@@ -225,7 +225,7 @@ def test_keymap_arm_runs_the_device_key_map_on_meta(tiny_data):
         assert arm["meta"]["ran"] and arm["meta"]["host_ms_per_step"] > 0, arm["meta"]
     base, twice = arms["base"]["per_step"]["ops"], arms["doubled"]["per_step"]["ops"]
     assert twice <= 1.1 * base, (base, twice)
-    # at the dispatch floor (64 rows a step, small tables: every step evicts) no sync either
+    # at the dispatch floor (8 rows a step, small tables: every step evicts) no sync either
     floor = bench_step.dispatch_floor(tiny_data, s, with_keymap=True)
     assert floor["keymap"]["per_step"]["sync_forcing"] == 0 and floor["keymap"]["per_step"]["to_host"] == 0
     assert floor["whole_device"]["per_step"]["from_host"] > 0  # the host's key work, even at 64 rows

@@ -352,9 +352,9 @@ class Settings:
     """Also run every arm with every table doubled."""
     device_memory_gb: float = 64.0
     """Arm (1)'s ``store.device.memory_gb``: a cap, not an allocation; must hold every table."""
-    floor_batch: int = 64
+    floor_batch: int = 8
     """The dispatch floor's rows per step (0: no floor run)."""
-    floor_capacity: int = 2048
+    floor_capacity: int = 256
     """The dispatch floor's rows per table (at most: a smaller table keeps its own)."""
 
     @property
