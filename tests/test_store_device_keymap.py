@@ -236,6 +236,7 @@ def test_a_cancelled_lookup_is_not_counted_as_updated(key_map):
         store.close()
 
 
+@pytest.mark.slow  # ~15 s (make test-slow, in CI); test_device_cached.py checks the prefetch in make test
 def test_the_cached_tier_asks_the_host_for_a_steps_misses_while_the_step_before_is_awaited():
     """A threaded store with the cached tier: step t + 1's lookup, submitted while step t's push
     has not arrived, already has its misses' host rows (the schedule's key work ahead,

@@ -140,6 +140,7 @@ def test_a_tune_with_three_folds_scores_by_their_mean_and_trains_best_on_every_r
     assert rows[0]["folds"] == "3" and float(rows[0]["std"]) == pytest.approx(std)
 
 
+@pytest.mark.slow  # ~10 s (make test-slow, in CI); the pooled folds' partition is checked in make test
 def test_a_job_with_validation_files_of_its_own_is_folded_over_both_and_best_trains_on_both(tiny_data, space,
                                                                                              tmp_path):
     """Its own small validation files: each fold trains and validates within the training and

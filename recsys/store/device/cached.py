@@ -185,6 +185,12 @@ class DeviceCachedSparse:
                 popped.append((t, rows))
         return _Ahead(step, uniq, cells, misses, popped)
 
+    def _current(self) -> None:
+        """Bring the tiers up to date before they are read or changed outside a step: a
+        prefetch given back (``_settle``), the demoted rows delivered (``_deliver``)."""
+        self._settle()
+        self._deliver()
+
     def _settle(self) -> None:
         """Give a prefetch's rows back to their hosts (with their last_seen: the hosts are as
         before it) and drop it; it is asked again at its step."""
@@ -281,8 +287,7 @@ class DeviceCachedSparse:
 
     def counters(self) -> dict[str, dict[str, int]]:
         """Return each table's counters (module doc); raises the errors the device counted."""
-        self._settle()
-        self._deliver()
+        self._current()
         dc = self.sparse.counters()
         out = {}
         for t, name in enumerate(self.names):
@@ -303,8 +308,7 @@ class DeviceCachedSparse:
     def peek_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return float32 [len(keys), D] rows of ``table`` (zeros where absent); changes nothing."""
         keys = _as_keys(keys)
-        self._settle()
-        self._deliver()
+        self._current()
         rows = self.sparse.peek_rows(table, keys)
         t = self.names.index(table)
         if t in self.hosts and keys.shape[0]:
@@ -316,8 +320,7 @@ class DeviceCachedSparse:
     def held(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return bool [len(keys)]: whether each key of ``table`` has a row in either tier."""
         keys = _as_keys(keys)
-        self._settle()
-        self._deliver()
+        self._current()
         found = self.sparse.held(table, keys)
         t = self.names.index(table)
         if t in self.hosts and not found.all():
@@ -329,8 +332,7 @@ class DeviceCachedSparse:
 
     def state_dict(self) -> dict[str, pa.Table]:
         """Return each table's rows, both tiers, as ``EmbeddingTable.state_dict()`` does."""
-        self._settle()
-        self._deliver()
+        self._current()
         cache = self.sparse.state_dict()
         out = {}
         for t, name in enumerate(self.names):
@@ -344,8 +346,7 @@ class DeviceCachedSparse:
         """Remove the rows of ``keys`` from ``table`` (either tier) and return them (absent keys
         skipped, the others in the order given), as ``EmbeddingTable.pop_rows``."""
         keys = _as_keys(keys)
-        self._settle()
-        self._deliver()
+        self._current()
         t = self.names.index(table)
         got = self.sparse.pop_rows(table, keys)
         if t in self.hosts:
@@ -363,8 +364,7 @@ class DeviceCachedSparse:
         replaced, and when the table overflows its least recent rows not in the input evicted
         (by last_seen, then key as uint64); then the most recent ``R`` rows go to the cache,
         the others to the host."""
-        self._settle()
-        self._deliver()
+        self._current()
         for name, rows in state.items():
             if name not in self.specs:
                 raise ValueError(f"load_state_dict: unknown table {name!r}")
