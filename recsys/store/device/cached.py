@@ -309,10 +309,10 @@ class DeviceCachedSparse:
         """Return float32 [len(keys), D] rows of ``table`` (zeros where absent); changes nothing."""
         keys = _as_keys(keys)
         self._current()
-        rows = self.sparse.peek_rows(table, keys)
+        rows, found = self.sparse.peek_found(table, keys)  # one look-up of the cache
         t = self.names.index(table)
         if t in self.hosts and keys.shape[0]:
-            rest = ~self.sparse.held(table, keys)
+            rest = ~found
             if rest.any():
                 rows[rest] = self.hosts[t].peek(keys[rest])
         return rows

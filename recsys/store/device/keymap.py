@@ -615,12 +615,17 @@ class DeviceSparse:
 
     def peek_rows(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return float32 [len(keys), D] rows of ``table`` (zeros where absent); changes nothing."""
+        return self.peek_found(table, keys)[0]
+
+    def peek_found(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Return ``peek_rows`` and ``held`` of ``keys`` from one look-up; changes nothing."""
         keys = _as_keys(keys)
         if keys.shape[0] == 0:
-            return np.zeros((0, self.dim), dtype=np.float32)
+            return np.zeros((0, self.dim), dtype=np.float32), np.zeros(0, dtype=bool)
         cells = self._lookup(table, keys)
-        rows = self.w.index_select(0, cells.clamp(min=0)) * (cells >= 0).unsqueeze(1)
-        return rows.cpu().numpy()
+        found = cells >= 0
+        rows = self.w.index_select(0, cells.clamp(min=0)) * found.unsqueeze(1)
+        return rows.cpu().numpy(), found.cpu().numpy()
 
     def held(self, table: str, keys: np.ndarray) -> np.ndarray:
         """Return bool [len(keys)]: whether each key of ``table`` has a row; changes nothing."""
