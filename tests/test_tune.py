@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import signal
 import subprocess
 import sys
 import warnings
@@ -258,11 +259,11 @@ def test_timeout_starts_no_trial_after_it_passes(tiny_data, space, tmp_path, mon
     assert started == [0] and summary["trials"] == 1 and summary["complete"] == 1
 
 
-def _wait_running(out: Path, proc, what: str) -> None:
-    """Wait until trial 0 of the tune command ``proc`` has trained a logged step."""
+def _wait_running(out: Path, proc, what: str, trial: int = 0) -> None:
+    """Wait until trial ``trial`` of the tune command ``proc`` has trained a logged step."""
     import time
 
-    metrics = out / "trials" / "0" / "metrics.jsonl"
+    metrics = out / "trials" / str(trial) / "metrics.jsonl"
     while not (metrics.exists() and '"loss/train"' in metrics.read_text()):
         assert proc.poll() is None, f"{what}: tune ended first: {proc.stdout.read()}"
         time.sleep(0.1)
@@ -278,21 +279,23 @@ def _study_trials(out: Path):
         return optuna.load_study(study_name="synthetic_tiny", storage=open_storage("", out)).trials
 
 
-def _long_tune(tiny_data, space, out: Path) -> subprocess.Popen:
-    # a trial that runs until it is stopped: no early stopping (tune would supply a patience)
+def _long_tune(tiny_data, space, out: Path, jobs: int = 1, sigint=signal.SIG_DFL) -> subprocess.Popen:
+    """`recsys tune` of trials that run until stopped (no early stopping: tune would supply a
+    patience), its SIGINT as ``sigint``: a terminal's foreground job has it at its default,
+    a shell's background job or a nohup'ed one ignores it. Set here, not inherited from
+    whatever started pytest: a pytest run in the background would otherwise ignore Ctrl-C."""
     sets = [a for s in [*job_sets(tiny_data), "train.max_steps=1000000", "train.epochs=100000", "train.log_every=1",
                         "train.eval.early_stopping_patience=0"]
             for a in ("--set", s)]
     return subprocess.Popen([sys.executable, "-m", "recsys.cli", "tune", "--config", str(JOB), "--cv", "off", *sets,
                              "--space", str(space), "--out", str(out), "--pruner", "none", "--no-progress",
-                             "--trials", "3"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                             "--trials", "3", "--jobs", str(jobs)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
 def test_ctrl_c_marks_the_running_trial_failed_and_exits_130(tiny_data, space, tmp_path):
     """SIGINT to `recsys tune` mid-trial: exit 130, the trial failed ("interrupted"), no other
     trial started, the outputs written and the study kept."""
-    import signal
-
     from optuna.trial import TrialState
 
     out = tmp_path / "tuned"
@@ -311,11 +314,33 @@ def test_ctrl_c_marks_the_running_trial_failed_and_exits_130(tiny_data, space, t
     assert (out / "trials.csv").exists() and (out / "summary.json").exists()
 
 
+def test_sigterm_to_a_tune_of_two_workers_that_ignores_sigint_interrupts_both_trials(tiny_data, space, tmp_path):
+    """`recsys tune --jobs 2` started as a background job (SIGINT ignored, as a shell or nohup
+    leaves it), then SIGTERM mid-trial: tune forwards it to its workers as SIGINT, which they
+    take although they were born ignoring it; exit 130, both running trials failed
+    ("interrupted"), none left running for a later command to find dead."""
+    from optuna.trial import TrialState
+
+    out = tmp_path / "tuned"
+    proc = _long_tune(tiny_data, space, out, jobs=2, sigint=signal.SIG_IGN)
+    try:
+        _wait_running(out, proc, "SIGTERM", trial=0)
+        _wait_running(out, proc, "SIGTERM", trial=1)
+        proc.send_signal(signal.SIGTERM)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    assert proc.returncode == 130, stdout
+    assert "interrupted: the study is kept" in stdout
+    trials = _study_trials(out)
+    assert sorted((t.number, t.state, t.user_attrs.get("error")) for t in trials) == [
+        (0, TrialState.FAIL, "interrupted"), (1, TrialState.FAIL, "interrupted")]
+
+
 def test_a_trial_killed_with_its_process_is_marked_failed_by_the_next_run(tiny_data, space, tmp_path):
     """kill -9 of `recsys tune` mid-trial leaves the trial RUNNING in the journal; the next
     command marks it failed (its process is gone) and says so."""
-    import signal
-
     from optuna.trial import TrialState
 
     from recsys.tune.run import TuneOptions, tune

@@ -560,6 +560,10 @@ def _shares(n: int, k: int) -> list[int]:
 def worker_main() -> int:
     """``python -m recsys.tune.worker``: one of ``--jobs K``'s workers; its options (the
     storage URL included, which is never written anywhere) come as JSON on stdin."""
+    # SIGINT is how ``tune`` stops its workers (its own Ctrl-C or SIGTERM, forwarded): taken
+    # even when this process was born ignoring it, as a shell's background job or a nohup'ed
+    # tune leaves its children, which would otherwise train on until killed
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     spec = json.loads(sys.stdin.read())
     opts = TuneOptions(**spec["opts"])
     ctx = prepare(opts, spec["run_id"])
