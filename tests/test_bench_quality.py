@@ -273,3 +273,54 @@ def test_the_bench_extra_declares_every_package_the_bench_needs_and_make_venv_in
     makefile = (root / "Makefile").read_text()
     installs = re.findall(r"install --quiet -e '\.\[([a-z,]+)\]'", makefile)
     assert len(installs) == 2 and all("bench" in extra.split(",") for extra in installs), installs  # venv, venv-cuda
+
+
+def test_compare_pruners_tunes_each_pruner_apart_and_scores_every_best_job_on_the_same_splits(tmp_path, monkeypatch):
+    """``quality.compare_pruners``: one study per pruner, each in its own directory and with
+    that ``--pruner``, an existing best job reused; the summary counts each study's own trials
+    and spans their times; every best job goes to one ``repeated`` call (the same splits)."""
+    import optuna
+
+    import recsys.tune.run as tune_run
+
+    monkeypatch.setattr(quality, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(quality, "TUNED", tmp_path / "runs" / "quality-tuned")
+    monkeypatch.setattr(quality, "prepare", lambda s, split=0: tmp_path / "data")
+    asked = []
+
+    def fake_tune(opts, log=print):  # a real study in the journal: trial 0 pruned, the others complete
+        asked.append((opts.pruner, Path(opts.out)))
+        out = Path(opts.out)
+        study = optuna.create_study(study_name="quality_fair", storage=tune_run.open_storage("", out),
+                                    direction="maximize")
+        for i in range({"median": 6, "halving": 7}[opts.pruner]):
+            state = optuna.trial.TrialState.PRUNED if i == 0 else optuna.trial.TrialState.COMPLETE
+            study.add_trial(optuna.trial.create_trial(
+                params={}, distributions={}, value=None if i == 0 else 0.5 + i / 100, state=state))
+        (out / "tune.json").write_text(json.dumps({"study": "quality_fair"}))
+        (out / "best.toml").write_text("# best\n")
+
+    monkeypatch.setattr(tune_run, "tune", fake_tune)
+    scored = {}
+
+    def fake_repeated(name, jobs, splits, threads, log=print):
+        scored.update(name=name, jobs=jobs, splits=splits)
+        return {"splits": [{"rows": {"eval": 1}}], "auc_mean": {}, "auc_std": {}, "differences": {}}
+
+    monkeypatch.setattr(quality, "repeated", fake_repeated)
+    monkeypatch.setattr(quality, "format_repeated", lambda name, entry: "")
+    (tmp_path / "runs" / "quality-tuned" / "fair").mkdir(parents=True)
+    fake_tune(tune_run.TuneOptions(config="", out=str(tmp_path / "runs" / "quality-tuned" / "fair"), pruner="median"))
+    asked.clear()
+    result = quality.compare_pruners("fair", pruners=("median", "halving"), splits=3,
+                                     json_out=str(tmp_path / "out.json"), log=lambda line: None)
+    halving = tmp_path / "runs" / "quality-tuned-halving" / "fair"
+    assert asked == [("halving", halving)]  # median's study was there already: not tuned again
+    assert scored == {"name": "fair", "splits": 3,
+                      "jobs": {"median": tmp_path / "runs" / "quality-tuned" / "fair" / "best.toml",
+                               "halving": halving / "best.toml"}}
+    s = result["studies"]
+    assert (s["median"]["trials"], s["median"]["complete"], s["median"]["pruned"]) == (6, 5, 1)
+    assert (s["halving"]["trials"], s["halving"]["complete"], s["halving"]["pruned"]) == (7, 6, 1)
+    assert s["halving"]["best_value"] == pytest.approx(0.56) and s["halving"]["seconds"] >= 0
+    assert json.loads((tmp_path / "out.json").read_text())["studies"]["halving"]["trials"] == 7

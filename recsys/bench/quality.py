@@ -49,6 +49,7 @@ import importlib.util
 import json
 import math
 import time
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -702,18 +703,50 @@ TUNED = RUNS / "quality-tuned"
 
 
 def tuned_job(name: str, trials: int = TUNE_TRIALS, timeout_s: float = TUNE_TIMEOUT_S, jobs: int = TUNE_JOBS,
-              out: Path | None = None, log=print) -> Path:
+              out: Path | None = None, log=print, pruner: str = "median") -> Path:
     """Return the best job of set ``name``'s study (``out/best.toml``), tuning it first when
-    ``out`` holds no best job yet (delete ``out`` to tune again)."""
+    ``out`` holds no best job yet (delete ``out`` to tune again). ``pruner``: ``recsys tune
+    --pruner``; a study with another than the default is kept apart (``quality-tuned-<pruner>``)."""
     from recsys.tune.run import TuneOptions, tune
 
     s = SETS[name]
     prepare(s)
-    out = out or TUNED / name
+    out = out or (TUNED if pruner == "median" else RUNS / f"quality-tuned-{pruner}") / name
     if not (out / "best.toml").exists():
         tune(TuneOptions(config=str(ROOT / s.job), out=str(out), trials=trials, timeout_s=timeout_s,
-                         jobs=jobs, seed=0, progress=False), log=log)
+                         jobs=jobs, seed=0, progress=False, pruner=pruner), log=log)
     return out / "best.toml"
+
+
+def compare_pruners(name: str, pruners=("median", "halving", "hyperband"), splits: int = SPLITS,
+                    threads: int | None = 1, json_out: str | None = None, log=print) -> dict:
+    """Tune set ``name`` once per pruner (the same budget, space and seed), then score each
+    best job on the same ``splits`` random splits, paired: does a multi-fidelity pruner find
+    as good a job, in less time? Returns each study's time and trial counts and the splits."""
+    import optuna
+
+    from recsys.tune.run import open_storage
+
+    studies = {}
+    for pruner in pruners:
+        best = tuned_job(name, log=log, pruner=pruner)
+        with warnings.catch_warnings():  # the journal storage is "experimental" to Optuna
+            warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+            study = optuna.load_study(study_name=json.loads((best.parent / "tune.json").read_text())["study"],
+                                      storage=open_storage("", best.parent))
+        states = [t.state.name.lower() for t in study.trials]
+        ends = [t.datetime_complete for t in study.trials if t.datetime_complete is not None]
+        studies[pruner] = {"best": str(best), "trials": len(states), "complete": states.count("complete"),
+                           "pruned": states.count("pruned"), "best_value": study.best_value,
+                           "seconds": (max(ends) - min(t.datetime_start for t in study.trials)).total_seconds()}
+        log(f"{name} --pruner {pruner}: {studies[pruner]}")
+    entry = repeated(name, {p: Path(v["best"]) for p, v in studies.items()}, splits=splits, threads=threads, log=log)
+    log(format_repeated(name, entry))
+    result = {"set": name, "studies": studies, "repeated": entry}
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def split_overrides(root: Path, job_path: Path | None = None) -> list[str]:
