@@ -324,3 +324,35 @@ def test_compare_pruners_tunes_each_pruner_apart_and_scores_every_best_job_on_th
     assert (s["halving"]["trials"], s["halving"]["complete"], s["halving"]["pruned"]) == (7, 6, 1)
     assert s["halving"]["best_value"] == pytest.approx(0.56) and s["halving"]["seconds"] >= 0
     assert json.loads((tmp_path / "out.json").read_text())["studies"]["halving"]["trials"] == 7
+
+
+def test_compare_jobs_runs_the_same_one_point_study_at_each_k_interleaved(tmp_path, monkeypatch):
+    """``quality.compare_jobs``: every K runs the same trials (a one-point space: the job as
+    written, no pruner), the Ks interleaved round by round; trials per minute and the ratios
+    to the first K are computed from each run's own time."""
+    import itertools
+
+    import recsys.tune.run as tune_run
+
+    monkeypatch.setattr(quality, "RUNS", tmp_path / "runs")
+    monkeypatch.setattr(quality, "prepare", lambda s, split=0: tmp_path / "data")
+    clock = itertools.count(0.0, 30.0)  # each monotonic() call 30 s after the previous one
+    monkeypatch.setattr(quality.time, "monotonic", lambda: next(clock))
+    asked = []
+
+    def fake_tune(opts, log=print):
+        asked.append((opts.jobs, opts.trials, opts.pruner, Path(opts.space).read_text()))
+        if opts.jobs == 2:  # the second K's run takes 30 s more: 90 s, against 30 s
+            next(clock), next(clock)
+
+    monkeypatch.setattr(tune_run, "tune", fake_tune)
+    result = quality.compare_jobs("fair", jobs=(1, 2), trials=6, rounds=2, log=lambda line: None)
+    from recsys.config import load_job
+
+    batch = load_job(quality.ROOT / quality.SETS["fair"].job).data.train.batch_size
+    assert [a[:3] for a in asked] == [(1, 6, "none"), (2, 6, "none")] * 2
+    assert {a[3] for a in asked} == {f'[params]\n"data.train.batch_size" = {{ choices = [{batch}] }}\n'}
+    assert [(r["round"], r["jobs"], r["seconds"]) for r in result["runs"]] == [(0, 1, 30.0), (0, 2, 90.0),
+                                                                               (1, 1, 30.0), (1, 2, 90.0)]
+    assert result["trials_per_minute"] == {1: [12.0, 12.0], 2: [4.0, 4.0]}
+    assert result["ratios"] == {2: [pytest.approx(1 / 3)] * 2}

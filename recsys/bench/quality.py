@@ -825,6 +825,36 @@ def repeated(name: str, jobs: dict, splits: int = SPLITS, threads: int | None = 
             "jobs": {k: " ".join([str(path), *own]) for k, (path, own) in specs.items()}}
 
 
+def compare_jobs(name: str, jobs=(1, 2), trials: int = 6, rounds: int = 2, log=print) -> dict:
+    """Trials per minute of ``recsys tune --jobs K`` for each K in ``jobs`` on set ``name``:
+    ``trials`` trials of the same job (the set's own, with cross-validation as ``--cv auto``
+    chooses and no pruner), so each K does the same work; the Ks interleaved ``rounds`` times.
+    Returns each run's seconds and each K's ratio of trials per minute to the first K's."""
+    from recsys.config import load_job
+    from recsys.tune.run import TuneOptions, tune
+
+    s = SETS[name]
+    root = prepare(s)
+    out_root = RUNS / "tune-jobs" / time.strftime("%Y%m%d-%H%M%S")
+    out_root.mkdir(parents=True)
+    job = ROOT / s.job
+    space = out_root / "space.toml"  # one point: every trial is the job as written
+    space.write_text(f'[params]\n"data.train.batch_size" = {{ choices = [{load_job(job).data.train.batch_size}] }}\n')
+    runs = []
+    for r in range(rounds):
+        for k in jobs:
+            started = time.monotonic()
+            tune(TuneOptions(config=str(job), out=str(out_root / f"round-{r}-jobs-{k}"), space=str(space),
+                             sets=split_overrides(root), trials=trials, jobs=k, seed=0, progress=False,
+                             pruner="none"), log=lambda line: None)
+            runs.append({"round": r, "jobs": k, "seconds": time.monotonic() - started})
+            log(f"{name} --jobs {k} round {r}: {trials} trials in {runs[-1]['seconds']:.1f} s")
+    per_minute = {k: [60.0 * trials / x["seconds"] for x in runs if x["jobs"] == k] for k in jobs}
+    ratios = {k: [a / b for a, b in zip(per_minute[k], per_minute[jobs[0]])] for k in jobs[1:]}
+    return {"set": name, "trials": trials, "runs": runs, "trials_per_minute": per_minute, "ratios": ratios,
+            "runs_dir": str(out_root)}
+
+
 def format_repeated(name: str, entry: dict) -> str:
     """Return a repeated-splits entry's lines: mean AUC per model, then the paired differences."""
     n = len(entry["splits"])
