@@ -293,6 +293,20 @@ def _long_tune(tiny_data, space, out: Path, jobs: int = 1, sigint=signal.SIG_DFL
                             text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, sigint))
 
 
+def _signal_mid_trial(out: Path, proc, sig, trials=(0,)) -> str:
+    """Send ``sig`` to the tune command ``proc`` once each of ``trials`` has trained a logged
+    step; return its output once it ended (killed if it has not within 120 s)."""
+    try:
+        for trial in trials:
+            _wait_running(out, proc, sig.name, trial=trial)
+        proc.send_signal(sig)
+        stdout, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        proc.stdout.close()
+    return stdout
+
+
 def test_ctrl_c_marks_the_running_trial_failed_and_exits_130(tiny_data, space, tmp_path):
     """SIGINT to `recsys tune` mid-trial: exit 130, the trial failed ("interrupted"), no other
     trial started, the outputs written and the study kept."""
@@ -300,13 +314,7 @@ def test_ctrl_c_marks_the_running_trial_failed_and_exits_130(tiny_data, space, t
 
     out = tmp_path / "tuned"
     proc = _long_tune(tiny_data, space, out)
-    try:
-        _wait_running(out, proc, "SIGINT")
-        proc.send_signal(signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        proc.stdout.close()
+    stdout = _signal_mid_trial(out, proc, signal.SIGINT)
     assert proc.returncode == 130, stdout
     assert "interrupted: the study is kept" in stdout and "Traceback" not in stdout
     trials = _study_trials(out)
@@ -323,14 +331,7 @@ def test_sigterm_to_a_tune_of_two_workers_that_ignores_sigint_interrupts_both_tr
 
     out = tmp_path / "tuned"
     proc = _long_tune(tiny_data, space, out, jobs=2, sigint=signal.SIG_IGN)
-    try:
-        _wait_running(out, proc, "SIGTERM", trial=0)
-        _wait_running(out, proc, "SIGTERM", trial=1)
-        proc.send_signal(signal.SIGTERM)
-        stdout, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-        proc.stdout.close()
+    stdout = _signal_mid_trial(out, proc, signal.SIGTERM, trials=(0, 1))
     assert proc.returncode == 130, stdout
     assert "interrupted: the study is kept" in stdout
     trials = _study_trials(out)
