@@ -152,3 +152,27 @@ def test_a_deepfm_checkpoint_of_the_former_form_still_loads(tiny_data, tmp_path)
     with pytest.raises(ValueError, match=r'holds a DeepFM with model.deepfm_dense = "vector".*set '
                                          r'model.deepfm_dense = "vector" to load it'):
         model_for(job).load_state_dict(state)
+
+
+def test_reference_overrides_train_the_job_with_the_reference_settings():
+    """``compare``'s matched arm: every table, the deep tower, the batch and both optimizers
+    of a set's job take the reference's settings (the job's own are other values)."""
+    from pathlib import Path
+
+    from recsys.config import load_job
+    from recsys.testing.deepfm_ref import Settings, reference_overrides
+
+    job_path = Path(__file__).resolve().parents[1] / "jobs" / "quality_randhie.toml"
+    own = load_job(job_path)
+    settings = Settings(dim=12, hidden=(48, 24), lr=3e-3, batch_size=384, l2=2e-5, init_std=0.01, dropout=0.1)
+    job = load_job(job_path, list(reference_overrides(job_path, settings)))
+    assert own.schema.tables and all(t.dim != 12 for t in own.schema.tables.values())
+    assert {name: t.dim for name, t in job.schema.tables.items()} == {name: 12 for name in own.schema.tables}
+    assert (job.model.arch, job.model.deepfm_dense, job.model.top_mlp, job.model.dropout, job.model.wide) == \
+        ("deepfm", "raw", [48, 24, 1], 0.1, True)
+    assert job.data.train.batch_size == 384 and job.schema.dense_transform == "standardize"
+    assert (job.store.optimizer, job.store.lr, job.store.weight_decay) == ("adam", 3e-3, 4e-5)
+    assert job.store.init_scale == pytest.approx(0.01 * 3 ** 0.5)
+    assert (job.model.wide_lr, job.model.wide_weight_decay) == (3e-3, 4e-5)
+    assert (job.train.optim.name, job.train.optim.lr, job.train.optim.weight_decay) == ("adam", 3e-3, 0.0)
+    assert (job.train.schedule.warmup_steps, job.train.schedule.decay) == (0, "none")

@@ -16,7 +16,7 @@ trained by one Adam with an L2 penalty on the embedding and first-order tables. 
 here comes from recsys' model, store or trainer. ``compare`` trains this and recsys'
 ``model.arch = "deepfm"`` on the same splits of a ``recsys bench quality`` set::
 
-    .venv/bin/python -c "from recsys.bench import deepfm_ref; deepfm_ref.compare('flights')"
+    .venv/bin/python -c "from recsys.testing import deepfm_ref; deepfm_ref.compare('flights')"
 
 and ``tests/test_deepfm_reference.py`` pins recsys' forward to this one's on copied weights.
 """
@@ -185,11 +185,38 @@ OURS = ("schema.dense_transform='standardize'", "model.arch='deepfm'", "train.ep
 over standardized dense values (the reference's inputs), the reference's epoch budget."""
 
 
+def reference_overrides(job_path: Path, settings: Settings) -> tuple[str, ...]:
+    """The overrides that make the job at ``job_path`` (with ``OURS``) train as the reference
+    does with ``settings``: its tables' dim, its deep tower, batch size and dropout, Adam for
+    the tables and the dense tower at its learning rate and nothing else (no warm-up, decay,
+    clipping or dense weight decay), its L2 penalty as the store's weight decay (the gradient
+    of ``l2 · Σ w²`` is ``2 · l2 · w``), the wide arm included, and its initial spread
+    (U(-a, a) of std ``init_std``: ``a = √3 · init_std``).
+
+    What stays recsys' own is the implementation: the store, the model's forward and the
+    trainer. With these, ``compare`` measures that; with ``OURS`` alone it measures the set's
+    job's settings too."""
+    from recsys.config import load_job
+
+    job = load_job(job_path, list(OURS))
+    tables = [f"schema.tables.{name}.dim={settings.dim}" for name in job.schema.tables]
+    return (*OURS, *tables, f"model.top_mlp={[*settings.hidden, 1]}", f"model.dropout={settings.dropout}",
+            "model.wide=true", f"model.wide_lr={settings.lr}",
+            f"model.wide_weight_decay={2 * settings.l2}", f"data.train.batch_size={settings.batch_size}",
+            "store.optimizer='adam'", f"store.lr={settings.lr}", f"store.weight_decay={2 * settings.l2}",
+            f"store.init_scale={math.sqrt(3) * settings.init_std}", "train.optim.name='adam'",
+            f"train.optim.lr={settings.lr}", "train.optim.weight_decay=0.0", "train.optim.clip_grad_norm=0.0",
+            "train.schedule.warmup_steps=0", "train.schedule.decay='none'")
+
+
 def compare(name: str = "flights", seeds=(0, 1, 2), settings: Settings | None = None,
-            ours: tuple[str, ...] = OURS) -> dict:
+            ours: tuple[str, ...] = OURS, matched: bool = True) -> dict:
     """Train the reference and recsys' DeepFM on the splits of ``recsys bench quality``'s set
     ``name``, each with ``seeds``, both epochs chosen by validation AUC; print and return the
-    eval split's AUC (mean ± std) of each."""
+    eval split's AUC (mean ± std) of each. recsys' DeepFM trains twice: as the set's job
+    writes it (``ours``: its dims, towers, batch and store) and, with ``matched``, with the
+    reference's settings (``reference_overrides``): the first measures what a user of the job
+    gets, the second our DeepFM against the paper's at one setting."""
     from recsys.bench import quality
 
     s = quality.SETS[name]
@@ -200,13 +227,17 @@ def compare(name: str = "flights", seeds=(0, 1, 2), settings: Settings | None = 
     paths = [f"data.train.paths=['{root / 'train'}']", f"data.validation.paths=['{root / 'validation'}']",
              f"data.eval.paths=['{root / 'eval'}']"]
     out_root = quality.RUNS / "deepfm-reference" / time.strftime("%Y%m%d-%H%M%S")
-    mine = [quality.train_ours(quality.ROOT / s.job, seed, out_root / f"seed-{seed}", [*paths, *ours])
-            for seed in seeds]
+    arms = {"ours": ours}
+    if matched:
+        arms["ours_matched"] = reference_overrides(quality.ROOT / s.job, settings)
     result = {"set": name, "seeds": list(seeds), "reference": {"runs": ref, **quality._summary(ref)},
-              "ours": {"runs": mine, **quality._summary(mine)}, "settings": dataclasses.asdict(settings),
-              "ours_overrides": list(ours)}
-    for side in ("reference", "ours"):
+              "settings": dataclasses.asdict(settings)}
+    for arm, overrides in arms.items():
+        runs = [quality.train_ours(quality.ROOT / s.job, seed, out_root / arm / f"seed-{seed}", [*paths, *overrides])
+                for seed in seeds]
+        result[arm] = {"runs": runs, **quality._summary(runs), "overrides": list(overrides)}
+    for side in ("reference", *arms):
         r = result[side]
-        print(f"{name} {side:<9}  eval AUC {r['auc_mean']:.4f} ± {r['auc_std']:.4f}  "
+        print(f"{name} {side:<12}  eval AUC {r['auc_mean']:.4f} ± {r['auc_std']:.4f}  "
               "(" + ", ".join(f"{x['auc']:.4f}" for x in r["runs"]) + ")", flush=True)
     return result
