@@ -195,8 +195,8 @@ def reference_overrides(job_path: Path, settings: Settings) -> tuple[str, ...]:
 
     What stays recsys' own is the implementation: the store, the model's forward and the
     trainer. So the store's Adam and weight decay act on the rows a batch touches (the
-    reference's on every row, each step), and the wide weights start at 0. With these, ``compare`` measures that; with ``OURS`` alone it measures the set's
-    job's settings too."""
+    reference's on every row, each step), and the wide weights start at 0. With these,
+    ``compare`` measures that; with ``OURS`` alone it measures the set's job's settings too."""
     from recsys.config import load_job
 
     job = load_job(job_path, list(OURS))
